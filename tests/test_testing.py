@@ -1,0 +1,44 @@
+"""The multi-process harness itself: values come back, failures are reported with their rank."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from wagma.testing import WorkerError, run_workers, run_workers_outcomes
+
+
+def _allreduce_rank(rank: int, world_size: int) -> float:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_values_come_back_in_rank_order(world_size):
+    out = run_workers(_allreduce_rank, world_size)
+    assert out == [float(sum(range(world_size)))] * world_size
+
+
+def _raise_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
+
+
+def test_worker_traceback_is_tagged_with_rank():
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 ---.*ValueError: boom on purpose"):
+        run_workers(_raise_on_rank_1, 3)
+
+
+def _exit_rank_0(rank: int, world_size: int) -> int:
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def test_dead_rank_is_reported_with_exit_code():
+    outs = run_workers_outcomes(_exit_rank_0, 2)
+    assert not outs[0].ok and outs[0].exitcode == 3
+    assert outs[1].ok and outs[1].value == 1
