@@ -1,0 +1,149 @@
+// wagma fused elementwise kernels on flat contiguous buffers.
+//
+// Each kernel makes one pass over memory with a grid-stride loop. Arithmetic is done in fp32 and
+// rounded once to the storage type. The file includes no headers on purpose: NVRTC (which CuPy uses
+// at run time) does not reliably find cuda_fp16.h / cuda_bf16.h, so 16-bit values are stored as raw
+// `unsigned short` and converted with bit arithmetic (bf16) or a PTX cvt instruction (fp16).
+//
+// Explicit __fadd_rn / __fmul_rn / __fsub_rn keep the compiler from contracting a*b+c into an FMA:
+// the kernels are memory-bound, so FMA would buy nothing, and without it every result is bit-identical
+// to the torch reference implementation in wagma/kernels.py (the test oracle).
+//
+// Exported names are extern "C" (unmangled) with a dtype suffix: _f32, _f16, _bf16.
+
+typedef unsigned short u16;
+
+// Storage-type adapters: load() widens to fp32, store() rounds fp32 to the storage type.
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(float x) { return x; }
+    static __device__ __forceinline__ float store(float x) { return x; }
+};
+
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(u16 h) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
+    }
+    static __device__ __forceinline__ u16 store(float f) {
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even
+        return h;
+    }
+};
+
+// fp32 -> bf16, round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0, exactly as
+// torch's CPU conversion (c10::BFloat16) does, so the kernel and the reference agree bit for bit.
+__device__ __forceinline__ u16 f32_to_bf16_rne(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+        return (u16)0x7FC0u;
+    }
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) {
+    return __uint_as_float(((unsigned int)b) << 16);  // exact: bf16 is the top half of an fp32
+}
+
+struct BF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(u16 b) { return bf16_to_f32(b); }
+    static __device__ __forceinline__ u16 store(float f) { return f32_to_bf16_rne(f); }
+};
+
+// 64-bit indices: flat model buffers can exceed 2^31 elements.
+#define GRID_STRIDE_LOOP(i, n)                                                   \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (long long)blockDim.x * gridDim.x)
+
+// WAGMA combine: w = (w + group_sum) * inv_divisor, in place.
+template <class D>
+__device__ __forceinline__ void combine(typename D::T* w, const typename D::T* sum, float inv_divisor,
+                                        long long n) {
+    GRID_STRIDE_LOOP(i, n) {
+        w[i] = D::store(__fmul_rn(__fadd_rn(D::load(w[i]), D::load(sum[i])), inv_divisor));
+    }
+}
+
+// Reduction momentum: d = xbar - a; v = mu*v + d; a += lr*v  (Nesterov: a += lr*(mu*v + d)).
+template <class D>
+__device__ __forceinline__ void momentum(typename D::T* anchor, typename D::T* velocity,
+                                         const typename D::T* average, float mu, float lr,
+                                         int nesterov, long long n) {
+    GRID_STRIDE_LOOP(i, n) {
+        const float a = D::load(anchor[i]);
+        const float d = __fsub_rn(D::load(average[i]), a);
+        const float v = __fadd_rn(__fmul_rn(mu, D::load(velocity[i])), d);
+        const float step = nesterov ? __fadd_rn(__fmul_rn(mu, v), d) : v;
+        velocity[i] = D::store(v);
+        anchor[i] = D::store(__fadd_rn(a, __fmul_rn(lr, step)));
+    }
+}
+
+// eager-SGD: take the pending contribution and zero it in the same pass.
+template <class D>
+__device__ __forceinline__ void residual_take(typename D::T* residual, typename D::T* out,
+                                              long long n) {
+    GRID_STRIDE_LOOP(i, n) {
+        out[i] = residual[i];  // a bit copy: no rounding
+        residual[i] = 0;       // all-zero bits are +0.0 in every storage type
+    }
+}
+
+template <class D>
+__device__ __forceinline__ void residual_take_add(typename D::T* residual, const typename D::T* grad,
+                                                  typename D::T* out, long long n) {
+    GRID_STRIDE_LOOP(i, n) {
+        const float r = D::load(residual[i]);
+        out[i] = D::store(__fadd_rn(r, D::load(grad[i])));
+        residual[i] = 0;
+    }
+}
+
+template <class D>
+__device__ __forceinline__ void residual_accumulate(typename D::T* residual, const typename D::T* grad,
+                                                    long long n) {
+    GRID_STRIDE_LOOP(i, n) {
+        residual[i] = D::store(__fadd_rn(D::load(residual[i]), D::load(grad[i])));
+    }
+}
+
+// One extern "C" entry point per (operation, dtype), so RawModule.get_function finds plain names.
+#define WAGMA_INSTANTIATE(SUFFIX, D)                                                                 \
+    extern "C" __global__ void wagma_combine_##SUFFIX(D::T* w, const D::T* sum, float inv_divisor,   \
+                                                      long long n) {                                 \
+        combine<D>(w, sum, inv_divisor, n);                                                           \
+    }                                                                                                \
+    extern "C" __global__ void wagma_momentum_##SUFFIX(D::T* anchor, D::T* velocity,                 \
+                                                       const D::T* average, float mu, float lr,      \
+                                                       int nesterov, long long n) {                  \
+        momentum<D>(anchor, velocity, average, mu, lr, nesterov, n);                                 \
+    }                                                                                                \
+    extern "C" __global__ void wagma_residual_take_##SUFFIX(D::T* residual, D::T* out, long long n) { \
+        residual_take<D>(residual, out, n);                                                          \
+    }                                                                                                \
+    extern "C" __global__ void wagma_residual_take_add_##SUFFIX(D::T* residual, const D::T* grad,    \
+                                                                D::T* out, long long n) {            \
+        residual_take_add<D>(residual, grad, out, n);                                                \
+    }                                                                                                \
+    extern "C" __global__ void wagma_residual_accumulate_##SUFFIX(D::T* residual, const D::T* grad,  \
+                                                                  long long n) {                     \
+        residual_accumulate<D>(residual, grad, n);                                                   \
+    }
+
+WAGMA_INSTANTIATE(f32, F32)
+WAGMA_INSTANTIATE(f16, F16)
+WAGMA_INSTANTIATE(bf16, BF16)
+
+// Low-precision exchange: fp32 -> bf16 (round to nearest even) and bf16 -> fp32 times scale.
+extern "C" __global__ void wagma_pack_bf16(const float* src, u16* dst, long long n) {
+    GRID_STRIDE_LOOP(i, n) { dst[i] = f32_to_bf16_rne(src[i]); }
+}
+
+extern "C" __global__ void wagma_unpack_bf16(const u16* src, float* dst, float scale, long long n) {
+    GRID_STRIDE_LOOP(i, n) { dst[i] = __fmul_rn(bf16_to_f32(src[i]), scale); }
+}
