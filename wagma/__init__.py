@@ -7,3 +7,8 @@ Parts that plug into ``torch.distributed``:
 """
 
 __version__ = "0.1.0"
+
+from wagma.engine import RoundResult, WaitAvoidingGroupAllreduce
+from wagma.schedule import GroupSchedule
+
+__all__ = ["GroupSchedule", "RoundResult", "WaitAvoidingGroupAllreduce", "__version__"]

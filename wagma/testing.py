@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -61,9 +62,10 @@ def _child(
 
     code = 0
     try:
-        port = port_conn.recv()
         timeout = datetime.timedelta(seconds=collective_timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        port, prefix = port_conn.recv()
+        client = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        store = dist.PrefixStore(prefix, client)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = fn(rank, world_size, *args)
         payload = ("ok", value)
@@ -81,6 +83,38 @@ def _child(
     except BaseException:  # noqa: BLE001 - a broken group cannot be torn down cleanly
         pass
     os._exit(code)
+
+
+_server: tuple[Any, int] | None = None
+_world_ids = itertools.count()
+_last_world_end = float("-inf")
+
+
+def _host_store(conn: Any) -> None:
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    conn.send(server.port)
+    conn.recv()  # blocks until the parent goes away (EOF) or says stop
+    os._exit(0)
+
+
+def _store_port() -> int:
+    """Port of a TCPStore server shared by all worlds of this process, under distinct key prefixes.
+
+    The server lives in a process of its own, started once: a server in the parent hands its listening
+    socket to every forked worker, and creating a server per world made client connects stall for 5 s
+    from the second world on.
+    """
+    global _server
+    if _server is None or not _server[0].is_alive():
+        ctx = mp.get_context("fork")
+        parent_end, child_end = ctx.Pipe()
+        proc = ctx.Process(target=_host_store, args=(child_end,), name="wagma-test-store", daemon=True)
+        proc.start()
+        _server = (proc, parent_end.recv())
+        _server[0]._wagma_conn = parent_end  # keep the pipe open for the server's lifetime
+    return _server[1]
 
 
 def run_workers_outcomes(
@@ -107,9 +141,11 @@ def run_workers_outcomes(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    import torch
-    import torch.distributed as dist
-
+    # A world started within a second of the previous one's end can pick, for its loopback connects,
+    # ports still in TIME-WAIT (Linux tcp_tw_reuse=2 allows that only once timestamps have moved on by
+    # 1 s) and then stalls 5 s in SYN retries. Spacing worlds 1 s apart avoids it.
+    global _last_world_end
+    time.sleep(max(0.0, _last_world_end + 1.0 - time.monotonic()))
     ctx = mp.get_context("fork")
     procs, port_conns, result_conns = [], [], []
     for rank in range(world_size):
@@ -126,17 +162,12 @@ def run_workers_outcomes(
         procs.append(p)
         port_conns.append(port_send)
         result_conns.append(res_recv)
-    # The store lives in the parent and is created after the fork, so no child inherits its threads.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, True,
-        timeout=datetime.timedelta(seconds=collective_timeout_s), wait_for_workers=False,
-    )
-    for conn in port_conns:
-        conn.send(store.port)
-
     outcomes: list[RankOutcome | None] = [None] * world_size
     deadline = time.monotonic() + timeout_s
     try:
+        port, prefix = _store_port(), f"world{next(_world_ids)}/"
+        for conn in port_conns:
+            conn.send((port, prefix))
         pending = set(range(world_size))
         while pending and time.monotonic() < deadline:
             for rank in sorted(pending):
@@ -171,13 +202,12 @@ def run_workers_outcomes(
                 p.join()
         for conn in result_conns + port_conns:
             conn.close()
-        del store
+        _last_world_end = time.monotonic()
     for rank, p in enumerate(procs):
         out = outcomes[rank]
         assert out is not None
         if out.exitcode is None:
             out.exitcode = p.exitcode
-    del torch
     return [o for o in outcomes if o is not None]
 
 

@@ -1,0 +1,357 @@
+"""The wait-avoiding group allreduce engine (issue acceptance 2-6).
+
+Rank r publishes, at call k, a tensor that is zero except for its own block of L elements, which all hold
+``k + 1`` (``initial`` holds 0 there, i.e. version -1). A round's sum therefore decodes exactly: block j
+tells which member j contributed and which of its publications went in; a torn snapshot would show up as
+a block whose elements differ.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
+from wagma.testing import run_workers, run_workers_outcomes
+
+L = 4  # elements per rank block
+TIMEOUT = datetime.timedelta(seconds=20)  # also bounds group creation, slow on a loaded 2-core machine
+
+
+def _encode(rank: int, world: int, version: int) -> torch.Tensor:
+    t = torch.zeros(world * L, dtype=torch.float64)
+    t[rank * L : (rank + 1) * L] = version + 1
+    return t
+
+
+def _decode(total: torch.Tensor, world: int) -> dict[int, int]:
+    """Map rank -> version contributed, for the ranks whose block is non-zero; assert blocks are not torn."""
+    out = {}
+    for j in range(world):
+        block = total[j * L : (j + 1) * L]
+        assert torch.all(block == block[0]), f"torn snapshot of rank {j}: {block.tolist()}"
+        v = int(block[0].item())
+        assert block[0].item() == v
+        out[j] = v - 1  # 0 means "initial", i.e. version -1 ... or absent; disambiguated by the group
+    return out
+
+
+def _schedule(world: int, group: int) -> GroupSchedule:
+    return GroupSchedule.create("auto", world, group)
+
+
+def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed, max_delay_s):
+    rng = random.Random(delay_seed * 1000 + rank)
+    sched = _schedule(world, group)
+    records = []
+    with WaitAvoidingGroupAllreduce(
+        sched, _encode(rank, world, -1), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT
+    ) as eng:
+        for k in range(rounds):
+            if max_delay_s:
+                time.sleep(rng.random() * max_delay_s)
+            res = eng(_encode(rank, world, k))
+            assert res.round == k, f"call {k} returned round {res.round}"
+            decoded = _decode(res.sum, world)
+            members = {j: v for j, v in decoded.items() if j in res.group}
+            outside = {j: v for j, v in decoded.items() if j not in res.group}
+            assert all(v == -1 for v in outside.values()), f"round {k}: non-members contributed {outside}"
+            records.append((k, res.is_sync, res.group, members, res.fresh, res.staleness, res.version))
+    return records
+
+
+def _check_records(records_by_rank, world, group, sync_period, max_lead, exact):
+    sched = _schedule(world, group)
+    for rank, records in enumerate(records_by_rank):
+        for k, is_sync, grp, members, fresh, staleness, version in records:
+            assert is_sync == (k % (sync_period + 1) == sync_period)
+            assert grp == (tuple(range(world)) if is_sync else sched.group_of(rank, k))
+            assert set(members) == set(grp)
+            assert members[rank] == version and staleness == k - version and fresh == (version == k)
+            for j, v in members.items():
+                # Every contribution is one publication, at most max_lead rounds old, never from the future.
+                assert k - max_lead <= v <= k, f"rank {rank} round {k}: member {j} contributed version {v}"
+            if is_sync or exact:
+                assert all(v == k for v in members.values()), f"round {k} not fresh: {members}"
+        # All members of a group received the same sum.
+    for k in range(len(records_by_rank[0])):
+        for rank in range(world):
+            _, _, grp, members, *_ = records_by_rank[rank][k]
+            for j in grp:
+                assert records_by_rank[j][k][3] == members
+
+
+@pytest.mark.parametrize("world,group", [(2, 2), (3, 3), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4)])
+def test_sums_match_closed_form_without_delays(world, group):
+    # max_lead=0: the thread waits for its main thread, so every contribution is fresh and exact.
+    rounds, sync_period = 12, 4
+    out = run_workers(_rounds_worker, world, group, rounds, sync_period, 0, 0, 0.0)
+    _check_records(out, world, group, sync_period, 0, exact=True)
+
+
+def _straggler_worker(rank, world, rounds, sync_period, delay_s, seed):
+    sched = GroupSchedule.create("auto", world, 2)
+    shared = random.Random(seed)  # same draws on every rank
+    sleepers = [shared.randrange(world) for _ in range(rounds)]
+    records = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    with WaitAvoidingGroupAllreduce(sched, _encode(rank, world, -1), sync_period=sync_period, timeout=TIMEOUT) as eng:
+        for k in range(rounds):
+            if sleepers[k] == rank:
+                time.sleep(delay_s)
+            res = eng(_encode(rank, world, k))
+            members = {j: v for j, v in _decode(res.sum, world).items() if j in res.group}
+            records.append((k, res.is_sync, res.group, members, res.fresh, res.staleness, res.version, res.wait_s))
+    elapsed = time.perf_counter() - t0
+    return elapsed, records
+
+
+def test_transient_stragglers_do_not_make_others_wait():
+    world, rounds, sync_period, delay_s = 4, 22, 10, 0.2
+    out = run_workers(_straggler_worker, world, rounds, sync_period, delay_s, 7, timeout_s=60)
+    elapsed = max(e for e, _ in out)
+    synchronous_cost = rounds * delay_s
+    assert elapsed < 0.75 * synchronous_cost, f"{elapsed:.2f} s vs synchronous {synchronous_cost:.2f} s"
+    stale_seen = 0
+    for rank, (_, records) in enumerate(out):
+        for k, is_sync, grp, members, fresh, staleness, version, _ in records:
+            assert 0 <= staleness <= sync_period
+            for j, v in members.items():
+                assert k - sync_period <= v <= k
+                stale_seen += v < k
+            if is_sync:
+                assert all(v == k for v in members.values()), f"sync round {k} not fresh: {members}"
+    # Late members took part with what they had published earlier.
+    assert stale_seen > 0
+
+
+def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger):
+    rng = random.Random(seed * 100 + rank)
+    sched = _schedule(world, group)
+    passed_in = torch.zeros(world, dtype=torch.float64)
+    received = torch.zeros(world, dtype=torch.float64)  # my block of every group sum I was part of
+    with WaitAvoidingGroupAllreduce(
+        sched, torch.zeros(world, dtype=torch.float64), sync_period=sync_period, timeout=TIMEOUT,
+        accumulate=True, trigger=trigger, seed=seed,
+    ) as eng:
+        for k in range(rounds):
+            time.sleep(rng.random() * 0.01)
+            x = torch.zeros(world, dtype=torch.float64)
+            x[rank] = rng.randint(1, 1000)
+            passed_in += x
+            res = eng(x)
+            assert res.round == k
+            received[rank] += res.sum[rank]
+            # The sum holds exactly the group's contributions.
+            assert torch.all(res.sum[[j for j in range(world) if j not in res.group]] == 0)
+        left = eng.take()
+        again = eng.take()
+    assert torch.all(again == 0)
+    return passed_in[rank].item(), received[rank].item(), left[rank].item(), left.sum().item()
+
+
+@pytest.mark.parametrize("trigger", ["any", "initiator"])
+@pytest.mark.parametrize("world,group", [(4, 2), (6, 3)])
+def test_accumulate_counts_every_value_exactly_once(world, group, trigger):
+    out = run_workers(_accumulate_worker, world, group, 40, 6, 3, trigger)
+    for rank, (passed, received, left, left_total) in enumerate(out):
+        assert left == left_total  # take() only holds this rank's own values
+        assert received + left == passed, f"rank {rank}: {received} + {left} != {passed}"
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_stress_500_rounds_random_delays(world):
+    rounds, sync_period, max_lead = 500, 7, 3
+    out = run_workers(_rounds_worker, world, 2, rounds, sync_period, max_lead, 11, 0.002, timeout_s=150)
+    _check_records(out, world, 2, sync_period, max_lead, exact=False)
+
+
+def _initiator_worker(rank, world, rounds):
+    sched = GroupSchedule.create("auto", world, 2)
+    with WaitAvoidingGroupAllreduce(
+        sched, torch.zeros(1), sync_period=5, timeout=TIMEOUT, trigger="initiator", seed=42
+    ) as eng:
+        initiators = [eng.initiator(k) for k in range(rounds)]
+        triggered = []
+        for k in range(rounds):
+            res = eng(torch.ones(1))
+            triggered.append(res.triggered_at is not None)
+    return initiators, triggered
+
+
+def test_initiator_sequence_is_shared_and_only_initiators_trigger():
+    world, rounds = 4, 30
+    out = run_workers(_initiator_worker, world, rounds)
+    initiators = out[0][0]
+    assert all(o[0] == initiators for o in out)
+    assert len(set(initiators)) > 1
+    for rank, (_, triggered) in enumerate(out):
+        for k, t in enumerate(triggered):
+            if t:
+                assert initiators[k] == rank and k % 6 != 5
+
+
+def _keys_worker(rank, world, rounds):
+    sched = GroupSchedule.create("auto", world, 2)
+    store = dist.distributed_c10d._get_default_store()
+    counts = []
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(1), sync_period=4, timeout=TIMEOUT, name="keys") as eng:
+        for k in range(rounds):
+            eng(torch.ones(1))
+            if k % 50 == 49:
+                counts.append(store.num_keys())
+    dist.barrier()
+    mine = dist.PrefixStore("wagma/keys/", store)
+    left = [f"act/{j}" for j in range(rounds) if mine.check([f"act/{j}"])]
+    left += [f"in/{j}/{r}" for j in range(rounds) for r in range(world) if mine.check([f"in/{j}/{r}"])]
+    return counts, left
+
+
+def test_store_keys_are_deleted_once_used():
+    rounds = 300  # the last round, 299, is a sync round
+    out = run_workers(_keys_worker, 4, rounds)
+    for counts, left in out:
+        assert left == [], left
+    # While running, a handful of keys per round are in flight; without deletion 300 rounds leave ~1,500.
+    counts = out[0][0]
+    assert max(counts) - min(counts) <= 4 * 5 + 5, counts
+
+
+# --------------------------------------------------------------------------------------- failures
+def _dying_worker(rank, world, die_at):
+    sched = GroupSchedule.create("auto", world, 2)
+    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(8), sync_period=3, timeout=datetime.timedelta(seconds=2))
+    k, t_dead = 0, time.monotonic()
+    try:
+        for k in range(100):
+            if k == die_at:
+                if rank == 1:
+                    os._exit(17)
+                t_dead = time.monotonic()  # rank 1 is gone by about now
+            eng(torch.ones(8))
+        return ("no error", k, 0.0)
+    except (RuntimeError, TimeoutError) as exc:
+        return (f"{type(exc).__name__}: {exc}", k, time.monotonic() - t_dead)
+
+
+def test_dead_peer_makes_every_survivor_raise_within_twice_the_timeout():
+    outs = run_workers_outcomes(_dying_worker, 4, 5, timeout_s=60)
+    assert not outs[1].ok and outs[1].exitcode == 17
+    for o in outs[:1] + outs[2:]:
+        assert o.ok, o.error
+        msg, k, waited = o.value
+        assert msg != "no error"
+        assert "round" in msg, msg
+        assert waited < 2 * 2.0 + 1.0, (o.rank, waited, msg)
+
+
+def _thread_failure_worker(rank, world):
+    sched = GroupSchedule.create("auto", world, 2)
+    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=100, timeout=datetime.timedelta(seconds=2))
+    real = dist.all_reduce
+    calls = {"n": 0}
+
+    def failing_all_reduce(tensor, *args, **kwargs):
+        calls["n"] += 1
+        if rank == 0 and calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real(tensor, *args, **kwargs)
+
+    import wagma.engine
+
+    wagma.engine.dist.all_reduce = failing_all_reduce
+    try:
+        for _ in range(10):
+            eng(torch.ones(2))
+    except RuntimeError as exc:
+        text = str(exc) + " | " + str(exc.__cause__)
+        try:
+            eng(torch.ones(2))
+            again = "no error"
+        except RuntimeError as exc2:
+            again = str(exc2)
+        return text, again
+    finally:
+        wagma.engine.dist.all_reduce = real
+    return "no error", ""
+
+
+def test_exception_in_thread_surfaces_in_main_thread():
+    outs = run_workers_outcomes(_thread_failure_worker, 2, timeout_s=60)
+    assert outs[0].ok, outs[0].error
+    text, again = outs[0].value
+    assert "injected failure" in text and "round 2" in text, text
+    assert "injected failure" in again  # it keeps surfacing
+
+
+def _close_worker(rank, world):
+    sched = GroupSchedule.create("auto", world, 2)
+    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=2, timeout=TIMEOUT)
+    for _ in range(5):
+        eng(torch.ones(3))
+    thread = eng._thread
+    t0 = time.monotonic()
+    eng.close()
+    closed_in = time.monotonic() - t0
+    eng.close()  # harmless
+    try:
+        eng(torch.ones(3))
+        after = "no error"
+    except RuntimeError as exc:
+        after = str(exc)
+    return thread.is_alive(), closed_in, after
+
+
+def test_close_joins_thread_and_rejects_later_calls():
+    for alive, closed_in, after in run_workers(_close_worker, 2):
+        assert not alive
+        assert closed_in < 2.0
+        assert "closed" in after
+
+
+def _bad_use_worker(rank, world):
+    sched = GroupSchedule.create("auto", world, 2)
+    errors = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except (ValueError, RuntimeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+
+    catch("negative sync", lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=-1))
+    catch("lead > sync", lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, max_lead=3))
+    catch("other world", lambda: WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", 8, 2), torch.zeros(2), sync_period=2))
+    catch("trigger", lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, trigger="last"))
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT) as eng:
+        catch("shape", lambda: eng(torch.zeros(3)))
+        catch("dtype", lambda: eng(torch.zeros(2, dtype=torch.float64)))
+        catch("take in replace mode", eng.take)
+        eng(torch.zeros(2))  # still usable after rejected calls
+    return errors
+
+
+def test_bad_use_is_rejected_with_clear_messages():
+    errors = run_workers(_bad_use_worker, 2)[0]
+    assert "ValueError" in errors["negative sync"] and "sync_period" in errors["negative sync"]
+    assert "ValueError" in errors["lead > sync"] and "max_lead" in errors["lead > sync"]
+    assert "ValueError" in errors["other world"] and "8 ranks" in errors["other world"]
+    assert "ValueError" in errors["trigger"] and "'any' or 'initiator'" in errors["trigger"]
+    assert "ValueError" in errors["shape"] and "shape (2,)" in errors["shape"] and "(3,)" in errors["shape"]
+    assert "ValueError" in errors["dtype"] and "torch.float64" in errors["dtype"]
+    assert "RuntimeError" in errors["take in replace mode"] and "accumulate" in errors["take in replace mode"]
+
+
+def test_needs_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", 2, 2), torch.zeros(1), sync_period=1)
