@@ -1,0 +1,558 @@
+"""Synchronous averagers: parity with torch, closed forms, reduction momentum, state round trips, validation."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from wagma.averaging import (
+    AveragerStats,
+    AveragingOptimizer,
+    FlatBuffers,
+    HierarchicalAverager,
+    PeriodicAverager,
+    ReductionMomentum,
+    reduction_momentum_update_,
+)
+from wagma.testing import run_workers
+
+TIMEOUT_S = 10.0
+
+
+def _tiny_model(with_bn: bool = False) -> nn.Module:
+    torch.manual_seed(0)  # identical initial models on every rank, as after a broadcast
+    layers: list[nn.Module] = [nn.Linear(4, 3)]
+    if with_bn:
+        layers.append(nn.BatchNorm1d(3))
+    layers += [nn.Tanh(), nn.Linear(3, 1)]
+    return nn.Sequential(*layers)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
+    return torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+
+
+def _local_step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _gather(value: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, value)
+    return out
+
+
+# -- FlatBuffers and AveragerStats (no process group) ------------------------------------------------------
+
+
+def test_flat_buffers_pack_unpack_mixed_dtypes_and_layouts():
+    base = torch.arange(12.0).reshape(3, 4)
+    tensors = [
+        torch.ones(2, 3),
+        torch.full((4,), 2.0, dtype=torch.float64),
+        base.t(),  # non-contiguous
+        torch.tensor(5.0),  # scalar
+        torch.empty(0),  # empty
+        torch.full((2,), 3.0, dtype=torch.float16),
+    ]
+    flat = FlatBuffers(tensors)
+    assert [k[0] for k in flat.keys] == [torch.float32, torch.float64, torch.float16]
+    assert [b.numel() for b in flat.buffers] == [6 + 12 + 1 + 0, 4, 2]
+    assert flat.nbytes == 19 * 4 + 4 * 8 + 2 * 2
+    bufs = flat.pack()
+    assert torch.equal(bufs[0][6:18], base.t().reshape(-1))
+    for b in bufs:
+        b.mul_(2)
+    flat.unpack()
+    assert torch.equal(tensors[0], torch.full((2, 3), 2.0))
+    assert torch.equal(tensors[2], (torch.arange(12.0).reshape(3, 4) * 2).t())
+    assert torch.equal(base, torch.arange(12.0).reshape(3, 4) * 2)  # written through the view, in place
+    assert tensors[3].item() == 10.0 and tensors[5].dtype == torch.float16
+    assert torch.equal(tensors[5], torch.full((2,), 6.0, dtype=torch.float16))
+
+
+def test_flat_buffers_cache_is_reused_only_for_the_same_tensors():
+    model = nn.Linear(3, 2)
+    params = list(model.parameters())
+    flat = FlatBuffers.reuse_or_build(None, params)
+    assert FlatBuffers.reuse_or_build(flat, list(model.parameters())) is flat
+    assert FlatBuffers.reuse_or_build(flat, params[:1]) is not flat
+    model.weight.data = torch.zeros(4, 3)  # same object, new shape
+    assert FlatBuffers.reuse_or_build(flat, params) is not flat
+
+
+def test_flat_buffers_unpack_into_parameters_that_require_grad():
+    model = nn.Linear(2, 2)
+    flat = FlatBuffers(list(model.parameters()))
+    flat.pack()[0].fill_(7.0)
+    flat.unpack()
+    assert torch.equal(model.weight, torch.full((2, 2), 7.0)) and model.weight.requires_grad
+
+
+def test_stats_round_trip_through_dict_and_json_keys():
+    stats = AveragerStats()
+    stats.record_reduction("global", 100, 0.5)
+    stats.record_reduction("local", 40, 0.25)
+    for staleness in (0, 0, 2):
+        stats.record_contribution(staleness)
+    d = stats.as_dict()
+    assert d == {
+        "global_reductions": 1, "local_reductions": 1, "bytes_sent": 140, "wait_s": 0.75,
+        "fresh_contributions": 2, "stale_contributions": 1, "staleness_hist": {0: 2, 2: 1},
+    }
+    d["staleness_hist"][0] = 99  # a copy, not a view
+    assert stats.staleness_hist[0] == 2
+    json_like = dict(d, staleness_hist={"0": 2, "2": 1})
+    assert AveragerStats.from_dict(json_like) == stats
+
+
+def test_reduction_momentum_update_reference():
+    avg, a, v = torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0.5])
+    reduction_momentum_update_(avg, a, v, momentum=0.5, lr=2.0, nesterov=False)
+    # delta 2, v = 0.25 + 2 = 2.25, a = 1 + 2 * 2.25
+    assert v.item() == 2.25 and a.item() == 5.5 and avg.item() == 5.5
+    avg, a, v = torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0.5])
+    reduction_momentum_update_(avg, a, v, momentum=0.5, lr=2.0, nesterov=True)
+    # a = 1 + 2 * (0.5 * 2.25 + 2)
+    assert v.item() == 2.25 and a.item() == 7.25 and avg.item() == 7.25
+
+
+# -- parity with torch ---------------------------------------------------------------------------------
+
+
+def _parity_with_torch_periodic(rank: int, world: int) -> dict:
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    ref_model, our_model = _tiny_model(), _tiny_model()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    our_opt = torch.optim.SGD(our_model.parameters(), lr=0.1)
+    ref = PeriodicModelAverager(period=3, warmup_steps=2)
+    ours = PeriodicAverager(period=3, warmup_steps=2, timeout=TIMEOUT_S)
+    diffs, kinds, spread = [], [], []
+    for step in range(10):
+        _local_step(ref_model, ref_opt, rank, step)
+        _local_step(our_model, our_opt, rank, step)
+        ref.average_parameters(ref_model.parameters())
+        kinds.append(ours.average_parameters(our_model.parameters()))
+        diffs.append((_flat_params(ref_model) - _flat_params(our_model)).abs().max().item())
+        views = _gather(_flat_params(our_model))
+        spread.append(max((v - views[0]).abs().max().item() for v in views))
+    return {"diffs": diffs, "kinds": kinds, "spread": spread, "stats": ours.stats.as_dict(),
+            "nbytes": sum(p.numel() * 4 for p in our_model.parameters()), "step": ours.step}
+
+
+def test_periodic_matches_torch_periodic_model_averager_world4():
+    out = run_workers(_parity_with_torch_periodic, 4, collective_timeout_s=TIMEOUT_S)
+    expected = [None, None, "global", None, None, "global", None, None, "global", None]
+    for r in out:
+        assert max(r["diffs"]) <= 1e-6, r["diffs"]
+        assert r["kinds"] == expected
+        assert r["step"] == 10
+        # Models differ between ranks except right after an average (so the comparison is not vacuous).
+        assert all((s == 0.0) == (k == "global") for s, k in zip(r["spread"], expected)), r["spread"]
+        assert r["stats"]["global_reductions"] == 3 and r["stats"]["local_reductions"] == 0
+        assert r["stats"]["bytes_sent"] == 3 * r["nbytes"]
+
+
+def _hierarchical_one_level(rank: int, world: int, hier_args: tuple, period: int, warmup: int) -> dict:
+    a_model, b_model = _tiny_model(), _tiny_model()
+    a_opt = torch.optim.SGD(a_model.parameters(), lr=0.1)
+    b_opt = torch.optim.SGD(b_model.parameters(), lr=0.1)
+    hier = HierarchicalAverager(*hier_args, warmup_steps=warmup, timeout=TIMEOUT_S)
+    per = PeriodicAverager(period, warmup_steps=warmup, timeout=TIMEOUT_S)
+    equal, kinds = [], []
+    for step in range(10):
+        _local_step(a_model, a_opt, rank, step)
+        _local_step(b_model, b_opt, rank, step)
+        kinds.append((hier.average_parameters(a_model.parameters()), per.average_parameters(b_model.parameters())))
+        equal.append(torch.equal(_flat_params(a_model), _flat_params(b_model)))
+    h, p = hier.stats.as_dict(), per.stats.as_dict()
+    return {"equal": equal, "kinds": kinds, "counts": [(s["global_reductions"], s["local_reductions"],
+                                                        s["bytes_sent"]) for s in (h, p)]}
+
+
+@pytest.mark.parametrize(
+    "hier_args, period",
+    [((6, 2, 4), 2), ((3, 3, 3), 3)],
+    ids=["group-is-everyone", "equal-periods"],
+)
+def test_one_level_hierarchical_equals_periodic_world6(hier_args, period):
+    out = run_workers(_hierarchical_one_level, 6, hier_args, period, 1, collective_timeout_s=TIMEOUT_S)
+    for r in out:
+        assert all(r["equal"])
+        assert all(h == p for h, p in r["kinds"]) and any(h == "global" for h, _ in r["kinds"])
+        assert r["counts"][0] == r["counts"][1]
+
+
+# -- closed forms ----------------------------------------------------------------------------------------
+
+
+def _set_value(tensors: list[torch.Tensor], value: float) -> None:
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            t.fill_(value * (i + 1))
+
+
+def _two_level_closed_form(rank: int, world: int) -> dict:
+    p32 = nn.Parameter(torch.zeros(2))
+    p64 = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    avg = HierarchicalAverager(local_group_size=3, local_period=2, global_period=6, warmup_steps=1,
+                               timeout=TIMEOUT_S)
+    kinds, values = [], []
+    for step in range(14):
+        _set_value([p32, p64], (rank + 1) * (step + 1))
+        kinds.append(avg.average_parameters([p32, p64]))
+        values.append((p32.tolist(), p64.tolist()))
+    return {"kinds": kinds, "values": values, "stats": avg.stats.as_dict(), "blocks": avg.local_blocks}
+
+
+def test_hierarchical_two_level_schedule_and_counts_world6():
+    out = run_workers(_two_level_closed_form, 6, collective_timeout_s=TIMEOUT_S)
+    # s = step - 1: global at s % 6 == 0, local at other even s, nothing at odd s and in warm-up.
+    expected = [None, "global", None, "local", None, "local", None, "global", None, "local", None, "local",
+                None, "global"]
+    blocks = [[0, 1, 2], [3, 4, 5]]
+    for rank, r in enumerate(out):
+        assert r["blocks"] == blocks
+        assert r["kinds"] == expected
+        block = blocks[rank // 3]
+        for step, kind in enumerate(expected):
+            if kind == "global":  # on steps where both fire, the value is the global mean, not the group's
+                mean = sum(q + 1 for q in range(6)) / 6
+            elif kind == "local":
+                mean = sum(q + 1 for q in block) / 3
+            else:
+                mean = rank + 1
+            v = mean * (step + 1)
+            p32, p64 = r["values"][step]
+            assert p32 == pytest.approx([v] * 2, rel=1e-6) and p64 == pytest.approx([2 * v] * 3, rel=1e-12), (
+                rank, step, kind)
+        stats = r["stats"]
+        assert (stats["global_reductions"], stats["local_reductions"]) == (3, 4)
+        assert stats["bytes_sent"] == 7 * (2 * 4 + 3 * 8)
+        assert stats["wait_s"] > 0.0
+
+
+def _closed_form_inputs(rank: int, world: int) -> dict:
+    results = {}
+    with PeriodicAverager(period=1, timeout=TIMEOUT_S) as avg:
+        # Parameters that never had a backward pass (no .grad): torch's averagers would skip them.
+        model = nn.Linear(3, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(rank))
+        assert all(p.grad is None for p in model.parameters())
+        avg.average_parameters(model.parameters())
+        results["parameters"] = [p.tolist() for p in model.parameters()]
+
+        tensors = [torch.ones(4) * rank, torch.ones(2, 2, dtype=torch.float64) * rank]
+        avg.average_parameters(tensors)
+        results["list"] = [t.tolist() for t in tensors]
+
+        opt = torch.optim.SGD([{"params": [nn.Parameter(torch.ones(3) * rank)]},
+                               {"params": [nn.Parameter(torch.ones(1) * 2 * rank)], "lr": 0.5}], lr=0.1)
+        avg.average_parameters(opt.param_groups)
+        results["param_groups"] = [g["params"][0].tolist() for g in opt.param_groups]
+
+        sync_model = nn.Linear(2, 1)
+        with torch.no_grad():
+            for p in sync_model.parameters():
+                p.fill_(float(rank * 3))
+        step_before = avg.step
+        avg.synchronize(sync_model.parameters())
+        results["synchronize"] = [p.tolist() for p in sync_model.parameters()]
+        results["step_unchanged"] = avg.step == step_before
+        results["stats"] = avg.stats.as_dict()
+    results["closed"] = avg.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        avg.average_parameters(tensors)
+    avg.close()  # idempotent
+    return results
+
+
+def test_closed_form_means_for_every_input_kind_world3():
+    out = run_workers(_closed_form_inputs, 3, collective_timeout_s=TIMEOUT_S)
+    for r in out:
+        assert r["parameters"] == [[[1.0] * 3] * 2, [1.0] * 2]
+        assert r["list"] == [[1.0] * 4, [[1.0] * 2] * 2]
+        assert r["param_groups"] == [[1.0] * 3, [2.0]]
+        assert r["synchronize"] == [[[3.0] * 2], [3.0]]
+        assert r["step_unchanged"] and r["closed"]
+        assert r["stats"]["global_reductions"] == 4
+        assert r["stats"]["bytes_sent"] == 8 * 4 + (4 * 4 + 4 * 8) + 4 * 4 + 3 * 4
+
+
+def _buffers_averaged(rank: int, world: int) -> dict:
+    out = {}
+    for flag in (True, False):
+        model = nn.BatchNorm1d(3)
+        with torch.no_grad():
+            model.running_mean.fill_(float(rank))
+            model.running_var.fill_(float(rank + 1))
+            model.num_batches_tracked.fill_(rank)
+            model.weight.fill_(float(rank))
+        with PeriodicAverager(period=1, average_buffers=flag, timeout=TIMEOUT_S) as avg:
+            avg.average_parameters(model.parameters(), model.buffers())
+        out[flag] = {"mean": model.running_mean.tolist(), "var": model.running_var.tolist(),
+                     "count": model.num_batches_tracked.item(), "weight": model.weight.tolist()}
+    return out
+
+
+def test_buffers_are_averaged_when_asked_world3():
+    out = run_workers(_buffers_averaged, 3, collective_timeout_s=TIMEOUT_S)
+    for rank, r in enumerate(out):
+        assert r[True] == {"mean": [1.0] * 3, "var": [2.0] * 3, "count": rank, "weight": [1.0] * 3}
+        assert r[False] == {"mean": [float(rank)] * 3, "var": [float(rank + 1)] * 3, "count": rank,
+                            "weight": [1.0] * 3}
+
+
+# -- reduction momentum ------------------------------------------------------------------------------------
+
+
+def _momentum_sequence(rank: int, world: int, warmup: int, means: list[float], momentum: float, lr: float,
+                       nesterov: bool) -> list[float]:
+    p = torch.zeros(2, dtype=torch.float64)
+    avg = ReductionMomentum(PeriodicAverager(period=1, warmup_steps=warmup, timeout=TIMEOUT_S),
+                            momentum=momentum, lr=lr, nesterov=nesterov)
+    out = []
+    for step, mean in enumerate(means):
+        # Spread the models around the wanted mean (offsets -0.3, 0, 0.3 cancel at world 3), except in
+        # warm-up, where models are identical (as under DDP).
+        with torch.no_grad():
+            p.fill_(mean + (0.0 if step < warmup else 0.3 * (rank - 1)))
+        avg.average_parameters([p])
+        out.append(p[0].item())
+    return out
+
+
+@pytest.mark.parametrize(
+    "warmup, means, momentum, lr, nesterov, expected",
+    [
+        # anchor 1.0 from the first (warm-up) call; deltas 1, .5, 1 -> v 1, 1, 1.5 (see test body)
+        (1, [1.0, 2.0, 2.5, 3.5], 0.5, 1.0, False, [1.0, 2.0, 3.0, 4.0]),
+        # lr 0.5: v 1, 1.5, 2.0; a 1.5, 2.25, 3.25
+        (1, [1.0, 2.0, 2.5, 3.5], 0.5, 0.5, False, [1.0, 1.5, 2.25, 3.25]),
+        # Nesterov, lr 0.5: a 1.75, 2.4375, 3.390625
+        (1, [1.0, 2.0, 2.5, 3.5], 0.5, 0.5, True, [1.0, 1.75, 2.4375, 3.390625]),
+        # No warm-up: the first reduction only sets the anchor (no common earlier model), then as above.
+        (0, [1.0, 2.0, 2.5, 3.5], 0.5, 1.0, False, [1.0, 2.0, 3.0, 4.0]),
+    ],
+    ids=["plain", "plain-lr", "nesterov", "no-warmup"],
+)
+def test_reduction_momentum_three_reductions_by_hand_world3(warmup, means, momentum, lr, nesterov, expected):
+    out = run_workers(_momentum_sequence, 3, warmup, means, momentum, lr, nesterov,
+                      collective_timeout_s=TIMEOUT_S)
+    for r in out:
+        assert r == pytest.approx(expected, abs=1e-12)
+
+
+def _momentum_two_levels(rank: int, world: int, apply_to: str) -> list[float]:
+    p = torch.zeros(1, dtype=torch.float64)
+    avg = ReductionMomentum(HierarchicalAverager(2, local_period=1, global_period=2, warmup_steps=1,
+                                                 timeout=TIMEOUT_S), momentum=0.5, apply_to=apply_to)
+    group_means = [(0.0, 0.0), (1.0, 3.0), (3.0, 2.0), (4.0, 2.0), (5.0, 4.0)]  # (group {0,1}, group {2,3})
+    out = []
+    for step, means in enumerate(group_means):
+        with torch.no_grad():
+            p.fill_(means[rank // 2] + (0.0 if step == 0 else (-0.5 if rank % 2 == 0 else 0.5)))
+        avg.average_parameters([p])
+        out.append(p.item())
+    return out
+
+
+def test_reduction_momentum_local_level_world4():
+    # Calls: 0 warm-up (anchors 0), 1 global, 2 local, 3 global, 4 local; mu 0.5, lr 1.
+    # call 1: mean 2, v_g 2, a_g 2 -> all 2; local anchors 2.
+    # call 2: group A mean 3: v_l 1, a 3; group B mean 2: v_l 0, a 2 (apply_to="global": plain means).
+    # call 3: mean 3, a_g 2 (local steps do not move it): v_g 0.5*2+1 = 2, a_g 4 -> all 4; local anchors 4.
+    # call 4: A mean 5: v_l 0.5*1+1 = 1.5, a 5.5; B mean 4: v_l 0, a 4 (apply_to="global": 5 and 4).
+    out_all = run_workers(_momentum_two_levels, 4, "all", collective_timeout_s=TIMEOUT_S)
+    out_global = run_workers(_momentum_two_levels, 4, "global", collective_timeout_s=TIMEOUT_S)
+    for rank in range(4):
+        a = rank // 2 == 0
+        assert out_all[rank] == pytest.approx([0.0, 2.0, 3.0 if a else 2.0, 4.0, 5.5 if a else 4.0], abs=1e-12)
+        assert out_global[rank] == pytest.approx([0.0, 2.0, 3.0 if a else 2.0, 4.0, 5.0 if a else 4.0],
+                                                 abs=1e-12)
+
+
+# -- state_dict round trips ----------------------------------------------------------------------------------
+
+
+def _build(rank: int) -> tuple[nn.Module, AveragingOptimizer]:
+    model = _tiny_model(with_bn=True)
+    averager = ReductionMomentum(HierarchicalAverager(2, local_period=1, global_period=3, warmup_steps=1,
+                                                      timeout=TIMEOUT_S), momentum=0.6, apply_to="all")
+    opt = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), averager, module=model)
+    return model, opt
+
+
+def _train(model: nn.Module, opt: AveragingOptimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        _local_step(model, opt, rank, step)
+
+
+def _round_trip(rank: int, world: int) -> dict:
+    model, opt = _build(rank)
+    _train(model, opt, rank, range(10))
+    uninterrupted = [t.clone() for t in model.state_dict().values()]
+    stats_a = opt.averager.stats.as_dict()
+    opt.averager.close()
+
+    model, opt = _build(rank)
+    _train(model, opt, rank, range(4))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = opt.state_dict()
+    opt.averager.close()
+    del model, opt
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    model, opt = _build(rank)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    restored_step = opt.averager.step
+    _train(model, opt, rank, range(4, 10))
+    resumed = [t.clone() for t in model.state_dict().values()]
+    stats_b = opt.averager.stats.as_dict()
+    opt.averager.close()
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed)),
+        "keys": sorted(saved), "averager_keys": sorted(saved["averager"]),
+        "inner_step": saved["averager"]["averager"]["step"], "restored_step": restored_step,
+        "has_momentum": saved["averager"]["levels"]["global"]["velocity"] is not None,
+        "stats": (stats_a, stats_b),
+    }
+
+
+def test_state_dict_round_trip_mid_run_continues_exactly_world4():
+    out = run_workers(_round_trip, 4, collective_timeout_s=TIMEOUT_S)
+    for r in out:
+        assert r["equal"]
+        assert r["keys"] == ["averager", "optimizer"]  # AveragingOptimizer carries the averager's state
+        assert r["averager_keys"] == ["averager", "levels"]
+        assert r["inner_step"] == 4 and r["restored_step"] == 4 and r["has_momentum"]
+        a, b = r["stats"]
+        for key in ("global_reductions", "local_reductions", "bytes_sent"):
+            assert a[key] == b[key], key
+        assert (a["global_reductions"], a["local_reductions"]) == (3, 6)
+
+
+def _optimizer_state(rank: int, world: int) -> dict:
+    model = _tiny_model()
+    opt = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             PeriodicAverager(period=2, timeout=TIMEOUT_S))
+    _train(model, opt, rank, range(3))
+    state = opt.state_dict()
+    fresh = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               PeriodicAverager(period=2, timeout=TIMEOUT_S))
+    fresh.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"expected the keys \['averager', 'optimizer'\]"):
+        fresh.load_state_dict(opt.optimizer.state_dict())
+    return {"averager": state["averager"], "fresh_step": fresh.averager.step,
+            "fresh_stats": fresh.averager.stats.as_dict(), "momentum_buffers": len(fresh.state)}
+
+
+def test_averaging_optimizer_state_dict_carries_the_averager_world3():
+    out = run_workers(_optimizer_state, 3, collective_timeout_s=TIMEOUT_S)
+    for r in out:
+        assert r["averager"]["step"] == 3 and r["averager"]["stats"]["global_reductions"] == 2
+        assert r["fresh_step"] == 3 and r["fresh_stats"] == r["averager"]["stats"]
+        assert r["momentum_buffers"] == 4  # the optimizer's own state came back too
+
+
+# -- failures --------------------------------------------------------------------------------------------------
+
+
+def _timeout_worker(rank: int, world: int) -> str:
+    avg = PeriodicAverager(period=1, timeout=1.0)
+    if rank == 2:
+        time.sleep(3.0)  # never joins the reduction
+        return "absent"
+    try:
+        avg.average_parameters([torch.ones(3)])
+    except TimeoutError as err:
+        return f"TimeoutError: {err}"
+    return "no error"
+
+
+def test_a_missing_peer_raises_timeout_error_world3():
+    out = run_workers(_timeout_worker, 3, collective_timeout_s=TIMEOUT_S)
+    assert out[2] == "absent"
+    for r in out[:2]:
+        assert r.startswith("TimeoutError: PeriodicAverager: global reduction at step 0 over 3 ranks"), r
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: PeriodicAverager(period=0), r"period: expected an integer >= 1, found 0"),
+        (lambda: PeriodicAverager(period=2.0), r"period: expected an integer >= 1, found 2.0"),
+        (lambda: PeriodicAverager(period=2, warmup_steps=-1), r"warmup_steps: expected an integer >= 0, found -1"),
+        (lambda: PeriodicAverager(period=2, timeout=0), r"timeout: expected a positive duration"),
+        (lambda: PeriodicAverager(period=2, average_buffers="yes"), r"average_buffers: expected a bool"),
+        (lambda: HierarchicalAverager(0, 1, 2), r"local_group_size: expected an integer >= 1, found 0"),
+        (lambda: HierarchicalAverager(2, 0, 2), r"local_period: expected an integer >= 1, found 0"),
+        (lambda: HierarchicalAverager(2, 1, 0), r"global_period: expected an integer >= 1, found 0"),
+        (lambda: HierarchicalAverager(2, 2, 5), r"global_period: expected a multiple of local_period \(2\), found 5"),
+        (lambda: HierarchicalAverager(2, 1, 2, warmup_steps=-3), r"warmup_steps: expected an integer >= 0, found -3"),
+        (lambda: ReductionMomentum(None, momentum=1.0), r"momentum: expected a number in \[0, 1\), found 1.0"),
+        (lambda: ReductionMomentum(None, momentum=-0.1), r"momentum: expected a number in \[0, 1\), found -0.1"),
+        (lambda: ReductionMomentum(None, momentum=0.5, lr=0.0), r"lr: expected a number > 0, found 0.0"),
+        (lambda: ReductionMomentum(None, momentum=0.5, nesterov=1), r"nesterov: expected a bool, found 1"),
+        (lambda: ReductionMomentum(None, momentum=0.5, apply_to="local"),
+         r"apply_to: expected 'global' or 'all', found 'local'"),
+        (lambda: ReductionMomentum(object(), momentum=0.5), r"averager: expected a wagma AveragerBase"),
+        (lambda: AveragingOptimizer(object(), None), r"optimizer: expected a torch.optim.Optimizer"),
+        (lambda: AveragerStats.from_dict({"step": 1}), r"stats: expected the fields"),
+    ],
+)
+def test_bad_arguments_raise_value_error_before_any_collective(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def _world_dependent_validation(rank: int, world: int) -> bool:
+    with pytest.raises(ValueError, match=r"local_group_size: expected a divisor of the number of ranks \(3\), found 2"):
+        HierarchicalAverager(2, 1, 2, timeout=TIMEOUT_S)
+    sub = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match=r"process_group: expected a group spanning all 3 ranks"):
+        HierarchicalAverager(1, 1, 2, process_group=sub, timeout=TIMEOUT_S)
+    avg = PeriodicAverager(period=1, timeout=TIMEOUT_S)
+    with pytest.raises(ValueError, match=r"params: expected an iterable of tensors .* found a Tensor"):
+        avg.average_parameters(torch.ones(3))
+    with pytest.raises(ValueError, match=r"params: expected floating-point tensors, found dtype torch.int64"):
+        avg.average_parameters([torch.ones(3, dtype=torch.long)])
+    with pytest.raises(ValueError, match=r"params: expected tensors, found a str"):
+        avg.average_parameters(["w"])
+    with pytest.raises(ValueError, match=r"buffers: expected an iterable of tensors"):
+        avg.average_parameters([torch.ones(1)], buffers=torch.ones(2))
+    with pytest.raises(ValueError, match=r"state_dict: expected the keys \['stats', 'step'\]"):
+        avg.load_state_dict({"step": 3})
+    with pytest.raises(ValueError, match=r"averager: expected a ModelAverager with state_dict"):
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        AveragingOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), PeriodicModelAverager(2))
+    wrapped = ReductionMomentum(avg, momentum=0.5, apply_to="all")
+    with pytest.raises(ValueError, match=r"state_dict: expected momentum levels \['global', 'local'\]"):
+        wrapped.load_state_dict({"averager": avg.state_dict(), "levels": {"global": {}}})
+    avg.close()
+    return True
+
+
+def test_world_dependent_bad_arguments_world3():
+    assert run_workers(_world_dependent_validation, 3, collective_timeout_s=TIMEOUT_S) == [True] * 3
+

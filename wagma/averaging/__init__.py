@@ -1,0 +1,40 @@
+"""Synchronous model-averaging policies and their shared base (DESIGN §2.5).
+
+- :class:`AveragerBase` -- base of every averager: flattening, counters, state, ``synchronize``.
+- :class:`PeriodicAverager` -- K-AVG: a global mean every ``period`` steps.
+- :class:`HierarchicalAverager` -- local means in fixed groups, global means less often.
+- :class:`ReductionMomentum` -- momentum on the progress between reductions, around either of them.
+- :class:`AveragingOptimizer` -- ``optimizer.step()`` followed by the averager's step.
+"""
+
+from wagma.averaging.base import (
+    AveragerBase,
+    AveragerStats,
+    FlatBuffers,
+    ParamsLike,
+    Reduction,
+    collect_buffers,
+    collect_parameters,
+)
+from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.averaging.hierarchical import HierarchicalAverager
+from wagma.averaging.momentum import MomentumLevels, ReductionMomentum, reduction_momentum_update_
+from wagma.averaging.optimizer import AveragingOptimizer
+from wagma.averaging.periodic import PeriodicAverager
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AveragerBase",
+    "AveragerStats",
+    "AveragingOptimizer",
+    "FlatBuffers",
+    "HierarchicalAverager",
+    "MomentumLevels",
+    "ParamsLike",
+    "PeriodicAverager",
+    "Reduction",
+    "ReductionMomentum",
+    "collect_buffers",
+    "collect_parameters",
+    "reduction_momentum_update_",
+]

@@ -1,0 +1,469 @@
+"""The shared base of wagma's model averagers: what is averaged, how it is flattened, what is counted.
+
+Every averager in :mod:`wagma.averaging` (and the wait-avoiding ``WagmaAverager``) subclasses
+:class:`AveragerBase`. The base owns the parts that do not depend on the averaging policy:
+
+- turning ``model.parameters()``, a list of tensors or ``optimizer.param_groups`` (plus, optionally, the
+  floating-point buffers of a module) into one list of tensors to average;
+- :class:`FlatBuffers`, which packs that list into one contiguous buffer per (dtype, device), so a
+  reduction is one collective per buffer instead of one per tensor;
+- :class:`AveragerStats`, the counters every averager reports (reductions, bytes, waiting, staleness);
+- the blocking mean over a process group (:meth:`AveragerBase.allreduce_mean`), the step counter,
+  ``state_dict``/``load_state_dict``, ``close`` and the final :meth:`AveragerBase.synchronize`.
+
+A subclass implements :meth:`AveragerBase._average_step`, which runs whatever its policy schedules for
+``self.step`` and says which kind of reduction (if any) it ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from abc import abstractmethod
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+
+from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group, require_initialized
+
+__all__ = [
+    "AveragerBase",
+    "AveragerStats",
+    "FlatBuffers",
+    "ParamsLike",
+    "Reduction",
+    "check_int",
+    "collect_buffers",
+    "collect_parameters",
+]
+
+#: Kind of reduction an averager ran at a step: among a subset of ranks, or among all of them.
+Reduction = Literal["local", "global"]
+
+#: What ``average_parameters`` accepts: ``model.parameters()``, a list of tensors, or
+#: ``optimizer.param_groups`` (dicts with a ``"params"`` list).
+ParamsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an integer no less than ``minimum``; raise ``ValueError`` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, found {value!r}")
+    return value
+
+
+def collect_parameters(params: ParamsLike) -> list[torch.Tensor]:
+    """Flatten ``params`` into a list of distinct floating-point tensors, in order.
+
+    Unlike ``torch.distributed.algorithms.model_averaging.utils.get_params_to_average``, parameters are
+    kept whether or not they have a ``.grad``: a parameter that got no gradient this step still differs
+    between ranks and must be averaged.
+
+    Args:
+        params: ``model.parameters()``, a list of tensors, or ``optimizer.param_groups``.
+
+    Raises:
+        ValueError: for a bare tensor or module, an item that is neither a tensor nor a param-group dict,
+            or a tensor that is not floating point.
+    """
+    if isinstance(params, (torch.Tensor, torch.nn.Module, dict)):
+        raise ValueError(
+            "params: expected an iterable of tensors (model.parameters()) or of param-group dicts "
+            f"(optimizer.param_groups), found a {type(params).__name__}"
+        )
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def add(tensor: object) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"params: expected tensors, found a {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"params: expected floating-point tensors, found dtype {tensor.dtype}")
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append(tensor)
+
+    for item in params:
+        if isinstance(item, dict):
+            if "params" not in item:
+                raise ValueError(f"params: expected param-group dicts with a 'params' key, found keys {sorted(item)}")
+            group = item["params"]
+            for tensor in [group] if isinstance(group, torch.Tensor) else group:
+                add(tensor)
+        else:
+            add(item)
+    return out
+
+
+def collect_buffers(buffers: Iterable[torch.Tensor], exclude: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """Return the distinct floating-point tensors of ``buffers`` not in ``exclude``, in order.
+
+    Integer buffers (BatchNorm's ``num_batches_tracked``) are skipped: they count, they do not average.
+    """
+    if isinstance(buffers, (torch.Tensor, torch.nn.Module)):
+        raise ValueError(
+            f"buffers: expected an iterable of tensors (module.buffers()), found a {type(buffers).__name__}"
+        )
+    seen = {id(t) for t in exclude}
+    out: list[torch.Tensor] = []
+    for tensor in buffers:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"buffers: expected tensors, found a {type(tensor).__name__}")
+        if tensor.is_floating_point() and id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append(tensor)
+    return out
+
+
+class FlatBuffers:
+    """Contiguous copies of a list of tensors: one flat buffer per (dtype, device), in first-seen order.
+
+    ``pack()`` copies the tensors into the buffers and returns them; the caller reduces the buffers in
+    place; ``unpack()`` copies the buffers back into the tensors (in place, so optimizer state and module
+    references stay valid). Tensors keep their dtypes: nothing is up-cast, and after ``unpack()`` each
+    buffer holds exactly what was written into the tensors.
+
+    An instance is tied to one list of tensor objects; :meth:`reuse_or_build` returns the cached instance
+    while the list is unchanged (same objects, shapes, dtypes and devices, in the same order).
+
+    Args:
+        tensors: the tensors to flatten (any layout; non-contiguous tensors are copied element-wise).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors: list[torch.Tensor] = list(tensors)
+        index: dict[tuple[torch.dtype, torch.device], int] = {}
+        sizes: list[int] = []
+        self._slots: list[tuple[int, int, int]] = []
+        for tensor in self.tensors:
+            key = (tensor.dtype, tensor.device)
+            if key not in index:
+                index[key] = len(sizes)
+                sizes.append(0)
+            b = index[key]
+            self._slots.append((b, sizes[b], tensor.numel()))
+            sizes[b] += tensor.numel()
+        #: (dtype, device) of each buffer.
+        self.keys: list[tuple[torch.dtype, torch.device]] = list(index)
+        #: The flat buffers, one per key.
+        self.buffers: list[torch.Tensor] = [
+            torch.empty(n, dtype=dtype, device=device) for (dtype, device), n in zip(self.keys, sizes)
+        ]
+        self._signature = self._signature_of(self.tensors)
+
+    @staticmethod
+    def _signature_of(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, torch.Size, torch.dtype, torch.device], ...]:
+        # Ids are stable because the instance keeps references to its tensors.
+        return tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
+
+    @classmethod
+    def reuse_or_build(cls, cached: FlatBuffers | None, tensors: Sequence[torch.Tensor]) -> FlatBuffers:
+        """Return ``cached`` if it was built for exactly ``tensors``, else a new instance for them."""
+        if cached is not None and cached.matches(tensors):
+            return cached
+        return cls(tensors)
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether this instance was built for exactly these tensor objects, shapes, dtypes and devices."""
+        return len(tensors) == len(self.tensors) and self._signature == self._signature_of(tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of all buffers together (what one reduction of them sends per rank)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def layout(self) -> list[tuple[torch.dtype, torch.device, int]]:
+        """(dtype, device, numel) of each buffer: what state kept per buffer must match."""
+        return [(b.dtype, b.device, b.numel()) for b in self.buffers]
+
+    def pack(self) -> list[torch.Tensor]:
+        """Copy the tensors into the flat buffers; return the buffers."""
+        with torch.no_grad():
+            for tensor, (b, offset, numel) in zip(self.tensors, self._slots):
+                self.buffers[b][offset : offset + numel].view(tensor.shape).copy_(tensor)
+        return self.buffers
+
+    def unpack(self) -> None:
+        """Copy the flat buffers back into the tensors, in place."""
+        with torch.no_grad():
+            for tensor, (b, offset, numel) in zip(self.tensors, self._slots):
+                tensor.copy_(self.buffers[b][offset : offset + numel].view(tensor.shape))
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{dtype}@{device}:{b.numel()}" for (dtype, device), b in zip(self.keys, self.buffers))
+        return f"FlatBuffers({len(self.tensors)} tensors -> [{parts}])"
+
+
+@dataclasses.dataclass
+class AveragerStats:
+    """Counters every averager keeps in ``self.stats`` (per rank, cumulative since construction).
+
+    Attributes:
+        global_reductions: reductions over all ranks (including :meth:`AveragerBase.synchronize`).
+        local_reductions: reductions over a subset of ranks (node-local or schedule groups).
+        bytes_sent: payload bytes this rank handed to collectives: the size of every reduced buffer,
+            once per reduction (not the algorithm's wire traffic, which depends on the backend).
+        wait_s: seconds spent issuing and waiting for blocking collectives.
+        fresh_contributions: rounds in which this rank's current model made it into its group's
+            reduction (wait-avoiding averagers; synchronous ones leave it at 0).
+        stale_contributions: rounds in which an older snapshot was used instead.
+        staleness_hist: staleness in rounds -> number of contributions with that staleness.
+    """
+
+    global_reductions: int = 0
+    local_reductions: int = 0
+    bytes_sent: int = 0
+    wait_s: float = 0.0
+    fresh_contributions: int = 0
+    stale_contributions: int = 0
+    staleness_hist: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def record_reduction(self, kind: Reduction, nbytes: int, wait_s: float) -> None:
+        """Count one reduction of ``kind`` that sent ``nbytes`` and blocked for ``wait_s`` seconds."""
+        if kind == "global":
+            self.global_reductions += 1
+        elif kind == "local":
+            self.local_reductions += 1
+        else:
+            raise ValueError(f"kind: expected 'local' or 'global', found {kind!r}")
+        self.bytes_sent += int(nbytes)
+        self.wait_s += float(wait_s)
+
+    def record_contribution(self, staleness: int) -> None:
+        """Count one contribution that was ``staleness`` rounds old (0: fresh)."""
+        check_int("staleness", staleness, 0)
+        if staleness == 0:
+            self.fresh_contributions += 1
+        else:
+            self.stale_contributions += 1
+        self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain, independent copy of the counters (for logging, JSON and checkpoints)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> AveragerStats:
+        """Rebuild counters from :meth:`as_dict` output (histogram keys may have become strings in JSON).
+
+        Raises:
+            ValueError: if ``state`` lacks a field or has an unknown one.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(state) != names:
+            raise ValueError(f"stats: expected the fields {sorted(names)}, found {sorted(state)}")
+        values = dict(state)
+        values["staleness_hist"] = {int(k): int(v) for k, v in state["staleness_hist"].items()}
+        return cls(**values)
+
+
+class AveragerBase(ModelAverager):
+    """Base of wagma's model averagers (a ``torch`` ``ModelAverager``).
+
+    Protocol: call :meth:`average_parameters` once per training step (after ``optimizer.step()``, like
+    torch's averagers). It collects the tensors to average, runs :meth:`_average_step` for the current
+    ``self.step``, records the kind of reduction that ran in ``self.last_reduction`` (``None``,
+    ``"local"`` or ``"global"``), then increments ``self.step``.
+
+    What is averaged: every parameter passed (whether or not it has a ``.grad``) and, when
+    ``average_buffers`` is true, the floating-point tensors passed as ``buffers`` (e.g.
+    ``module.buffers()``: BatchNorm running statistics; integer buffers are skipped). Buffers passed while
+    ``average_buffers`` is false are ignored, so a training loop can always pass them and let the
+    configuration decide. Optimizer state is never averaged.
+
+    Process groups: with ``process_group=None`` the averager creates its own group over all ranks with
+    ``timeout``, separate from the one DDP uses. Group creation is collective, so every rank of the
+    default group constructs every averager, in the same order; subclasses create all the groups they
+    need in their constructor (use :meth:`_new_group` so :meth:`close` releases them). A given
+    ``process_group`` is used as is (its timeout is the one it was created with); a rank outside it
+    counts steps and averages nothing.
+
+    Args:
+        process_group: group of the global reductions; ``None`` creates one over all ranks.
+        average_buffers: also average the floating-point ``buffers`` passed to :meth:`average_parameters`.
+        timeout: timeout of the groups this averager creates (``timedelta`` or seconds).
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        average_buffers: bool = True,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not isinstance(average_buffers, bool):
+            raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
+        self.timeout = as_timeout(timeout)
+        require_initialized(type(self).__name__)
+        self._owned_groups: list[dist.ProcessGroup] = []
+        group = self._new_group(None) if process_group is None else process_group
+        super().__init__(group)
+        #: Whether this rank takes part in the averager's reductions.
+        self.is_member: bool = isinstance(group, dist.ProcessGroup)
+        #: Number of ranks in the global reductions (0 on a rank outside ``process_group``).
+        self.world_size: int = group.size() if self.is_member else 0
+        self.average_buffers = average_buffers
+        self.stats = AveragerStats()
+        self.last_reduction: Reduction | None = None
+        self._flat: FlatBuffers | None = None
+        self._closed = False
+
+    # -- the policy ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _average_step(self, tensors: list[torch.Tensor]) -> Reduction | None:
+        """Run what the policy schedules for ``self.step`` on ``tensors``; return the kind that ran.
+
+        Called by :meth:`average_parameters` on member ranks, before ``self.step`` is incremented.
+        Implementations reduce with :meth:`allreduce_mean` (or their own engine, using
+        :meth:`flat_buffers` and ``self.stats``).
+        """
+
+    def average_parameters(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> Reduction | None:
+        """Average what the policy schedules for this step, then advance the step counter.
+
+        Args:
+            params: ``model.parameters()``, a list of tensors, or ``optimizer.param_groups``.
+            buffers: tensors averaged with the parameters when ``average_buffers`` is true
+                (e.g. ``model.buffers()``; only floating-point ones are used).
+
+        Returns:
+            The kind of reduction this call ran (also in ``self.last_reduction``): ``None``, ``"local"``
+            or ``"global"``.
+        """
+        self._check_open()
+        tensors = self.tensors_to_average(params, buffers)
+        kind = self._average_step(tensors) if self.is_member else None
+        self.last_reduction = kind
+        self.step += 1
+        return kind
+
+    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+        """Blocking mean over all ranks, for evaluation and checkpoints; counts as a global reduction.
+
+        Does not advance ``self.step`` and does not change ``self.last_reduction``.
+
+        Args:
+            params: as in :meth:`average_parameters`.
+            buffers: as in :meth:`average_parameters`.
+        """
+        self._check_open()
+        if self.is_member:
+            self.allreduce_mean(self.tensors_to_average(params, buffers), self.process_group, "global")
+
+    # -- building blocks for subclasses ------------------------------------------------------------------
+
+    def tensors_to_average(
+        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The parameters, then (if ``average_buffers``) the floating-point buffers, as one list."""
+        tensors = collect_parameters(params)
+        if self.average_buffers and buffers is not None:
+            tensors += collect_buffers(buffers, exclude=tensors)
+        return tensors
+
+    def flat_buffers(self, tensors: Sequence[torch.Tensor]) -> FlatBuffers:
+        """The averager's :class:`FlatBuffers` for ``tensors``, rebuilt only when the list changed."""
+        self._flat = FlatBuffers.reuse_or_build(self._flat, tensors)
+        return self._flat
+
+    def allreduce_mean(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, kind: Reduction) -> None:
+        """Replace ``tensors`` in place by their mean over ``group`` (blocking); count it as ``kind``.
+
+        Each flat buffer is divided by the group size before the sum (as torch's averaging utility
+        does), all buffers' allreduces are issued before the first wait.
+
+        Raises:
+            TimeoutError: if the collective timed out (a peer is slow, hung or gone); the group is then
+                broken.
+        """
+        flat = self.flat_buffers(tensors)
+        buffers = flat.pack()
+        size = group.size()
+        start = time.perf_counter()
+        try:
+            works = []
+            for buffer in buffers:
+                buffer.div_(size)
+                works.append(dist.all_reduce(buffer, group=group, async_op=True))
+            for work in works:
+                work.wait()
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+                raise TimeoutError(
+                    f"{type(self).__name__}: {kind} reduction at step {self.step} over {size} ranks did not "
+                    f"finish within the group's timeout; a peer is slow, hung or gone ({err})"
+                ) from err
+            raise
+        self.stats.record_reduction(kind, flat.nbytes, time.perf_counter() - start)
+        flat.unpack()
+
+    def _new_group(self, ranks: Sequence[int] | None) -> dist.ProcessGroup:
+        """Create a group over ``ranks`` with this averager's timeout; :meth:`close` destroys it.
+
+        Collective over the default group: call it from the constructor, on every rank, in the same order.
+        """
+        group = new_timeout_group(ranks, self.timeout)
+        if isinstance(group, dist.ProcessGroup):
+            self._owned_groups.append(group)
+        return group
+
+    # -- state and lifetime --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averager's resumable state: ``{"step": int, "stats": dict}``; subclasses add keys."""
+        return {"step": self.step, "stats": self.stats.as_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (on a freshly built averager of the same config).
+
+        Raises:
+            ValueError: if a key is missing.
+        """
+        missing = {"step", "stats"} - set(state_dict)
+        if missing:
+            raise ValueError(
+                f"state_dict: expected the keys {sorted(self.state_dict())}, found {sorted(state_dict)} "
+                f"(missing {sorted(missing)})"
+            )
+        self.step = check_int("state_dict['step']", state_dict["step"], 0)
+        self.stats = AveragerStats.from_dict(state_dict["stats"])
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release the process groups this averager created; idempotent. Later calls raise ``RuntimeError``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._flat = None
+        groups, self._owned_groups = self._owned_groups, []
+        if dist.is_initialized():
+            for group in groups:
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError):  # already destroyed with the default group
+                    pass
+
+    def __enter__(self) -> AveragerBase:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed: build a new averager to keep averaging")

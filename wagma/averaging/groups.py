@@ -1,0 +1,107 @@
+"""Process groups for the synchronous averagers and the group hooks: timeouts and contiguous blocks.
+
+Creating a process group is collective over the default group in ``torch.distributed``: every rank must
+create every group, in the same order, even the groups it is not a member of. The helpers here are
+therefore called from constructors only (never lazily from ``average_parameters`` or a hook), and each
+group carries an explicit timeout so a hung or dead peer ends in an error instead of gloo's default
+30-minute wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "as_timeout",
+    "contiguous_subgroups",
+    "group_ranks",
+    "new_timeout_group",
+    "require_initialized",
+]
+
+#: Timeout of the groups wagma creates when the caller does not pass one.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def as_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    """Return ``timeout`` as a positive ``timedelta``; a number is taken as seconds.
+
+    Raises:
+        ValueError: if the timeout is not positive or not a number or ``timedelta``.
+    """
+    if isinstance(timeout, datetime.timedelta):
+        value = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = datetime.timedelta(seconds=float(timeout))
+    else:
+        raise ValueError(f"timeout: expected a datetime.timedelta or seconds as a number, found {timeout!r}")
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout: expected a positive duration, found {value.total_seconds()} s")
+    return value
+
+
+def require_initialized(what: str) -> None:
+    """Raise ``RuntimeError`` naming ``what`` if the default process group does not exist yet."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed: call torch.distributed.init_process_group() on every rank first"
+        )
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` in group-rank order; ``None`` means every rank of the default group."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def new_timeout_group(ranks: Sequence[int] | None, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """Create a process group over ``ranks`` (``None``: all ranks) whose collectives time out.
+
+    Collective over the default group: every rank calls it with the same arguments, in the same order.
+    Ranks outside ``ranks`` get ``GroupMember.NON_GROUP_MEMBER`` back.
+    """
+    return dist.new_group(ranks=None if ranks is None else list(ranks), timeout=timeout)
+
+
+def contiguous_subgroups(
+    group_size: int, ranks: Sequence[int], timeout: datetime.timedelta
+) -> tuple[dist.ProcessGroup | None, list[list[int]]]:
+    """Split ``ranks`` into contiguous blocks of ``group_size`` and create one group per block.
+
+    Every rank of the default group must call this with the same arguments, in the same order: it creates
+    all blocks' groups, also those it is not in. A block of one rank gets no group (there is nothing to
+    reduce); callers skip communication for it.
+
+    Args:
+        group_size: ranks per block; must divide ``len(ranks)``.
+        ranks: global ranks to partition, in order (block ``k`` is ``ranks[k*group_size:(k+1)*group_size]``).
+        timeout: timeout of every created group.
+
+    Returns:
+        ``(mine, blocks)``: the group of the block holding the calling rank (``None`` when the calling rank
+        is in no block or its block has one rank) and the blocks as lists of global ranks.
+
+    Raises:
+        ValueError: if ``group_size`` is not a positive integer dividing ``len(ranks)``.
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size: expected a positive integer, found {group_size!r}")
+    if len(ranks) % group_size != 0:
+        raise ValueError(
+            f"group_size: expected a divisor of the number of ranks ({len(ranks)}), found {group_size}"
+        )
+    me = dist.get_rank()
+    blocks = [list(ranks[i : i + group_size]) for i in range(0, len(ranks), group_size)]
+    mine: dist.ProcessGroup | None = None
+    if group_size == 1:
+        return None, blocks
+    for block in blocks:
+        group = new_timeout_group(block, timeout)
+        if me in block:
+            mine = group
+    return mine, blocks

@@ -1,0 +1,119 @@
+"""Two-level averaging: fixed groups of nearby ranks often, all ranks rarely (Cong et al., DESIGN §2.5)."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from wagma.averaging.base import AveragerBase, Reduction, check_int
+from wagma.averaging.groups import DEFAULT_TIMEOUT, contiguous_subgroups, group_ranks, require_initialized
+
+__all__ = ["HierarchicalAverager"]
+
+
+class HierarchicalAverager(AveragerBase):
+    """Local means inside fixed contiguous groups every ``local_period`` steps, global every ``global_period``.
+
+    The ranks of the global group are cut into contiguous blocks of ``local_group_size`` (node-local when
+    ranks are numbered node by node). After ``warmup_steps``, with ``s = step - warmup_steps``:
+
+    - ``s % global_period == 0``: global mean over all ranks (``"global"``);
+    - else ``s % local_period == 0``: mean inside this rank's block (``"local"``);
+    - else nothing. On a step where both fire only the global mean runs.
+
+    Counting from the end of the warm-up (not from step 0, as torch's ``HierarchicalModelAverager``
+    does) makes the one-level cases equal :class:`PeriodicAverager`: with ``local_period ==
+    global_period`` only global means run, every ``global_period`` steps; with ``local_group_size`` equal
+    to the number of ranks the "local" group is everyone, so those means run (and count) as global
+    ones, every ``local_period`` steps. With ``local_group_size == 1`` local means are no-ops and are
+    skipped (nothing is sent or counted).
+
+    Every rank creates all local groups in the constructor, in the same order.
+
+    Args:
+        local_group_size: ranks per local group; must divide the number of ranks.
+        local_period: steps between local means; at least 1.
+        global_period: steps between global means; a multiple of ``local_period``.
+        warmup_steps: calls before the first mean; at least 0.
+        process_group: group of the global mean; ``None`` creates a timeout-bound group over all ranks.
+            A given group must span every rank of the default group (local groups are cut from it).
+        average_buffers: also average the floating-point buffers passed to ``average_parameters``.
+        timeout: timeout of the groups this averager creates (``timedelta`` or seconds).
+    """
+
+    def __init__(
+        self,
+        local_group_size: int,
+        local_period: int,
+        global_period: int,
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        average_buffers: bool = True,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.local_group_size = check_int("local_group_size", local_group_size, 1)
+        self.local_period = check_int("local_period", local_period, 1)
+        self.global_period = check_int("global_period", global_period, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        if global_period % local_period != 0:
+            raise ValueError(
+                f"global_period: expected a multiple of local_period ({local_period}), found {global_period}"
+            )
+        # Check everything that needs the world before creating any group, so a bad argument cannot leave
+        # some ranks inside a collective group creation.
+        require_initialized(type(self).__name__)
+        world = dist.get_world_size()
+        if process_group is not None:
+            if not isinstance(process_group, dist.ProcessGroup) or process_group.size() != world:
+                found = process_group.size() if isinstance(process_group, dist.ProcessGroup) else "none (not a member)"
+                raise ValueError(
+                    f"process_group: expected a group spanning all {world} ranks (local groups are cut from it), "
+                    f"found {found} ranks"
+                )
+        if world % local_group_size != 0:
+            raise ValueError(
+                f"local_group_size: expected a divisor of the number of ranks ({world}), found {local_group_size}"
+            )
+        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout)
+        self._global_every = local_period if local_group_size == world else global_period
+        self._has_local = 1 < local_group_size < world
+        self.local_group: dist.ProcessGroup | None = None
+        #: The local groups as lists of global ranks (block k holds ranks k*S .. k*S+S-1 of the global group).
+        self.local_blocks: list[list[int]] = [[r] for r in group_ranks(self.process_group)]
+        if self._has_local:
+            self.local_group, self.local_blocks = contiguous_subgroups(
+                local_group_size, group_ranks(self.process_group), self.timeout
+            )
+            if self.local_group is not None:
+                self._owned_groups.append(self.local_group)
+        elif local_group_size == world:
+            self.local_blocks = [group_ranks(self.process_group)]
+
+    def reduction_at(self, step: int) -> Reduction | None:
+        """The reduction the call with this ``step`` runs: ``"global"``, ``"local"`` or ``None``."""
+        if step < self.warmup_steps:
+            return None
+        s = step - self.warmup_steps
+        if s % self._global_every == 0:
+            return "global"
+        if self._has_local and s % self.local_period == 0:
+            return "local"
+        return None
+
+    def _average_step(self, tensors: list[torch.Tensor]) -> Reduction | None:
+        kind = self.reduction_at(self.step)
+        if kind == "global":
+            self.allreduce_mean(tensors, self.process_group, "global")
+        elif kind == "local":
+            assert self.local_group is not None  # _has_local and a member: the constructor made it
+            self.allreduce_mean(tensors, self.local_group, "local")
+        return kind
+
+    def __repr__(self) -> str:
+        return (
+            f"HierarchicalAverager(local_group_size={self.local_group_size}, local_period={self.local_period}, "
+            f"global_period={self.global_period}, warmup_steps={self.warmup_steps}, step={self.step})"
+        )

@@ -1,0 +1,154 @@
+"""Synchronous DDP communication hooks: global allreduce, allreduce inside fixed groups, no communication.
+
+Hooks follow torch's contract: a plain function ``hook(state, bucket) -> Future[Tensor]`` registered with
+``DistributedDataParallel.register_comm_hook(state, hook)``; the future's value replaces the bucket's
+gradients. Their tunables live on small state classes that drop process groups when pickled, as torch's
+hook states do.
+
+No ``from __future__ import annotations`` in hook modules: DDP checks that a hook's ``bucket`` and return
+annotations are the real ``dist.GradBucket`` and ``Future[Tensor]`` objects, and strings fail that check.
+"""
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
+
+__all__ = [
+    "AllreduceState",
+    "GroupAllreduceState",
+    "allreduce_hook",
+    "group_allreduce_hook",
+    "local_hook",
+    "no_state",
+]
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def _mean_future(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+    # Divide first (as torch's default hook does) so low-precision sums do not overflow.
+    tensor.div_(group.size())
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+class AllreduceState:
+    """State of :func:`allreduce_hook`: the process group to average over.
+
+    Pickling drops the group; an unpickled state averages over the default group.
+
+    Args:
+        process_group: group to average over; ``None`` means the default group (what DDP uses).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group: expected a ProcessGroup or None, found {process_group!r}")
+        self.process_group = process_group
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "process_group"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.process_group = None
+
+
+def allreduce_hook(state: AllreduceState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Gradient mean over ``state.process_group`` (default: all ranks): what DDP does without a hook.
+
+    Args:
+        state: an :class:`AllreduceState`, or ``None`` for the default group.
+        bucket: the gradient bucket DDP hands over; its buffer is reduced in place.
+    """
+    group = state.process_group if state is not None and state.process_group is not None else dist.group.WORLD
+    return _mean_future(bucket.buffer(), group)
+
+
+class GroupAllreduceState:
+    """State of :func:`group_allreduce_hook`: fixed contiguous groups of ``group_size`` ranks.
+
+    The ranks of the default group are cut into blocks ``[0, S)``, ``[S, 2S)``, ...; the constructor
+    creates every block's group on every rank, in the same order (group creation is collective). Pickling
+    drops the groups; after unpickling call :meth:`create_groups` on every rank before using the state.
+
+    Args:
+        group_size: ranks per group; must divide the number of ranks.
+        timeout: timeout of the created groups (``timedelta`` or seconds).
+    """
+
+    def __init__(self, group_size: int, *, timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> None:
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+            raise ValueError(f"group_size: expected an integer >= 1, found {group_size!r}")
+        self.group_size = group_size
+        self.timeout = as_timeout(timeout)
+        self.subgroup: dist.ProcessGroup | None = None
+        self.blocks: list[list[int]] = []
+        self.groups_created = False
+        self.create_groups()
+
+    def create_groups(self) -> None:
+        """Create the block groups (collective: every rank calls it, in the same order as other groups).
+
+        Raises:
+            ValueError: if ``group_size`` does not divide the number of ranks.
+        """
+        require_initialized(type(self).__name__)
+        world = dist.get_world_size()
+        if world % self.group_size != 0:
+            raise ValueError(
+                f"group_size: expected a divisor of the number of ranks ({world}), found {self.group_size}"
+            )
+        self.subgroup, self.blocks = contiguous_subgroups(self.group_size, list(range(world)), self.timeout)
+        self.groups_created = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("subgroup", "groups_created")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.subgroup = None
+        self.groups_created = False
+
+
+def group_allreduce_hook(state: GroupAllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Gradient mean inside this rank's fixed group of ``state.group_size`` ranks.
+
+    Args:
+        state: a :class:`GroupAllreduceState` whose groups exist on every rank.
+        bucket: the gradient bucket DDP hands over; its buffer is reduced in place.
+
+    Raises:
+        RuntimeError: if the state has no groups (it was unpickled and :meth:`GroupAllreduceState.create_groups`
+            was not called).
+    """
+    if not state.groups_created:
+        raise RuntimeError(
+            "GroupAllreduceState has no process groups (it was unpickled): call state.create_groups() on every "
+            "rank before training"
+        )
+    if state.subgroup is None:  # a group of one: the mean is the gradient itself
+        return _completed(bucket.buffer())
+    return _mean_future(bucket.buffer(), state.subgroup)
+
+
+def no_state() -> None:
+    """State factory of :func:`local_hook`: it needs none."""
+    return None
+
+
+def local_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """No communication: the bucket's local gradients are used as they are (for model-averaging phases).
+
+    Args:
+        state: ignored (``None`` is fine).
+        bucket: the gradient bucket DDP hands over.
+    """
+    return _completed(bucket.buffer())
