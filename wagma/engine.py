@@ -293,11 +293,14 @@ class WaitAvoidingGroupAllreduce:
             k = self._thread_round
             self._cond.notify_all()
         if self._thread.is_alive():
-            try:  # wake the thread if it waits for round k's activation; only this rank reads this key
-                self._main_store.set(f"in/{k}/{self.rank}", "close")
-            except Exception:  # noqa: BLE001 - the store may be gone already; the join below bounds us
-                pass
-            self._thread.join(timeout=self.timeout.total_seconds() + 5.0)
+            wake = f"in/{k}/{self.rank}"  # only this rank's thread reads this key
+            try:
+                self._main_store.set(wake, "close")
+                self._thread.join(timeout=self.timeout.total_seconds() + 5.0)
+                if not self._thread.is_alive():
+                    self._main_store.delete_key(wake)
+            except Exception:  # noqa: BLE001 - the store may be gone already
+                self._thread.join(timeout=self.timeout.total_seconds() + 5.0)
         self._results.clear()
         self._groups.clear()
         self._global = None
