@@ -1,0 +1,310 @@
+"""The training application: configs, models, metrics, the policy seam, train() end to end, resume, torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from wagma.config import ConfigError, build_optimizer, group_options, validate_config
+from wagma.data import DATASET_INFO, load_dataset
+from wagma.imbalance import build_imbalance
+from wagma.launch import hydra_rank_overrides
+from wagma.metrics import SUMMARY_KEYS, MetricsWriter, read_metrics, write_summary
+from wagma.models import build_model
+from wagma.policy import AllreducePolicy, Policy, build_policy
+from wagma.testing import WorkerError, run_workers, run_workers_outcomes
+from wagma.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+GROUPS = ("data", "model", "optim", "imbalance", "averaging")
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+# --- configs ---------------------------------------------------------------------------------------
+
+
+def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
+    cfg = _compose()
+    assert {g: cfg[g].name for g in GROUPS} == {
+        "data": "digits", "model": "mlp", "optim": "sgd", "imbalance": "none", "averaging": "allreduce",
+    }
+    for key in ("steps", "batch_size", "seed", "checkpoint_every", "resume", "eval_every", "log_every"):
+        assert key in cfg
+    assert cfg.device == "auto"
+    assert set(_options("imbalance")) == {"none", "random_k", "persistent", "heavy_tail"}
+    assert set(_options("model")) == {"mlp", "cnn"} and set(_options("data")) == {"digits", "mnist"}
+    assert set(_options("optim")) == {"sgd", "adam"} and "allreduce" in _options("averaging")
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_config_option_composes_validates_and_builds(group, option):
+    cfg = _compose(f"{group}={option}")
+    assert cfg[group].name == option
+    validate_config(cfg, 4)
+    data = group_options(cfg, "data")
+    ds = load_dataset(data["name"], seed=cfg.seed, test_fraction=data["test_fraction"])
+    model_cfg = group_options(cfg, "model")
+    model = build_model(model_cfg.pop("name"), ds.in_shape, ds.num_classes, **model_cfg)
+    assert model(ds.x_test[:5]).shape == (5, ds.num_classes)
+    assert isinstance(build_optimizer(group_options(cfg, "optim"), model.parameters()), torch.optim.Optimizer)
+    for rank in range(4):
+        assert build_imbalance(group_options(cfg, "imbalance"), rank, 4).delay_s(0, 0.001) >= 0.0
+    policy = build_policy(group_options(cfg, "averaging"), rank=0, world_size=4, device=torch.device("cpu"))
+    assert isinstance(policy, Policy) and policy.name == cfg.averaging.name
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["data.name=cifar10"], "unknown dataset 'cifar10'; known datasets: digits, mnist"),
+        (["model.name=resnet"], "unknown model 'resnet'; known models: cnn, mlp"),
+        (["averaging.name=gossip"], "unknown averaging policy 'gossip'; known policies: allreduce"),
+        (["optim.name=lamb"], "unknown optimizer 'lamb'"),
+        (["checkpoint_every=-5"], "checkpoint_every must be an integer >= 0, got -5"),
+        (["eval_every=-1", "steps=0"], r"(?s)steps must be.*eval_every must be"),
+        (["+averaging.sync_period=-2"], "averaging.sync_period must be >= 0, got -2"),
+        (["+averaging.group_size=3"], "group_size=3 must be a positive divisor of the world size 4"),
+        (["imbalance=random_k", "imbalance.k=5"], r"k <= world size \(4\)"),
+        (["batch_size=400"], "exceeds the 359 training examples each of 4 ranks holds"),
+        (["device=tpu"], "device must be"),
+    ],
+)
+def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_config(_compose(*overrides), 4)
+
+
+# --- models, metrics, policy ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("dataset", ["digits", "mnist"])
+def test_models_work_on_both_input_sizes(name, dataset):
+    _, in_shape, classes = DATASET_INFO[dataset]
+    model = build_model(name, in_shape, classes)
+    assert model(torch.randn(3, *in_shape)).shape == (3, classes)
+    if name == "mlp":
+        assert build_model("mlp", in_shape, classes, hidden=[32, 16])(torch.randn(2, *in_shape)).shape == (2, classes)
+
+
+def test_unknown_model_and_bad_arguments_raise_value_error():
+    with pytest.raises(ValueError, match="known models: cnn, mlp"):
+        build_model("vit", (1, 8, 8), 10)
+    with pytest.raises(ValueError, match="bad arguments for model 'mlp'"):
+        build_model("mlp", (1, 8, 8), 10, depth=3)
+
+
+def test_metrics_writer_appends_and_truncates_for_resume(tmp_path):
+    with MetricsWriter(tmp_path, 2) as w:
+        for step in range(1, 6):
+            w.write(step, loss=torch.tensor(1.0 / step), wait_s=0.001, extra_field=[1, 2], bad=float("nan"))
+    records = read_metrics(tmp_path, 2)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[1] == {"step": 2, "rank": 2, "loss": 0.5, "wait_s": 0.001, "extra_field": [1, 2], "bad": None}
+    with MetricsWriter(tmp_path, 2, keep_through=3) as w:  # resumed from the checkpoint of step 3
+        w.write(4, loss=0.1)
+    assert [r["step"] for r in read_metrics(tmp_path, 2)] == [1, 2, 3, 4]
+    assert (tmp_path / "metrics_rank2.jsonl").exists()
+
+
+def test_summary_needs_its_keys(tmp_path):
+    with pytest.raises(ValueError, match="summary lacks"):
+        write_summary(tmp_path, {"policy": "allreduce"})
+    path = write_summary(tmp_path, {k: 1 for k in SUMMARY_KEYS} | {"extra": float("inf")})
+    assert json.loads(path.read_text())["extra"] is None
+
+
+def test_policy_defaults_are_no_ops_and_allreduce_counts_reductions():
+    base = Policy()
+    model = torch.nn.Linear(2, 2)
+    assert base.wrap(model) is model and base.state_dict() == {} and base.stats() == {}
+    policy = AllreducePolicy(device=torch.device("cpu"))
+    for step in range(3):
+        policy.after_step(None, step)  # type: ignore[arg-type]
+    assert policy.stats() == {"global_reductions": 3, "staleness": 0}
+    restored = AllreducePolicy(device=torch.device("cpu"))
+    restored.load_state_dict(policy.state_dict())
+    assert restored.global_reductions == 3
+    with pytest.raises(ValueError, match="known policies: allreduce"):
+        build_policy({"name": "wagma"}, rank=0, world_size=4, device=torch.device("cpu"))
+
+
+# --- train() on forked ranks ---------------------------------------------------------------------
+
+
+def _cfg(run_dir: Path, *overrides: str) -> DictConfig:
+    cfg = _compose("progress=false", *overrides)
+    cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def _train_worker(rank: int, world_size: int, cfg: DictConfig, kill_at: int | None = None) -> dict:
+    def stop(done: int, timings: dict) -> None:
+        if done == kill_at:
+            os._exit(9)  # like a SIGKILL: no cleanup, no final checkpoint
+
+    return train(cfg, step_callback=stop if kill_at is not None else None)
+
+
+def test_train_end_to_end_on_three_ranks(tmp_path):
+    cfg = _cfg(tmp_path, "steps=90", "eval_every=30", "log_every=2", "checkpoint_every=40")
+    summaries = run_workers(_train_worker, 3, cfg, timeout_s=120)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary["policy"] == "allreduce" and summary["world_size"] == 3 and summary["steps"] == 90
+    assert summary["global_reductions"] == 90 and summary["test_accuracy"] >= 0.9
+    assert summary["samples_per_s"] > 0 and summary["mean_wait_s"] >= 0 and summary["wall_s"] > 0
+    assert all(s["test_accuracy"] == summary["test_accuracy"] for s in summaries)
+    for rank in range(3):
+        records = read_metrics(tmp_path, rank)
+        assert [r["step"] for r in records] == list(range(2, 91, 2))  # every log_every steps, evals included
+        assert {"loss", "samples_per_s", "wait_s", "reductions", "staleness", "compute_s"} <= set(records[0])
+        assert [r["step"] for r in records if "test_accuracy" in r] == [30, 60]
+        assert records[-1]["reductions"] == 90 and records[-1]["loss"] < records[0]["loss"]
+    # One complete checkpoint left, the final one; replicas identical under allreduce.
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "90" and [p.name for p in ckpt.glob("step_*")] == ["step_00000090"]
+    states = [torch.load(ckpt / "step_00000090" / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    assert all(s["step"] == 90 and s["policy_state"] == {"global_reductions": 90} for s in states)
+    for name, tensor in states[0]["model"].items():
+        assert all(torch.equal(tensor, s["model"][name]) for s in states[1:])
+    final = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(final[k], states[0]["model"][k]) for k in final)
+
+
+def test_kill_and_resume_gives_the_same_model_as_an_uninterrupted_run(tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    common = ("steps=40", "checkpoint_every=10", "imbalance=none", "model=cnn")
+    run_workers(_train_worker, 2, _cfg(straight, *common))
+
+    outcomes = run_workers_outcomes(_train_worker, 2, _cfg(broken, *common), 25)
+    assert not any(o.ok for o in outcomes)  # killed after step 25 ...
+    assert (broken / "checkpoints" / "latest").read_text().strip() == "20"  # ... its last checkpoint: step 20
+    assert not (broken / "summary.json").exists()
+
+    summaries = run_workers(_train_worker, 2, _cfg(broken, *common, "resume=true"))
+    assert summaries[0]["resumed_from"] == 20
+    a = torch.load(straight / "model.pt", weights_only=True)
+    b = torch.load(broken / "model.pt", weights_only=True)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    for rank in range(2):
+        sa = torch.load(straight / "checkpoints/step_00000040" / f"rank{rank}.pt", weights_only=True)
+        sb = torch.load(broken / "checkpoints/step_00000040" / f"rank{rank}.pt", weights_only=True)
+        assert sa["data"] == sb["data"] and sa["policy_state"] == sb["policy_state"] == {"global_reductions": 40}
+        for k, v in sa["optimizer"]["state"].items():
+            assert torch.equal(v["momentum_buffer"], sb["optimizer"]["state"][k]["momentum_buffer"])
+        # The steps the killed run did after its checkpoint are recorded once.
+        assert [r["step"] for r in read_metrics(broken, rank)] == list(range(1, 41))
+    assert json.loads((straight / "summary.json").read_text())["test_accuracy"] == summaries[0]["test_accuracy"]
+
+
+def test_bad_config_fails_on_every_rank_before_training(tmp_path):
+    cfg = _cfg(tmp_path, "+averaging.group_size=2", "checkpoint_every=-1")
+    outcomes = run_workers_outcomes(_train_worker, 3, cfg)
+    assert [o.ok for o in outcomes] == [False] * 3
+    for o in outcomes:
+        assert "ConfigError: invalid configuration" in o.error
+        assert "group_size=2 must be a positive divisor of the world size 3" in o.error
+    assert list(tmp_path.iterdir()) == []  # nothing written: it failed before training
+
+
+def test_wait_is_measured_on_the_ranks_that_wait(tmp_path):
+    # Rank 1 sleeps 40 ms before every step; rank 0 finishes its compute first and waits in backward().
+    cfg = _cfg(tmp_path, "steps=12", "imbalance=persistent", "imbalance.ranks=[1]", "imbalance.base_s=0.04")
+    run_workers(_train_worker, 2, cfg)
+    fast, slow = (read_metrics(tmp_path, r)[2:] for r in range(2))  # skip DDP's first iterations
+    mean = lambda records, key: sum(r[key] for r in records) / len(records)  # noqa: E731
+    assert mean(slow, "imbalance_s") >= 0.04 and mean(fast, "imbalance_s") == 0.0
+    assert mean(fast, "wait_s") - mean(slow, "wait_s") > 0.025
+    assert mean(fast, "compute_s") > 0 and mean(fast, "wait_s") < mean(fast, "step_s")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["expected_mean_delay_s"] == pytest.approx(0.02) and summary["expected_max_delay_s"] == pytest.approx(0.04)
+
+
+def test_device_cuda_without_gpus_fails_on_every_rank(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    outcomes = run_workers_outcomes(_train_worker, 2, _cfg(tmp_path, "device=cuda"))
+    assert all(not o.ok and "device=cuda was requested but at least one rank has no CUDA GPU" in o.error for o in outcomes)
+
+
+def test_hydra_rank_overrides_keep_other_ranks_from_writing_hydra_files():
+    assert hydra_rank_overrides(["steps=3"], 0) == []
+    assert hydra_rank_overrides(["steps=3"], 2) == ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+    assert hydra_rank_overrides(["hydra/job_logging=none"], 1) == ["hydra.output_subdir=null"]
+
+
+def test_train_without_run_dir_outside_hydra_fails_clearly():
+    with pytest.raises(WorkerError, match="run_dir is not set and Hydra is not running"):
+        run_workers(_train_worker, 1, _compose("progress=false"))
+
+
+# --- the real thing: torchrun + Hydra ------------------------------------------------------------
+
+
+def _torchrun(cwd: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(ROOT / "train.py"), "progress=false", *overrides,
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
+
+
+@pytest.mark.slow
+def test_torchrun_writes_one_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _torchrun(tmp_path, "steps=40", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing else, e.g. no outputs/
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert names == [
+        ".hydra", "checkpoints", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "model.pt", "summary.json", "train.log",
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 40 and summary["test_accuracy"] > 0.8
+    assert "training mlp on digits, 2 rank(s)" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_torchrun_default_run_dir_is_shared_by_all_ranks(tmp_path):
+    proc = _torchrun(tmp_path, "steps=20", nproc=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs
+    assert {p.name for p in run_dirs[0].glob("metrics_rank*.jsonl")} == {f"metrics_rank{r}.jsonl" for r in range(3)}
+    assert (run_dirs[0] / "summary.json").exists() and (run_dirs[0] / ".hydra" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override,message,code",
+    [
+        ("+averaging.group_size=3", "group_size=3 must be a positive divisor of the world size 2", 2),
+        ("data=cifar", "Could not find 'data/cifar'", 1),
+    ],
+)
+def test_torchrun_bad_config_is_reported_once(tmp_path, override, message, code):
+    proc = _torchrun(tmp_path, override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert output.count(message) == 1, output[-3000:]
+    assert f"exitcode: {code}" in output or f"exitcode  : {code}" in output
+    assert not (tmp_path / "run" / "checkpoints").exists()

