@@ -123,6 +123,7 @@ class WaitAvoidingGroupAllreduce:
         store: the c10d store for activation; defaults to the default process group's store.
         name: namespace of the engine's store keys; defaults to a per-process counter, which is the
             same on every rank because construction is collective.
+        start_round: the round of the first call (to resume a run: every rank passes the same value).
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class WaitAvoidingGroupAllreduce:
         accumulate: bool = False,
         store: dist.Store | None = None,
         name: str | None = None,
+        start_round: int = 0,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -166,6 +168,8 @@ class WaitAvoidingGroupAllreduce:
             raise ValueError(f"trigger must be 'any' or 'initiator', got {trigger!r}")
         if not isinstance(initial, torch.Tensor):
             raise ValueError(f"initial must be a torch.Tensor, got {type(initial).__name__}")
+        if not isinstance(start_round, int) or isinstance(start_round, bool) or start_round < 0:
+            raise ValueError(f"start_round must be an int >= 0, got {start_round!r}")
         if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
 
@@ -197,18 +201,19 @@ class WaitAvoidingGroupAllreduce:
         self._side_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._cond = threading.Condition()
         # All fields below are guarded by self._cond.
-        self._arrived = -1  # newest call the main thread has published
+        self._start = start_round
+        self._arrived = start_round - 1  # newest call the main thread has published
         self._snapshot = initial.detach().clone()  # replace: immutable published tensor; accumulate: pending
-        self._snapshot_version = -1
+        self._snapshot_version = start_round - 1  # `initial` counts as the call before the first
         self._snapshot_event = self._record()
         self._results: dict[int, _Done] = {}
-        self._thread_round = 0  # the round the thread works on
-        self._activated = -1  # newest round whose activation the thread has seen
+        self._thread_round = start_round  # the round the thread works on
+        self._activated = start_round - 1  # newest round whose activation the thread has seen
         self._phase = "starting"
         self._error: BaseException | None = None
         self._stop = False
 
-        self._calls = 0
+        self._calls = start_round
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"wagma-progress-{prefix.strip('/')}", daemon=True)
         self._thread.start()
@@ -282,6 +287,16 @@ class WaitAvoidingGroupAllreduce:
             stream.wait_event(event)
             out.record_stream(stream)
         return out
+
+    def pending(self) -> torch.Tensor:
+        """Accumulate mode: a copy of what is pending now, without taking it (for checkpoints)."""
+        self._check_usable()
+        if not self.accumulate:
+            raise RuntimeError("pending() needs accumulate=True: in replace mode nothing is pending")
+        with self._cond:
+            if self._snapshot_event is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._snapshot_event)
+            return self._snapshot.clone()
 
     def close(self) -> None:
         """Stop the progress thread and drop the communicators. A second call does nothing."""
@@ -387,8 +402,8 @@ class WaitAvoidingGroupAllreduce:
                 self._cond.notify_all()
 
     def _loop(self) -> None:
-        k = 0
-        last_sync = -1
+        k = self._start
+        last_sync = k - 1
         while True:
             is_sync = self.is_sync_round(k)
             needed = k if is_sync else k - self.max_lead

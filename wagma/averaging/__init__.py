@@ -4,7 +4,8 @@
 - :class:`PeriodicAverager` -- K-AVG: a global mean every ``period`` steps.
 - :class:`HierarchicalAverager` -- local means in fixed groups, global means less often.
 - :class:`ReductionMomentum` -- momentum on the progress between reductions, around either of them.
-- :class:`AveragingOptimizer` -- ``optimizer.step()`` followed by the averager's step.
+- :class:`AveragingOptimizer` -- ``optimizer.step()`` and the averager's step, in the averager's order.
+- :class:`WagmaAverager` -- WAGMA-SGD: wait-avoiding group averages on rotating groups (DESIGN §2.2).
 """
 
 from wagma.averaging.base import (
@@ -21,9 +22,11 @@ from wagma.averaging.hierarchical import HierarchicalAverager
 from wagma.averaging.momentum import MomentumLevels, ReductionMomentum, reduction_momentum_update_
 from wagma.averaging.optimizer import AveragingOptimizer
 from wagma.averaging.periodic import PeriodicAverager
+from wagma.averaging.wagma import ORDERS, WagmaAverager
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "ORDERS",
     "AveragerBase",
     "AveragerStats",
     "AveragingOptimizer",
@@ -34,6 +37,7 @@ __all__ = [
     "PeriodicAverager",
     "Reduction",
     "ReductionMomentum",
+    "WagmaAverager",
     "collect_buffers",
     "collect_parameters",
     "reduction_momentum_update_",

@@ -58,13 +58,25 @@ class AveragingOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One local optimizer step, then one averager step. Returns the closure's loss, if any."""
+        """One local optimizer step and one averager step, in the averager's ``order``.
+
+        Averagers with ``order == "average_then_step"`` (WAGMA's reference) average first, so the step
+        applies the gradient computed at the local model to the average; all others step, then average.
+        Returns the closure's loss, if any.
+        """
+        average_first = getattr(self.averager, "order", "step_then_average") == "average_then_step"
+        if average_first:
+            self._average()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if not average_first:
+            self._average()
+        return loss
+
+    def _average(self) -> None:
         if self.module is not None:
             self.averager.average_parameters(self.param_groups, self.module.buffers())  # type: ignore[call-arg]
         else:
             self.averager.average_parameters(self.param_groups)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the wrapped optimizer's gradients."""

@@ -94,3 +94,12 @@ def available() -> list[str]:
 register("allreduce", allreduce_hook, AllreduceState)
 register("group_allreduce", group_allreduce_hook, GroupAllreduceState)
 register("local", local_hook, no_state)
+
+# eager-SGD partial allreduce (imported last: it builds on the averaging base and the engine).
+import functools  # noqa: E402
+
+from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook  # noqa: E402
+
+register("partial_solo", partial_allreduce_hook, functools.partial(PartialAllreduceState, mode="solo"))
+register("partial_majority", partial_allreduce_hook, functools.partial(PartialAllreduceState, mode="majority"))
+__all__ += ["PartialAllreduceState", "partial_allreduce_hook"]

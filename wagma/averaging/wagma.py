@@ -1,0 +1,177 @@
+"""WAGMA-SGD: wait-avoiding group model averaging (DESIGN §2.2), on the engine of :mod:`wagma.engine`.
+
+Each call of :meth:`WagmaAverager.average_parameters` is one round r of the engine. On an async round the
+rank's group G (S members, itself included) has exchanged what each member had published when the
+exchange started at that member, and the rank mixes with its fresh model::
+
+    reference mixing:  a = (w + sum_{j in G} w_hat_j) / (S + 1)
+    mean mixing:       a = sum_{j in G} w_hat_j / S         (when this rank's contribution was fresh)
+
+A rank whose fresh model made it into the exchange counts itself twice in the reference mixing; a late rank
+counts its stale snapshot once and its fresh model once, so nothing it computed is lost. Under mean mixing a
+fully fresh group ends identical; a late rank there falls back to the reference form, for the same reason.
+Every ``(sync_period + 1)``-th round is a blocking global mean of fresh models: all replicas become equal.
+
+The model passed at construction is published right away: until a rank's first call, that is what its
+progress thread contributes (never zeros).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
+from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.kernels import wagma_combine_
+from wagma.schedule import GroupSchedule
+
+__all__ = ["ORDERS", "WagmaAverager"]
+
+Mixing = Literal["reference", "mean"]
+Order = Literal["average_then_step", "step_then_average"]
+#: "average_then_step" (the reference): gradient at w_t, average w_t, then the optimizer step applies the
+#: gradient to the average. "step_then_average": the step first, then the average (torch's post-local-SGD).
+ORDERS: tuple[str, ...] = ("average_then_step", "step_then_average")
+_SCHEDULE_KINDS = ("auto", "butterfly", "mixed_radix")
+
+
+class WagmaAverager(AveragerBase):
+    """WAGMA-SGD model averaging: wait-avoiding group averages with a global average every ``sync_period + 1`` rounds.
+
+    Construct it on every rank, in the same order (it creates its communicators and starts a progress
+    thread), with the model already identical on all ranks (broadcast from rank 0). Then call
+    :meth:`average_parameters` once per optimizer step, before or after ``optimizer.step()`` as
+    ``order`` says (:class:`~wagma.averaging.AveragingOptimizer` and the training application follow it).
+
+    Args:
+        group_size: S, ranks per averaging group; must divide the world size.
+        sync_period: rounds between blocking global averages (every ``(sync_period + 1)``-th round is one;
+            0: every round). Also bounds staleness.
+        params: the model's parameters (``model.parameters()``, tensors or ``optimizer.param_groups``),
+            published at once as this rank's first contribution.
+        buffers: e.g. ``model.buffers()``; floating-point ones are averaged too when ``average_buffers``.
+        schedule: ``"auto"`` (butterfly when P is a power of S, else mixed radix), ``"butterfly"``,
+            ``"mixed_radix"``, a :class:`~wagma.GroupSchedule`, or explicit partitions (one per round).
+        mixing: ``"reference"`` ((w + group sum) / (S + 1)) or ``"mean"`` (group sum / S when fresh).
+        order: ``"average_then_step"`` (the reference) or ``"step_then_average"``; informs callers.
+        average_buffers: average floating-point buffers with the parameters.
+        max_lead: rounds the progress thread may run ahead of its main thread (default ``sync_period``).
+        timeout: bound of every wait (collectives, the wait for a round's result).
+    """
+
+    def __init__(
+        self,
+        group_size: int,
+        sync_period: int,
+        *,
+        params: ParamsLike,
+        buffers: Iterable[torch.Tensor] | None = None,
+        schedule: str | GroupSchedule | Sequence[Sequence[Sequence[int]]] = "auto",
+        mixing: Mixing = "reference",
+        order: Order = "average_then_step",
+        average_buffers: bool = True,
+        max_lead: int | None = None,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+    ) -> None:
+        group_size = check_int("group_size", group_size, 1)
+        sync_period = check_int("sync_period", sync_period, 0)
+        if mixing not in ("reference", "mean"):
+            raise ValueError(f"mixing: expected 'reference' or 'mean', found {mixing!r}")
+        if order not in ORDERS:
+            raise ValueError(f"order: expected one of {ORDERS}, found {order!r}")
+        if max_lead is not None:
+            max_lead = check_int("max_lead", max_lead, 0)
+            if max_lead > sync_period:
+                raise ValueError(f"max_lead: expected at most sync_period={sync_period}, found {max_lead}")
+        super().__init__(None, average_buffers=average_buffers, timeout=timeout)
+        if self.world_size % group_size:
+            raise ValueError(
+                f"group_size: expected a divisor of the world size {self.world_size}, found {group_size}"
+            )
+        self.group_size = group_size
+        self.sync_period = sync_period
+        self.mixing: Mixing = mixing
+        self.order: Order = order
+        self.max_lead = max_lead
+        self.schedule = _build_schedule(schedule, self.world_size, group_size)
+        self._tensors = self.tensors_to_average(params, buffers)
+        if not self._tensors:
+            raise ValueError("params: expected at least one tensor to average, found none")
+        self._engines: list[WaitAvoidingGroupAllreduce] = []
+        self._start_engines(0)
+
+    def _start_engines(self, start_round: int) -> None:
+        """One engine per flat (dtype, device) buffer, each publishing the current model."""
+        for engine in self._engines:
+            engine.close()
+        self._engines = [
+            WaitAvoidingGroupAllreduce(
+                self.schedule, buffer, sync_period=self.sync_period, max_lead=self.max_lead,
+                timeout=self.timeout, start_round=start_round,
+            )
+            for buffer in self.flat_buffers(self._tensors).pack()
+        ]
+
+    def _average_step(self, tensors: list[torch.Tensor]) -> Reduction | None:
+        flat = self.flat_buffers(tensors)
+        if len(flat.buffers) != len(self._engines):
+            raise ValueError(
+                f"average_parameters: expected the {len(self._engines)} dtype/device buffer(s) of the model "
+                f"passed at construction, found {len(flat.buffers)}; pass the same parameters every step"
+            )
+        kind: Reduction = "local"
+        for buffer, engine in zip(flat.pack(), self._engines):
+            res = engine(buffer)
+            size = len(res.group)
+            if res.is_sync:
+                kind = "global"
+                buffer.copy_(res.sum).div_(size)
+            elif self.mixing == "mean" and res.fresh:
+                buffer.copy_(res.sum).div_(size)
+            else:
+                wagma_combine_(buffer, res.sum, float(size + 1))
+            self.stats.record_reduction("global" if res.is_sync else "local", buffer.nbytes, res.wait_s)
+        # One contribution per round, whatever the number of buffers: the first engine's view of it.
+        self.stats.record_contribution(res.staleness)
+        flat.unpack()
+        return kind
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step", "stats"}``: the round to continue from is the step."""
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the step and counters and restart the engines at that round.
+
+        Collective: every rank calls it, in the same order, with the same step (it creates communicators).
+        The model as it is now (load the checkpoint's parameters first) is what each rank publishes.
+        """
+        self._check_open()
+        super().load_state_dict(state_dict)
+        self._start_engines(self.step)
+
+    def close(self) -> None:
+        """Stop the progress threads and release the communicators; idempotent."""
+        for engine in self._engines:
+            engine.close()
+        self._engines = []
+        super().close()
+
+
+def _build_schedule(
+    schedule: str | GroupSchedule | Sequence[Sequence[Sequence[int]]], world_size: int, group_size: int
+) -> GroupSchedule:
+    if isinstance(schedule, GroupSchedule):
+        if schedule.world_size != world_size:
+            raise ValueError(f"schedule: expected one for {world_size} ranks, found one for {schedule.world_size}")
+        return schedule
+    if isinstance(schedule, str):
+        if schedule not in _SCHEDULE_KINDS:
+            raise ValueError(f"schedule: expected one of {_SCHEDULE_KINDS} or a GroupSchedule, found {schedule!r}")
+        return GroupSchedule.create(schedule, world_size, group_size)
+    return GroupSchedule.from_partitions(schedule)

@@ -1,0 +1,246 @@
+"""eager-SGD partial allreduce of gradients as a DDP comm hook (DESIGN §2.4).
+
+Round r is iteration ``warmup_iters + r`` of DDP's backward passes. At the end of a rank's backward pass
+(its last bucket) the rank adds its fresh gradient to its *residual* and calls the engine
+(:class:`~wagma.WaitAvoidingGroupAllreduce` over one group of all ranks, in accumulate mode):
+
+- ``solo``: the first rank to finish its backward pass triggers round r for everyone;
+- ``majority``: only the initiator of round r, drawn from a seed shared by all ranks, triggers it.
+
+Every rank contributes whatever its residual holds when the exchange reaches it; the exchange takes the
+residual and zeroes it atomically, so a late gradient is carried to a later round, never dropped, and
+counted exactly once. All ranks apply the same round-r result (sum / P), so replicas stay identical.
+Every ``(sync_period + 1)``-th round is blocking and fully fresh. The first ``warmup_iters`` iterations run
+a plain allreduce (DDP rebuilds its buckets after the first), and :meth:`PartialAllreduceState.flush`
+applies what is left in the residuals at the end.
+
+No ``from __future__ import annotations`` here: DDP checks the hook's annotations as real objects.
+"""
+
+import datetime
+import time
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from wagma.averaging.base import AveragerStats, check_int, collect_parameters
+from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
+from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.schedule import GroupSchedule
+
+__all__ = ["PartialAllreduceState", "partial_allreduce_hook"]
+
+Mode = Literal["solo", "majority"]
+
+
+class PartialAllreduceState:
+    """State of :func:`partial_allreduce_hook`: the engine, the residual and the counters.
+
+    Build it on every rank, in the same order (it creates communicators and starts a progress thread),
+    from the parameters of the module DDP wraps; then ``ddp.register_comm_hook(state, partial_allreduce_hook)``.
+    After the last training step call :meth:`flush` so that no computed gradient is left unapplied, and
+    :meth:`close` at the end. Pickling drops the engine and the group (torch's convention); an unpickled
+    state must not be used for training.
+
+    Args:
+        params: the parameters of the module DDP wraps (those requiring a gradient are reduced; they must
+            share one dtype and device).
+        mode: ``"solo"`` or ``"majority"``.
+        sync_period: every ``(sync_period + 1)``-th round is a blocking, fully fresh allreduce.
+        warmup_iters: iterations of plain allreduce before partial rounds start (at least 2: DDP
+            rebuilds its buckets after the first).
+        seed: seed of the majority initiator draw (the same on all ranks).
+        max_lead: rounds the progress thread may run ahead of its backward passes (default ``sync_period``).
+        timeout: bound of every wait.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        mode: Mode = "solo",
+        sync_period: int = 32,
+        warmup_iters: int = 2,
+        seed: int = 0,
+        max_lead: int | None = None,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if mode not in ("solo", "majority"):
+            raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
+        self.mode: Mode = mode
+        self.sync_period = check_int("sync_period", sync_period, 0)
+        self.warmup_iters = check_int("warmup_iters", warmup_iters, 2)
+        self.seed = int(seed)
+        self.max_lead = max_lead
+        self.timeout = as_timeout(timeout)
+        self.params = [p for p in collect_parameters(params) if p.requires_grad]
+        if not self.params:
+            raise ValueError("params: expected at least one parameter that requires a gradient, found none")
+        kinds = {(p.dtype, p.device) for p in self.params}
+        if len(kinds) != 1:
+            raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
+        (self.dtype, self.device), = kinds
+        self._offsets: dict[int, tuple[int, int]] = {}
+        total = 0
+        for p in self.params:
+            self._offsets[id(p)] = (total, p.numel())
+            total += p.numel()
+        self.numel = total
+        self.stats = AveragerStats()
+        self.rounds = 0
+        self.iteration = 0
+        self.group: dist.ProcessGroup | None = new_timeout_group(None, self.timeout)
+        self.world_size = dist.get_world_size()
+        self.engine: WaitAvoidingGroupAllreduce | None = None
+        self._start_engine(torch.zeros(total, dtype=self.dtype, device=self.device))
+        self._staging = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
+
+    def _start_engine(self, residual: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        schedule = GroupSchedule.from_partitions([[list(range(dist.get_world_size()))]], name="global")
+        self.engine = WaitAvoidingGroupAllreduce(
+            schedule, residual, sync_period=self.sync_period, max_lead=self.max_lead, timeout=self.timeout,
+            trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
+            start_round=max(0, self.iteration - self.warmup_iters),
+        )
+
+    # --------------------------------------------------------------------------------------- the hook
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if self.engine is None or self.group is None:
+            raise RuntimeError(
+                "this PartialAllreduceState has no engine (it was closed or unpickled): build a new one on every rank"
+            )
+        if self.iteration < self.warmup_iters:
+            return self._warmup_allreduce(bucket)
+        buffer = bucket.buffer()
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            offset, n = self._offsets[id(p)]
+            self._staging[offset : offset + n].copy_(g.reshape(-1))
+        future: torch.futures.Future = torch.futures.Future()
+        self._waiting.append((bucket, future))
+        if bucket.is_last():
+            self._finish_iteration(buffer)
+        return future
+
+    def _warmup_allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        buffer = bucket.buffer().div_(self.world_size)
+        start = time.perf_counter()
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        if bucket.is_last():
+            self.iteration += 1
+        stats = self.stats
+        nbytes = buffer.nbytes
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            if bucket.is_last():
+                stats.record_reduction("global", nbytes, time.perf_counter() - start)
+            return fut.value()[0]
+
+        return work.get_future().then(done)
+
+    def _finish_iteration(self, last_buffer: torch.Tensor) -> None:
+        assert self.engine is not None
+        res = self.engine(self._staging)
+        self._staging.zero_()
+        average = res.sum.div_(self.world_size)
+        for bucket, future in self._waiting:
+            out = torch.empty_like(bucket.buffer())
+            base = bucket.buffer().storage_offset()
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                offset, n = self._offsets[id(p)]
+                at = g.storage_offset() - base
+                out[at : at + n].copy_(average[offset : offset + n])
+            future.set_result(out)
+        self._waiting = []
+        self.iteration += 1
+        self.rounds += 1
+        self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
+        self.stats.record_contribution(res.staleness if not res.fresh else 0)
+
+    # ------------------------------------------------------------------------------------ end of run
+    def flush(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply every rank's leftover residual: one blocking, fully fresh round, then ``optimizer.step()``.
+
+        Collective: call it on every rank after the last training step (and before evaluation or a
+        checkpoint that must hold every computed gradient). Writes the averaged residual into the
+        parameters' ``.grad``.
+        """
+        if self.engine is None or self.group is None:
+            raise RuntimeError("this PartialAllreduceState is closed; flush() needs its engine")
+        residual = self.engine.take()
+        start = time.perf_counter()
+        dist.all_reduce(residual, group=self.group)
+        self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
+        residual.div_(self.world_size)
+        for p in self.params:
+            offset, n = self._offsets[id(p)]
+            p.grad = residual[offset : offset + n].view_as(p).clone()
+        optimizer.step()
+
+    def fresh_fraction(self) -> float | None:
+        """Fraction of partial rounds into which this rank's fresh gradient went (None before the first)."""
+        total = self.stats.fresh_contributions + self.stats.stale_contributions
+        return self.stats.fresh_contributions / total if total else None
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Counters for the metrics stream."""
+        out = self.stats.as_dict()
+        out.update(rounds=self.rounds, iteration=self.iteration, fresh_fraction=self.fresh_fraction())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"iteration", "rounds", "stats", "residual"}``: the residual is copied, not taken."""
+        residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.dtype)
+        return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` and restart the engine at its round with its residual.
+
+        Collective: every rank calls it (the engine's communicators are created anew).
+        """
+        missing = {"iteration", "rounds", "stats", "residual"} - set(state)
+        if missing:
+            raise ValueError(f"state: expected the keys of state_dict(), missing {sorted(missing)}")
+        residual = state["residual"].to(device=self.device, dtype=self.dtype)
+        if residual.numel() != self.numel:
+            raise ValueError(f"state['residual']: expected {self.numel} elements, found {residual.numel()}")
+        self.iteration = check_int("iteration", state["iteration"], 0)
+        self.rounds = check_int("rounds", state["rounds"], 0)
+        self.stats = AveragerStats.from_dict(state["stats"])
+        self._start_engine(residual)
+
+    def close(self) -> None:
+        """Stop the engine's thread and release the groups; idempotent."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except (RuntimeError, ValueError):
+                pass
+        self.group = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(engine=None, group=None, _waiting=[])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def partial_allreduce_hook(
+    state: PartialAllreduceState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """eager-SGD partial allreduce (solo or majority, as ``state.mode``); see the module docstring.
+
+    During warm-up: a plain allreduce mean. After it, every bucket's future completes at the end of the
+    same backward pass with the round's result (sum of the contributions / world size); this rank's fresh
+    gradient is in that result if it made it into the exchange, else it is carried to a later round.
+    """
+    return state._on_bucket(bucket)
