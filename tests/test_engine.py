@@ -355,3 +355,18 @@ def test_needs_initialized_process_group():
         pytest.skip("a default process group exists in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", 2, 2), torch.zeros(1), sync_period=1)
+
+
+def _single_rank_worker(rank, world):
+    sched = GroupSchedule.create("auto", 1, 1)
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT) as eng:
+        sums = [eng(torch.full((2,), float(k))).sum.tolist() for k in range(4)]
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT, accumulate=True) as eng:
+        total = sum(eng(torch.ones(2)).sum[0].item() for _ in range(5)) + eng.take()[0].item()
+    return sums, total
+
+
+def test_single_rank_world_returns_its_own_tensor():
+    sums, total = run_workers(_single_rank_worker, 1)[0]
+    assert sums == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert total == 5.0

@@ -56,7 +56,8 @@ class RoundResult:
         fresh: whether this call's tensor went into the exchange.
         staleness: rounds between the newest call included in this rank's contribution and this
             round (0 when fresh; the initial tensor counts as call -1).
-        version: the newest call included in this rank's contribution (-1: only ``initial``).
+        version: the newest call included in this rank's contribution (``start_round - 1``: only
+            ``initial``).
         wait_s: time the main thread waited for the result inside this call.
         exchange_s: time the thread spent in the collective.
         activated_at: ``time.time()`` when this rank's thread saw the round's activation.
@@ -184,13 +185,8 @@ class WaitAvoidingGroupAllreduce:
         self._cuda = self.device.type == "cuda"
 
         # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for members in schedule.distinct_groups():
-            pg = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
-            if self.rank in members:
-                self._groups[members] = pg
         self._all = tuple(range(self.world_size))
-        self._global = dist.new_group(list(self._all), timeout=timeout) if self.world_size > 1 else None
+        self._groups, self._global = _communicators(schedule, self.rank, timeout)
 
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = f"wagma/{name if name is not None else next(_instance_ids)}/"
@@ -484,6 +480,49 @@ class WaitAvoidingGroupAllreduce:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+
+def _can_split() -> bool:
+    """Whether sub-communicators can be split from the default group (NCCL bound to a device).
+
+    The answer is the same on every rank of a job, so all ranks take the same path.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    return (
+        hasattr(dist, "split_group")
+        and dist.get_backend() == "nccl"
+        and getattr(default, "bound_device_id", None) is not None
+    )
+
+
+def _communicators(
+    schedule: GroupSchedule, rank: int, timeout: datetime.timedelta
+) -> tuple[dict[tuple[int, ...], dist.ProcessGroup | None], dist.ProcessGroup | None]:
+    """This rank's communicator for each of its groups in the schedule, and one over all ranks.
+
+    With NCCL bound to a device, each round's partition is one ``split_group`` call (one
+    ``ncclCommSplit`` for all its groups); otherwise every distinct group is a ``new_group`` (gloo).
+    """
+    world = schedule.world_size
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    if world == 1:
+        return {(0,): None}, None
+    if _can_split():
+        seen: set[tuple[tuple[int, ...], ...]] = set()
+        for r in range(schedule.period):
+            partition = tuple(schedule.groups(r))
+            if partition in seen:
+                continue
+            seen.add(partition)
+            pg = dist.split_group(split_ranks=[list(g) for g in partition], timeout=timeout)
+            mine = schedule.group_of(rank, r)
+            groups.setdefault(mine, pg if len(mine) > 1 else None)
+        return groups, dist.split_group(split_ranks=[list(range(world))], timeout=timeout)
+    for members in schedule.distinct_groups():
+        pg = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
+        if rank in members:
+            groups[members] = pg
+    return groups, dist.new_group(list(range(world)), timeout=timeout)
 
 
 def _clone(store: dist.Store) -> dist.Store:
