@@ -145,3 +145,39 @@ def test_bad_arguments_raise_value_errors():
     assert "'solo' or 'majority'" in errors["mode"]
     assert "sync_period" in errors["sync"]
     assert "warmup_iters" in errors["warmup"]
+
+
+def _resume_worker(rank, world, split):
+    batches = _batches(rank, 12)
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.0005)
+    state = PartialAllreduceState(model.parameters(), sync_period=3, max_lead=0, timeout=TIMEOUT)
+    ddp.register_comm_hook(state, partial_allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i, (x, y) in enumerate(batches):
+        if i == split:
+            saved = pickle.loads(pickle.dumps({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}))
+            state.close()
+            model = _model()
+            model.load_state_dict(saved["model"])
+            ddp = DDP(model, bucket_cap_mb=0.0005)
+            state = PartialAllreduceState(model.parameters(), sync_period=3, max_lead=0, timeout=TIMEOUT)
+            state.load_state_dict(saved["hook"])
+            ddp.register_comm_hook(state, partial_allreduce_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            opt.load_state_dict(saved["opt"])
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    state.flush(opt)
+    rounds = state.rounds
+    state.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), rounds
+
+
+def test_state_dict_round_trip_continues_like_an_uninterrupted_run():
+    straight = run_workers(_resume_worker, 3, None)
+    resumed = run_workers(_resume_worker, 3, 7)
+    for (a, ra), (b, rb) in zip(straight, resumed):
+        assert ra == rb == 10
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
