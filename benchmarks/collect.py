@@ -74,7 +74,7 @@ def time_to_target(curve: list[dict[str, float]], target: float) -> tuple[float 
 def _hist_of(d: dict[str, Any]) -> dict[str, int] | None:
     """A ``staleness_hist``-like entry of ``d`` (a {staleness: count} dict or a list indexed by staleness)."""
     for key, value in d.items():
-        if "staleness" in key and "hist" in key and value is not None:
+        if "staleness" in key and "hist" in key and value:  # an empty histogram: the policy had no async round
             if isinstance(value, dict):
                 return {str(k): int(v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):

@@ -97,6 +97,13 @@ def _staleness(hist: dict[str, int] | None) -> str:
     return f"{mean:.2f} / {max(int(k) for k in hist)}"
 
 
+def _share(cal: dict[str, Any]) -> str:
+    if not cal.get("compute_s") or not cal.get("step_s"):
+        return ""
+    return (f" ({100 * cal['compute_s'] / cal['step_s']:.0f} % of the step; the rest is DDP's allreduce and waiting: "
+            "policies that communicate less gain from that alone)")
+
+
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
     """Write ``results.md`` for a finished benchmark ``result`` (the dict saved as JSON)."""
     s, m, cal = result["settings"], result["machine"], result["calibration"]
@@ -112,8 +119,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"{s['optim']}, batch {s['batch_size']} per rank, {s['steps']} steps = {s['sample_budget']:,} samples, "
         f"test accuracy every {s['eval_every']} steps, seed {s['seed']}; {result['duration_s']:.0f} s in all.  ",
         f"Step time T = {1e3 * cal['step_s']:.2f} ms ({cal['source']}); compute part "
-        f"{_num(cal.get('compute_s'), '.2f', 1e3)} ms. Scenario delay d = {1e3 * cal['delay_s']:.2f} ms (random_k ranks "
-        "sleep d: about one step time).",
+        f"{_num(cal.get('compute_s'), '.2f', 1e3)} ms{_share(cal)}. Scenario delay d = {1e3 * cal['delay_s']:.2f} ms "
+        "(random_k ranks sleep d: about one step time).",
         "",
         "## Results",
         "",

@@ -142,7 +142,7 @@ def resolve_policy(
     try:
         validate_config(cfg, world_size)
     except ConfigError as exc:
-        return None, f"config rejected: {exc}"
+        return None, "config rejected: " + " ".join(line.strip(" -") for line in str(exc).splitlines()[1:] or [str(exc)])
     return cfg, None
 
 
