@@ -7,7 +7,10 @@ the injected sleep, compute, communication and waiting, but not evaluation, metr
   finished step s. Evaluation time is excluded (evaluations are collective, so they also re-synchronise
   the ranks; keep ``eval_every`` well above a policy's sync period).
 - **throughput**: the run summary's ``samples_per_s`` = ``P * B * steps / (slowest rank's total step time)``,
-  i.e. the same clock at the last step.
+  i.e. the same clock at the last step. Every rank runs the same number of steps, so a persistent
+  straggler bounds it for every policy; ``aggregate_samples_per_s`` = ``sum over ranks of B * steps /
+  (that rank's total step time)`` is the rate at which the ranks process samples while all are busy
+  (what fast ranks gain by not waiting for a persistent straggler).
 - **test accuracy over time**: the ``test_accuracy`` the loop records every ``eval_every`` steps (each rank
   scores its slice of the test set with *its own* replica, so for model-averaging policies this is the
   mean accuracy of the replicas), placed at the training clock of that step, plus the final accuracy
@@ -132,8 +135,11 @@ def collect(run_dir: Path, world_size: int, target: float) -> dict[str, Any]:
         for r in records_by_rank[0]
         if (value := r.get("consensus", r.get("consensus_distance"))) is not None
     ]
+    batch = int(summary.get("batch_size", 0))
+    per_rank_s = [sum(float(r["step_s"]) * int(r.get("steps_in_record", 1)) for r in recs) for recs in records_by_rank]
     return {
         "samples_per_s": summary.get("samples_per_s"),
+        "aggregate_samples_per_s": sum(batch * steps / s for s in per_rank_s if s > 0) or None,
         "time_to_target_s": ttt_s,
         "time_to_target_step": ttt_step,
         "final_accuracy": summary.get("test_accuracy"),

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -245,14 +246,21 @@ def plot_throughput(
 
 
 def plot_consensus(path: Path, records: Sequence[Record], scenarios: Sequence[str], policies: Sequence[str]) -> bool:
-    """Consensus distance against training time per scenario; False (nothing written) when no run has it."""
+    """Consensus distance against training time per scenario; False (nothing written) when no run has it.
+
+    The y axis is logarithmic down to the smallest positive value and linear below it, so DDP's exact 0
+    shows at the bottom.
+    """
     with_data = [s for s in scenarios if any((r := _find(records, s, p)) and r.get("consensus") for p in policies)]
     if not with_data:
         return False
+    positive = [p["consensus"] for r in records if r["status"] == "ok" and r.get("consensus")
+                for p in r["consensus"] if p["consensus"] > 0]
+    linthresh = 10.0 ** math.floor(math.log10(min(positive))) if positive else 1e-12
     colors = _colors(policies)
     ncols = min(3, len(with_data))
     nrows = -(-len(with_data) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.9 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False)
     for ax, scenario in zip(axes.flat, with_data, strict=False):
         for policy in policies:
             r = _find(records, scenario, policy)
@@ -260,16 +268,19 @@ def plot_consensus(path: Path, records: Sequence[Record], scenarios: Sequence[st
                 continue
             pts = [(p["time_s"], p["consensus"]) for p in r["consensus"] if p["time_s"] is not None]
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", markersize=2.5, color=colors[policy], label=policy)
-        ax.set_yscale("symlog", linthresh=1e-8)
+                ax.plot(*zip(*pts, strict=True), marker="o", markersize=2.5, linewidth=1.2, color=colors[policy],
+                        label=policy)
+        ax.set_yscale("symlog", linthresh=linthresh)
+        ax.set_xlim(left=0)
         ax.set_title(scenario)
         ax.set_xlabel("training time (s, slowest rank)")
         ax.set_ylabel("(1/P) Σ ‖w_i − w̄‖²")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(with_data):]:
         ax.axis("off")
-    fig.tight_layout()
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

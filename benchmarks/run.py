@@ -74,7 +74,10 @@ DEFINITIONS: tuple[str, ...] = (
     "(wagma.imbalance expected_mean_delay_s: k d / P for random_k). x ideal = samples/s / ideal. The JSON "
     "also holds own_ideal (T of the same policy without imbalance) and compute_ideal (T = the run's mean "
     "compute time alone, no communication).",
-    "x DDP: the ratio to allreduce (DDP) in the same scenario and run.",
+    "x DDP: the ratio to allreduce (DDP) in the same scenario and run. Every rank runs the same number of "
+    "steps, so the slowest rank bounds samples/s; the JSON's aggregate_samples_per_s (sum over ranks of "
+    "B x steps / that rank's summed step times) shows what fast ranks gain from not waiting for a persistent "
+    "straggler.",
     "t->target: training time (the slowest rank's summed step times up to that step, evaluation excluded) at "
     "the first periodic test evaluation whose accuracy reaches the target; resolution eval_every steps. During "
     "training each rank scores its slice of the test set with its own replica (mean over replicas).",
@@ -193,7 +196,8 @@ def _summary_text(rec: dict[str, Any], target: float, seconds: float) -> str:
 
 
 _EMPTY_FIELDS = (
-    "samples_per_s", "ideal_samples_per_s", "ideal_ratio", "ddp_ratio", "time_to_target_s", "ttt_ddp_ratio",
+    "samples_per_s", "aggregate_samples_per_s", "ideal_samples_per_s", "ideal_ratio", "ddp_ratio",
+    "time_to_target_s", "ttt_ddp_ratio",
     "final_accuracy", "mean_wait_s", "p95_wait_s", "global_reductions", "bytes_per_rank", "staleness_hist",
     "consensus", "final_consensus", "accuracy_curve",
 )

@@ -110,6 +110,18 @@ def test_targets_compare_ratios_measured_side_by_side():
     assert got["random_k1: eager_solo samples/s / DDP"] == (None, "n/a")
 
 
+def test_consensus_plot_only_when_recorded_and_with_exact_zeros(tmp_path):
+    def rec(policy, values):
+        points = [{"step": 10 * i, "time_s": 0.1 * i, "consensus": v} for i, v in enumerate(values, 1)]
+        return {"scenario": "none", "policy": policy, "status": "ok", "consensus": points}
+
+    assert not report.plot_consensus(tmp_path / "c.png", [rec("allreduce", [])], ["none"], ["allreduce"])
+    assert not (tmp_path / "c.png").exists()
+    records = [rec("allreduce", [0.0, 0.0]), rec("local_sgd", [3e-3, 1e-1])]
+    assert report.plot_consensus(tmp_path / "c.png", records, ["none"], ["allreduce", "local_sgd"])
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # --- the quick mode, tiny ------------------------------------------------------------------------------
 
 
@@ -138,6 +150,7 @@ def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
     for r in (ddp, kavg):
         assert r["status"] == "ok", r["reason"]
         assert r["samples_per_s"] > 0 and r["mean_wait_s"] >= 0 and r["p95_wait_s"] >= 0
+        assert r["aggregate_samples_per_s"] >= r["samples_per_s"] * (1 - 1e-9)  # sum of rank rates >= slowest-bound
         assert 0.5 <= r["final_accuracy"] <= 1 and r["time_to_target_s"] is not None
         assert r["time_to_target_s"] <= r["accuracy_curve"][-1]["time_s"]
         # The ideal: P B / (T + k d / P) with k = 1, d = T, P = 2.
