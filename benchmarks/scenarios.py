@@ -1,0 +1,151 @@
+"""The imbalance scenarios and the averaging policies the benchmark compares, and how each becomes a config.
+
+A scenario is one of :mod:`wagma.imbalance`'s injectors with its parameters expressed in units of a
+delay ``d``, by default the measured step time ``T`` (the mean per-rank step time of synchronous SGD
+without injected delay), so the same scenario means the same thing on a fast and a slow machine:
+
+- ``none``: no injected delay.
+- ``random_k1`` / ``random_k2``: each step, 1 (2) of the P ranks, drawn with a seed shared by all ranks,
+  sleep ``d`` (the papers' method: "about one step time"; ``d = T`` unless chosen otherwise).
+- ``persistent``: rank P-1 sleeps ``d`` before every step, so its steps take about 2T (2x slower).
+- ``heavy_tail``: every rank sleeps a lognormal draw each step (median ``d / 4``, sigma 1, capped at ``4 d``).
+
+A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``). :func:`resolve_policy`
+says whether it can run now: the config must exist and its ``name`` must be registered with
+:func:`wagma.policy.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
+and picks it up without changes once it is registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from wagma.config import ConfigError, group_options, validate_config
+from wagma.imbalance import build_imbalance
+from wagma.policy import known_policies
+
+__all__ = [
+    "BASELINE", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
+    "load_policy_modules", "resolve_policy",
+]
+
+POLICIES: tuple[str, ...] = (
+    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
+)
+"""The policies of issue 5, in the order tables and plots show them; ``allreduce`` is plain DDP."""
+
+BASELINE = "allreduce"
+"""The policy every ratio is taken against (synchronous SGD, DDP's allreduce)."""
+
+# Modules that register policies when imported. The training app may import them itself; importing them
+# here as well makes the benchmark see every policy that exists in the checkout. Missing ones are fine.
+_POLICY_MODULES: tuple[str, ...] = ("wagma.policies",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """An imbalance injector with parameters scaled to the delay unit ``d``.
+
+    ``overrides(d, P)`` returns the Hydra overrides of the ``imbalance`` group for a world of P ranks.
+    """
+
+    name: str
+    description: str
+    overrides: Callable[[float, int], list[str]]
+
+
+def _random_k(k: int) -> Callable[[float, int], list[str]]:
+    return lambda d, p: ["imbalance=random_k", f"imbalance.k={k}", f"imbalance.delay_s={d:.6f}"]
+
+
+def _persistent(d: float, p: int) -> list[str]:
+    return ["imbalance=persistent", f"imbalance.ranks=[{p - 1}]", "imbalance.factor=2.0", f"imbalance.base_s={d:.6f}"]
+
+
+def _heavy_tail(d: float, p: int) -> list[str]:
+    return [
+        "imbalance=heavy_tail", "imbalance.distribution=lognormal", f"imbalance.scale_s={0.25 * d:.6f}",
+        "imbalance.shape=1.0", f"imbalance.max_s={4 * d:.6f}",
+    ]
+
+
+SCENARIO_TABLE: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("none", "no injected delay", lambda d, p: ["imbalance=none"]),
+        Scenario("random_k1", "each step 1 of P ranks (shared seed) sleeps d", _random_k(1)),
+        Scenario("random_k2", "each step 2 of P ranks (shared seed) sleep d", _random_k(2)),
+        Scenario("persistent", "rank P-1 sleeps d before every step (2x slower when d = T)", _persistent),
+        Scenario("heavy_tail", "every rank sleeps a lognormal draw: median d/4, sigma 1, cap 4 d", _heavy_tail),
+    )
+}
+"""Every scenario by name."""
+
+SCENARIOS: tuple[str, ...] = tuple(SCENARIO_TABLE)
+"""Scenario names, in the order tables and plots show them."""
+
+
+def expected_delays(cfg: DictConfig, world_size: int, compute_s: float) -> tuple[float, float]:
+    """(mean, max) expected injected delay per step of ``cfg``'s imbalance, from :mod:`wagma.imbalance`.
+
+    The mean is what a perfectly wait-avoiding method pays per step (``k d / P`` for random_k); the max
+    is what synchronous SGD pays (``d``).
+    """
+    injector = build_imbalance(group_options(cfg, "imbalance"), 0, world_size)
+    return injector.expected_mean_delay_s(compute_s), injector.expected_max_delay_s(compute_s)
+
+
+def load_policy_modules() -> list[str]:
+    """Import the modules that register policies; return the ones found."""
+    found = []
+    for module in _POLICY_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # the module exists but an import inside it failed: say so
+                raise
+        else:
+            found.append(module)
+    return found
+
+
+def resolve_policy(
+    policy: str, compose: Callable[[list[str]], DictConfig], configs_dir: Path, world_size: int, base: list[str]
+) -> tuple[DictConfig | None, str | None]:
+    """The config to train ``policy`` with, or ``(None, reason)`` when it cannot run in this checkout.
+
+    Args:
+        policy: a file stem of ``configs/averaging/``.
+        compose: composes the root config with the given overrides.
+        configs_dir: the repository's ``configs/``.
+        world_size: ranks the run will have (for validation).
+        base: the other overrides (scenario, steps, ...).
+    """
+    if not (configs_dir / "averaging" / f"{policy}.yaml").exists():
+        if policy in known_policies():
+            # Registered without a config file: build it with its defaults.
+            cfg = compose(base)
+            cfg.averaging = OmegaConf.create({"name": policy})
+        else:
+            return None, f"no configs/averaging/{policy}.yaml and no registered policy named {policy!r}"
+    else:
+        cfg = compose([*base, f"averaging={policy}"])
+    name = str(cfg.averaging.name)
+    if name not in known_policies():
+        return None, f"policy {name!r} is not registered (registered: {', '.join(known_policies())})"
+    try:
+        validate_config(cfg, world_size)
+    except ConfigError as exc:
+        return None, "config rejected: " + " ".join(line.strip(" -") for line in str(exc).splitlines()[1:] or [str(exc)])
+    return cfg, None
+
+
+def describe(cfg: DictConfig) -> dict[str, Any]:
+    """The averaging options a record keeps, as plain values."""
+    return group_options(cfg, "averaging")

@@ -1,0 +1,171 @@
+"""The policy benchmark (benchmarks/run.py): its metric definitions by hand, and a tiny quick-mode run end to end."""
+
+import json
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
+import wagma.policy as policy_module  # noqa: E402
+from benchmarks import collect, report, run  # noqa: E402
+from wagma.policy import Policy, register_policy  # noqa: E402
+
+REQUIRED = (
+    "scenario", "policy", "status", "samples_per_s", "ideal_samples_per_s", "time_to_target_s", "final_accuracy",
+    "mean_wait_s", "p95_wait_s", "global_reductions", "bytes_per_rank", "staleness_hist", "consensus",
+)
+
+
+class _PeriodicAverage(Policy):
+    """A stand-in for a model-averaging policy: local SGD with a global parameter average every ``period`` steps."""
+
+    name = "bench_test_kavg"
+
+    def __init__(self, *, world_size: int, period: int = 4) -> None:
+        self.world_size, self.period = world_size, period
+        self.global_reductions, self.bytes_sent, self.since = 0, 0, 0
+        self.net: nn.Module | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.net = model
+        return model
+
+    @torch.no_grad()
+    def _average(self) -> None:
+        assert self.net is not None
+        for p in self.net.parameters():
+            dist.all_reduce(p)
+            p /= self.world_size
+            self.bytes_sent += p.numel() * p.element_size()
+        self.global_reductions += 1
+        self.since = 0
+
+    def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        self.since += 1
+        if (step + 1) % self.period == 0:
+            self._average()
+
+    def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._average()
+
+    def stats(self) -> dict[str, Any]:
+        return {"global_reductions": self.global_reductions, "staleness": self.since, "bytes_sent": self.bytes_sent}
+
+
+@pytest.fixture
+def test_policy(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Register the stand-in policy for this test only (the registry is restored afterwards)."""
+    monkeypatch.setattr(policy_module, "_POLICIES", dict(policy_module._POLICIES))
+
+    def build(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+        return _PeriodicAverage(world_size=world_size, **options)
+
+    def validate(options: Mapping[str, Any], world_size: int) -> None:
+        pass
+
+    register_policy(_PeriodicAverage.name, build, validate)
+    return _PeriodicAverage.name
+
+
+# --- definitions, by hand -------------------------------------------------------------------------------
+
+
+def test_training_clock_is_the_slowest_rank_and_time_to_target_the_first_eval_at_target():
+    fast = [{"step": s, "step_s": 0.1} for s in (1, 2, 3, 4)]
+    slow = [{"step": 1, "step_s": 0.3}, {"step": 2, "step_s": 0.1}, {"step": 3, "step_s": 0.1}, {"step": 4, "step_s": 0.1}]
+    clock = collect.training_clock([fast, slow])
+    assert clock == pytest.approx({1: 0.3, 2: 0.4, 3: 0.5, 4: 0.6})
+    # A record covering several steps counts each of them.
+    assert collect.training_clock([[{"step": 2, "step_s": 0.5, "steps_in_record": 2}]]) == {2: 1.0}
+    records = [{"step": 2, "test_accuracy": 0.8}, {"step": 3}, {"step": 4, "test_accuracy": 0.95}]
+    curve = collect.accuracy_curve(records, clock, final_step=4, final_accuracy=0.97)
+    assert [(p["step"], p["accuracy"]) for p in curve] == [(2, 0.8), (4, 0.95), (4, 0.97)]
+    assert collect.time_to_target(curve, 0.9) == (pytest.approx(0.6), 4)
+    assert collect.time_to_target(curve, 0.99) == (None, None)
+
+
+def test_targets_compare_ratios_measured_side_by_side():
+    def rec(scenario, policy, **kw):
+        return {"scenario": scenario, "policy": policy, "status": "ok", **kw}
+
+    records = [
+        rec("random_k1", "allreduce", samples_per_s=1000.0, time_to_target_s=2.0, final_accuracy=0.96),
+        rec("random_k1", "wagma", samples_per_s=1700.0, ideal_ratio=0.8, time_to_target_s=1.5, final_accuracy=0.955),
+        rec("none", "allreduce", samples_per_s=2000.0),
+        rec("none", "wagma", samples_per_s=1900.0),
+    ]
+    got = {t["target"]: (t["measured"], t["status"]) for t in report.check_targets(records)}
+    assert got["random_k1: wagma samples/s / DDP"] == (pytest.approx(1.7), "met")
+    assert got["random_k1: wagma samples/s / ideal"] == (0.8, "missed")
+    assert got["random_k1: wagma time-to-target / DDP"] == (pytest.approx(0.75), "missed")
+    assert got["random_k1: DDP final accuracy - wagma's (points)"] == (pytest.approx(0.5), "met")
+    assert got["none: wagma samples/s / DDP"] == (pytest.approx(0.95), "met")
+    assert got["random_k1: eager_solo samples/s / DDP"] == (None, "n/a")
+
+
+def test_consensus_plot_only_when_recorded_and_with_exact_zeros(tmp_path):
+    def rec(policy, values):
+        points = [{"step": 10 * i, "time_s": 0.1 * i, "consensus": v} for i, v in enumerate(values, 1)]
+        return {"scenario": "none", "policy": policy, "status": "ok", "consensus": points}
+
+    assert not report.plot_consensus(tmp_path / "c.png", [rec("allreduce", [])], ["none"], ["allreduce"])
+    assert not (tmp_path / "c.png").exists()
+    records = [rec("allreduce", [0.0, 0.0]), rec("local_sgd", [3e-3, 1e-1])]
+    assert report.plot_consensus(tmp_path / "c.png", records, ["none"], ["allreduce", "local_sgd"])
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- the quick mode, tiny ------------------------------------------------------------------------------
+
+
+def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
+    out = tmp_path / "results"
+    result = run.main([
+        "--quick", "--world", "2", "--scenarios", "random_k1", "--steps", "16", "--eval-every", "4",
+        "--target", "0.5", "--policies", "allreduce", test_policy, "no_such_policy", "--out", str(out),
+    ])
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["records"] == json.loads(json.dumps(result["records"]))
+    assert saved["command"].startswith("python ") and "--quick" in saved["command"]
+    assert {"cpu_count", "platform", "torch", "git_commit"} <= set(saved["machine"])
+    # No none scenario planned: a calibration run measured T, and the delay is that T.
+    cal = saved["calibration"]
+    assert cal["step_s"] > 0 and cal["delay_s"] == cal["step_s"] and "calibration run" in cal["source"]
+    assert saved["scenarios"]["random_k1"]["imbalance"]["delay_s"] == pytest.approx(cal["step_s"], rel=1e-3)
+
+    by_policy = {r["policy"]: r for r in saved["records"]}
+    assert list(by_policy) == ["allreduce", test_policy, "no_such_policy"]
+    assert all(set(REQUIRED) <= set(r) for r in saved["records"])
+    skipped = by_policy["no_such_policy"]
+    assert skipped["status"] == "skipped" and "no registered policy named 'no_such_policy'" in skipped["reason"]
+
+    ddp, kavg = by_policy["allreduce"], by_policy[test_policy]
+    for r in (ddp, kavg):
+        assert r["status"] == "ok", r["reason"]
+        assert r["samples_per_s"] > 0 and r["mean_wait_s"] >= 0 and r["p95_wait_s"] >= 0
+        assert r["aggregate_samples_per_s"] >= r["samples_per_s"] * (1 - 1e-9)  # sum of rank rates >= slowest-bound
+        assert 0.5 <= r["final_accuracy"] <= 1 and r["time_to_target_s"] is not None
+        assert r["time_to_target_s"] <= r["accuracy_curve"][-1]["time_s"]
+        # The ideal: P B / (T + k d / P) with k = 1, d = T, P = 2.
+        assert r["ideal_samples_per_s"] == pytest.approx(2 * 32 / (cal["step_s"] * 1.5), rel=1e-3)
+        assert r["ideal_ratio"] == pytest.approx(r["samples_per_s"] / r["ideal_samples_per_s"])
+    assert ddp["global_reductions"] == 16 and ddp["ddp_ratio"] == 1.0 and ddp["bytes_per_rank"] is None
+    assert ddp["staleness_hist"] == {"0": 32}  # 2 ranks x 16 steps, all fresh
+    # Every 4 steps; the summary may or may not count finalize's average (the app counts training reductions).
+    assert kavg["global_reductions"] in (16 // 4, 16 // 4 + 1)
+    assert kavg["bytes_per_rank"] > 0 and kavg["ddp_ratio"] == pytest.approx(kavg["samples_per_s"] / ddp["samples_per_s"])
+    assert kavg["staleness_hist"] == {"0": 8, "1": 8, "2": 8, "3": 8}
+    assert ddp["consensus"] is None or all(math.isfinite(p["consensus"]) for p in ddp["consensus"])
+
+    assert {t["target"].split(":")[0] for t in saved["targets"]} == {"random_k1", "none"}
+    table = (out / "results.md").read_text()
+    assert f"| random_k1 | {test_policy} |" in table and "`no_such_policy` (skipped; random_k1)" in table
+    for png in ("accuracy_vs_time.png", "throughput.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
