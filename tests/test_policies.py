@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 import wagma.policies as policies
+import wagma.policy_options as policy_options
 from wagma.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.consensus import ConsensusMeter
 from wagma.data import load_dataset
@@ -153,8 +154,8 @@ def test_bad_policy_configs_are_rejected_with_one_clear_message(policy, changes,
 
 
 def test_missing_wagma_and_eager_modules_are_reported_at_validation_and_build(monkeypatch):
-    monkeypatch.setattr(policies, "wagma_available", lambda: False)
-    monkeypatch.setattr(policies, "eager_available", lambda: False)
+    monkeypatch.setattr(policy_options, "wagma_available", lambda: False)
+    monkeypatch.setattr(policy_options, "eager_available", lambda: False)
     with pytest.raises(ValueError, match="averaging 'wagma' needs wagma.averaging.WagmaAverager"):
         validate_policy_config(_options("wagma"), 4)
     with pytest.raises(ValueError, match="averaging 'eager_solo' needs wagma.hooks.partial"):
@@ -187,7 +188,7 @@ class _FakeAverager:
     ("step_then_average", ["step", "average", "synchronize"]),
 ])
 def test_wagma_policy_averages_on_the_side_of_the_step_its_order_says(monkeypatch, order, expected):
-    monkeypatch.setattr(policies, "wagma_available", lambda: True)
+    monkeypatch.setattr(policy_options, "wagma_available", lambda: True)
     policy = policies.WagmaPolicy(device=CPU, group_size=2, sync_period=10, order=order)
     fake = _FakeAverager(order)
     policy.averager, policy._net = fake, torch.nn.Linear(2, 2)
@@ -213,7 +214,7 @@ def test_eager_policy_flushes_at_the_end_and_keeps_the_hooks_wait_apart(monkeypa
         def stats(self):
             return {"global_reductions": 7, "fresh_fraction": 0.75, "staleness": 0.5, "wait_s": 0.25}
 
-    monkeypatch.setattr(policies, "eager_available", lambda: True)
+    monkeypatch.setattr(policy_options, "eager_available", lambda: True)
     policy = policies.EagerPolicy(device=CPU, mode="solo")
     assert policy.name == "eager_solo"
     policy.hook_state = State()
@@ -399,7 +400,9 @@ def _command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_wagma_run_trains_under_torchrun_and_prints_the_summary(tmp_path):
-    proc = _command("-m", "wagma.run", "--nproc", "2", "averaging=local_sgd", "steps=40", "progress=false", cwd=tmp_path)
+    proc = _command(
+        "-m", "wagma.run", "--nproc", "2", "averaging=local_sgd", "steps=40", "progress=false", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
     assert len(run_dirs) == 1 and (run_dirs[0] / "summary.json").exists()

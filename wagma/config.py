@@ -77,11 +77,13 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     """Check that ``cfg`` can train on ``world_size`` ranks; build nothing expensive, talk to no one.
 
     Checked: the top-level keys (``steps``, ``batch_size`` >= 1; ``checkpoint_every``, ``eval_every``,
-    ``consensus_every`` >= 0; ``log_every`` >= 1; ``telemetry_interval_s`` >= 0; ``device`` in auto/cpu/cuda; ``resume`` a bool), the dataset and its split
+    ``consensus_every`` >= 0; ``log_every`` >= 1; ``telemetry_interval_s`` >= 0; ``device`` in
+    auto/cpu/cuda; ``resume`` a bool), the dataset and its split
     (every rank's shard holds at least one batch), the model (built once on the CPU, it is small), the
     optimizer (built over a dummy parameter), the imbalance injector (built for rank 0 of
     ``world_size``) and the averaging policy (:func:`wagma.policy.validate_policy_config`: known name,
-    group sizes dividing the world size, periods, momentum, mode/mixing/order; see :mod:`wagma.policies`).
+    group sizes dividing the world size, periods, momentum, mode/mixing/order; see
+    :mod:`wagma.policy_options`).
 
     Raises:
         ConfigError: listing every problem, one per line.

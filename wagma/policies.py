@@ -1,26 +1,28 @@
 """The built-in averaging policies beyond plain DDP, as the ``averaging`` config group names them.
 
-=========================  =================================================================================
-``local_sgd``              :class:`LocalSGDPolicy`: local steps, a global model mean every ``period`` steps
-                           (K-AVG; :class:`~wagma.averaging.PeriodicAverager`).
+=========================  ==========================================================================
+``local_sgd``              :class:`LocalSGDPolicy`: local steps, a global model mean every ``period``
+                           steps (K-AVG; :class:`~wagma.averaging.PeriodicAverager`).
 ``hierarchical``           :class:`HierarchicalPolicy`: means inside fixed groups every ``local_period``
-                           steps, over all ranks every ``global_period`` (:class:`~wagma.averaging.HierarchicalAverager`).
+                           steps, over all ranks every ``global_period``
+                           (:class:`~wagma.averaging.HierarchicalAverager`).
 ``hierarchical_momentum``  :class:`HierarchicalPolicy` with reduction momentum
                            (:class:`~wagma.averaging.ReductionMomentum` around the hierarchical averager).
 ``wagma``                  :class:`WagmaPolicy`: wait-avoiding group model averaging (WAGMA-SGD).
-``eager_solo``,            :class:`EagerPolicy`: eager-SGD's partial gradient allreduce in a DDP comm hook,
-``eager_majority``         solo or majority.
-=========================  =================================================================================
+``eager_solo``,            :class:`EagerPolicy`: eager-SGD's partial gradient allreduce in a DDP comm
+``eager_majority``         hook, solo or majority.
+=========================  ==========================================================================
 
 Model-averaging policies (:class:`ModelAveragingPolicy`) wrap the model in DDP with
 :func:`~wagma.hooks.post_local.post_local_hook`: gradients are allreduced during an optional warm-up of
 synchronous SGD and not communicated afterwards, so every policy runs through the same DDP code path and
-the replicas are identical when model averaging takes over. DDP's per-forward buffer broadcast is off: it would
-otherwise broadcast buffers from rank 0 before every forward pass, a global barrier each step.
+the replicas are identical when model averaging takes over. DDP's per-forward buffer broadcast is off: it
+would otherwise broadcast buffers from rank 0 before every forward pass, a global barrier each step.
 
 ``wagma`` and ``eager_*`` import :class:`~wagma.averaging.WagmaAverager` and :mod:`wagma.hooks.partial`
 only when built, so the application imports (and validates other configs) without them; a config that
-names one while it is missing is rejected by its validator with a message saying so.
+names one while it is missing is rejected by its validator with a message saying so. The validators
+live in :mod:`wagma.policy_options`.
 
 Everything here is registered with :func:`wagma.policy.register_policy` when this module is imported, which
 :mod:`wagma.policy` does at its end.
@@ -37,24 +39,23 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from wagma import policy_options
 from wagma.averaging import AveragerStats, HierarchicalAverager, PeriodicAverager, ReductionMomentum
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.policy import Policy, register_policy
+from wagma.policy_options import (
+    EAGER_MODES,
+    validate_eager,
+    validate_hierarchical,
+    validate_hierarchical_momentum,
+    validate_local_sgd,
+    validate_wagma,
+)
 from wagma.schedule import GroupSchedule
 
 __all__ = [
-    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "EagerPolicy", "HierarchicalPolicy", "LocalSGDPolicy",
-    "ModelAveragingPolicy", "WagmaPolicy", "averager_stats", "eager_available", "wagma_available",
+    "EagerPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
 ]
-
-#: When a model-averaging policy averages within a step (DESIGN §2.2).
-ORDERS: tuple[str, ...] = ("average_then_step", "step_then_average")
-#: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), DESIGN §2.2).
-WAGMA_MIXINGS: tuple[str, ...] = ("reference",)
-#: eager-SGD partial allreduce modes (DESIGN §2.4).
-EAGER_MODES: tuple[str, ...] = ("solo", "majority")
-#: Keys every DDP-wrapping policy accepts.
-_COMMON_KEYS = ("bucket_cap_mb", "timeout_s")
 
 
 class _Averager(Protocol):
@@ -267,24 +268,6 @@ class HierarchicalPolicy(ModelAveragingPolicy):
         )
 
 
-def wagma_available() -> bool:
-    """Whether :class:`wagma.averaging.WagmaAverager` can be imported."""
-    try:
-        from wagma.averaging import WagmaAverager  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
-
-
-def eager_available() -> bool:
-    """Whether :mod:`wagma.hooks.partial` (eager-SGD's partial allreduce hook) can be imported."""
-    try:
-        import wagma.hooks.partial  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
-
-
 class WagmaPolicy(ModelAveragingPolicy):
     """WAGMA-SGD: wait-avoiding group model averaging with :class:`~wagma.averaging.WagmaAverager`.
 
@@ -323,8 +306,8 @@ class WagmaPolicy(ModelAveragingPolicy):
         max_lead: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if not wagma_available():
-            raise RuntimeError(_missing("wagma", "wagma.averaging.WagmaAverager"))
+        if not policy_options.wagma_available():
+            raise RuntimeError(policy_options.missing_message("wagma", "wagma.averaging.WagmaAverager"))
         super().__init__(warmup_steps=0, **kwargs)
         self.group_size, self.sync_period = int(group_size), int(sync_period)
         self.schedule, self.mixing, self.order = schedule, mixing, order
@@ -381,8 +364,8 @@ class EagerPolicy(Policy):
         timeout_s: float = 300.0,
     ) -> None:
         self.name = f"eager_{mode}"
-        if not eager_available():
-            raise RuntimeError(_missing(self.name, "wagma.hooks.partial"))
+        if not policy_options.eager_available():
+            raise RuntimeError(policy_options.missing_message(self.name, "wagma.hooks.partial"))
         self.device, self.mode = device, mode
         self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
         self.bucket_cap_mb, self.timeout_s = float(bucket_cap_mb), float(timeout_s)
@@ -429,173 +412,6 @@ class EagerPolicy(Policy):
             self.hook_state.close()
 
 
-def _missing(policy: str, what: str) -> str:
-    return (
-        f"averaging '{policy}' needs {what}, which this installation of wagma does not have; "
-        "update wagma or pick another averaging option"
-    )
-
-
-# --- validation ---------------------------------------------------------------------------------------
-
-
-def _only_keys(policy: str, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"averaging '{policy}' takes the keys {sorted(allowed)}, got unknown keys {unknown}")
-
-
-def _int(options: Mapping[str, Any], key: str, minimum: int, *, required: bool = True) -> int | None:
-    if key not in options:
-        if required:
-            raise ValueError(f"averaging.{key} is required (an integer >= {minimum})")
-        return None
-    value = options[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"averaging.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _positive(options: Mapping[str, Any], key: str) -> None:
-    value = options.get(key, 1.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"averaging.{key} must be a number > 0, got {value!r}")
-
-
-def _flag(options: Mapping[str, Any], key: str) -> None:
-    if key in options and not isinstance(options[key], bool):
-        raise ValueError(f"averaging.{key} must be true or false, got {options[key]!r}")
-
-
-def _choice(options: Mapping[str, Any], key: str, choices: tuple[str, ...], default: str) -> str:
-    value = options.get(key, default)
-    if value not in choices:
-        raise ValueError(f"averaging.{key} must be one of {', '.join(choices)}; got {value!r}")
-    return str(value)
-
-
-def _divisor(options: Mapping[str, Any], key: str, world_size: int) -> None:
-    value = _int(options, key, 1)
-    assert value is not None
-    if world_size % value != 0:
-        raise ValueError(
-            f"averaging.{key}={value} must be a positive divisor of the world size {world_size}; "
-            "pick a group size that divides the number of ranks"
-        )
-
-
-def _common(options: Mapping[str, Any]) -> None:
-    _positive(options, "bucket_cap_mb")
-    _positive(options, "timeout_s")
-
-
-_LOCAL_SGD_KEYS = ("period", "warmup_steps", "average_buffers", *_COMMON_KEYS)
-_HIERARCHICAL_KEYS = (
-    "local_group_size", "local_period", "global_period", "warmup_steps", "average_buffers", *_COMMON_KEYS,
-)
-_MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
-_WAGMA_KEYS = (
-    "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", *_COMMON_KEYS,
-)
-_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", *_COMMON_KEYS)
-
-
-def validate_local_sgd(options: Mapping[str, Any], world_size: int) -> None:
-    """Check a ``local_sgd`` config: ``period`` >= 1, ``warmup_steps`` >= 0."""
-    _only_keys("local_sgd", options, _LOCAL_SGD_KEYS)
-    _int(options, "period", 1)
-    _int(options, "warmup_steps", 0, required=False)
-    _flag(options, "average_buffers")
-    _common(options)
-
-
-def validate_hierarchical(options: Mapping[str, Any], world_size: int, *, momentum: bool = False) -> None:
-    """Check a ``hierarchical`` (or, with ``momentum``, ``hierarchical_momentum``) config.
-
-    ``local_group_size`` divides the world size; periods >= 1 with ``global_period`` a multiple of
-    ``local_period``; with momentum: ``momentum`` in [0, 1), ``lr`` > 0, ``nesterov`` a bool, ``apply_to``
-    ``global`` or ``all``.
-    """
-    name = "hierarchical_momentum" if momentum else "hierarchical"
-    _only_keys(name, options, _MOMENTUM_KEYS if momentum else _HIERARCHICAL_KEYS)
-    _divisor(options, "local_group_size", world_size)
-    local, global_ = _int(options, "local_period", 1), _int(options, "global_period", 1)
-    assert local is not None and global_ is not None
-    if global_ % local != 0:
-        raise ValueError(
-            f"averaging.global_period={global_} must be a multiple of averaging.local_period={local} "
-            f"(a global mean replaces the local one on the steps where both fall), e.g. {local * max(1, global_ // local)}"
-        )
-    _int(options, "warmup_steps", 0, required=False)
-    _flag(options, "average_buffers")
-    _common(options)
-    if momentum:
-        value = options.get("momentum")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-            raise ValueError(f"averaging.momentum must be a number in [0, 1), got {value!r}")
-        _positive(options, "lr")
-        _flag(options, "nesterov")
-        _choice(options, "apply_to", ("global", "all"), "global")
-
-
-def _validate_hierarchical_momentum(options: Mapping[str, Any], world_size: int) -> None:
-    validate_hierarchical(options, world_size, momentum=True)
-
-
-def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
-    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, ``max_lead`` <= ``sync_period``.
-
-    The schedule is built (cheaply, without communication) so one that does not mix every rank with
-    every other is refused here. Also refuses the config when ``WagmaAverager`` is not installed.
-    """
-    _only_keys("wagma", options, _WAGMA_KEYS)
-    _divisor(options, "group_size", world_size)
-    sync_period = _int(options, "sync_period", 0)
-    assert sync_period is not None
-    max_lead = options.get("max_lead")
-    if max_lead is not None and (
-        not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= sync_period
-    ):
-        raise ValueError(
-            f"averaging.max_lead must be null or an integer in [0, sync_period={sync_period}], got {max_lead!r}"
-        )
-    _choice(options, "mixing", WAGMA_MIXINGS, "reference")
-    _choice(options, "order", ORDERS, "average_then_step")
-    _flag(options, "average_buffers")
-    _common(options)
-    schedule = options.get("schedule", "auto")
-    try:
-        if isinstance(schedule, str):
-            built = GroupSchedule.create(schedule, world_size, int(options["group_size"]))
-        else:
-            built = GroupSchedule(schedule)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"averaging.schedule={schedule!r} cannot be used: {exc}") from exc
-    if built.world_size != world_size:
-        raise ValueError(f"averaging.schedule is for {built.world_size} ranks, the job has {world_size}")
-    if not wagma_available():
-        raise ValueError(_missing("wagma", "wagma.averaging.WagmaAverager"))
-
-
-def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> None:
-    """Check an ``eager_solo`` / ``eager_majority`` config: ``mode`` matches the name, periods, seed."""
-    _only_keys(policy, options, _EAGER_KEYS)
-    expected = policy.removeprefix("eager_")
-    mode = _choice(options, "mode", EAGER_MODES, expected)
-    if mode != expected:
-        raise ValueError(
-            f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; use averaging=eager_{mode} instead"
-        )
-    _int(options, "sync_period", 1, required=False)
-    _int(options, "warmup_iters", 2, required=False)
-    seed = options.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
-    _common(options)
-    if not eager_available():
-        raise ValueError(_missing(policy, "wagma.hooks.partial"))
-
-
 # --- registration -------------------------------------------------------------------------------------
 
 
@@ -628,7 +444,7 @@ def _eager_validator(mode: str) -> Callable[[Mapping[str, Any], int], None]:
 def _register() -> None:
     register_policy("local_sgd", _build_local_sgd, validate_local_sgd)
     register_policy("hierarchical", _build_hierarchical, validate_hierarchical)
-    register_policy("hierarchical_momentum", _build_hierarchical, _validate_hierarchical_momentum)
+    register_policy("hierarchical_momentum", _build_hierarchical, validate_hierarchical_momentum)
     register_policy("wagma", _build_wagma, validate_wagma)
     for mode in EAGER_MODES:
         register_policy(f"eager_{mode}", _eager_builder(mode), _eager_validator(mode))

@@ -61,7 +61,9 @@ def split_run_dir(overrides: Sequence[str]) -> tuple[list[str], Path | None]:
     return rest, Path(given[-1]) if given else None
 
 
-def torchrun_command(overrides: Sequence[str], run_dir: str | os.PathLike[str], nproc: int = DEFAULT_NPROC) -> list[str]:
+def torchrun_command(
+    overrides: Sequence[str], run_dir: str | os.PathLike[str], nproc: int = DEFAULT_NPROC
+) -> list[str]:
     """The torchrun command line that trains with ``overrides`` on ``nproc`` local ranks into ``run_dir``."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -128,7 +130,8 @@ def argument_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m wagma.run [--nproc N] [--dry-run] [overrides...]``; returns torchrun's exit status."""
-    args = argument_parser("wagma-train", "Train with wagma under torchrun (default: 4 local ranks).").parse_intermixed_args(argv)
+    parser = argument_parser("wagma-train", "Train with wagma under torchrun (default: 4 local ranks).")
+    args = parser.parse_intermixed_args(argv)
     rest, given = split_run_dir(args.overrides)
     run_dir = given or default_run_dir()
     if args.dry_run:
@@ -136,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     code, summary, directory = run(rest, nproc=args.nproc, run_dir=run_dir)
     if summary is None:
-        print(f"wagma-train: the run failed (exit status {code}); see the output above and {directory}", file=sys.stderr)
+        print(f"wagma-train: the run failed (exit status {code}); see the output above and {directory}",
+              file=sys.stderr)
         return code or 1
     print("\n" + format_summary(summary))
     return 0
