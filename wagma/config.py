@@ -76,12 +76,14 @@ def _nonneg_int(cfg: Mapping[str, Any], key: str, minimum: int, problems: list[s
 def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> None:
     """Check that ``cfg`` can train on ``world_size`` ranks; build nothing expensive, talk to no one.
 
-    Checked: the top-level keys (``steps``, ``batch_size`` >= 1; ``checkpoint_every``, ``eval_every``
-    >= 0; ``log_every`` >= 1; ``device`` in auto/cpu/cuda; ``resume`` a bool), the dataset and its split
+    Checked: the top-level keys (``steps``, ``batch_size`` >= 1; ``checkpoint_every``, ``eval_every``,
+    ``consensus_every`` >= 0; ``log_every`` >= 1; ``telemetry_interval_s`` >= 0; ``device`` in
+    auto/cpu/cuda; ``resume`` a bool), the dataset and its split
     (every rank's shard holds at least one batch), the model (built once on the CPU, it is small), the
     optimizer (built over a dummy parameter), the imbalance injector (built for rank 0 of
     ``world_size``) and the averaging policy (:func:`wagma.policy.validate_policy_config`: known name,
-    group size dividing the world size, non-negative periods).
+    group sizes dividing the world size, periods, momentum, mode/mixing/order; see
+    :mod:`wagma.policy_options`).
 
     Raises:
         ConfigError: listing every problem, one per line.
@@ -102,6 +104,11 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     _nonneg_int(plain, "checkpoint_every", 0, problems)
     _nonneg_int(plain, "eval_every", 0, problems)
     _nonneg_int(plain, "log_every", 1, problems)
+    if "consensus_every" in plain:
+        _nonneg_int(plain, "consensus_every", 0, problems)
+    interval = plain.get("telemetry_interval_s", 0.0)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
+        problems.append(f"telemetry_interval_s must be a number >= 0 (0: off), got {interval!r}")
     if plain["device"] not in ("auto", "cpu", "cuda"):
         problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {plain['device']!r}")
     if not isinstance(plain["resume"], bool):

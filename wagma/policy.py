@@ -6,7 +6,8 @@ hierarchical averaging), or both. The loop in :mod:`wagma.train` knows nothing e
 
 Policies are registered by name (:func:`register_policy`) and built from the ``averaging`` config group
 by :func:`build_policy`; :func:`validate_policy_config` checks a config before any rank starts training.
-Only ``allreduce`` (:class:`AllreducePolicy`, DDP's own bucketed allreduce) is registered here.
+``allreduce`` (:class:`AllreducePolicy`, DDP's own bucketed allreduce) is defined here; the others live in
+:mod:`wagma.policies` and are registered when this module is imported.
 """
 
 from __future__ import annotations
@@ -202,3 +203,9 @@ def build_policy(cfg: Mapping[str, Any], *, rank: int, world_size: int, device: 
     validate_policy_config(cfg, world_size)
     options = {k: v for k, v in dict(cfg).items() if k != "name"}
     return _POLICIES[str(cfg["name"])].build(rank=rank, world_size=world_size, device=device, **options)
+
+
+# The other built-in policies (local_sgd, hierarchical, hierarchical_momentum, wagma, eager_*) live in
+# wagma.policies, which imports this module; importing it here, after everything above exists, registers
+# them whenever wagma.policy is imported, whichever of the two modules is imported first.
+from wagma import policies as _builtin_policies  # noqa: E402, F401

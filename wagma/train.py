@@ -11,7 +11,10 @@ Read top to bottom, it does:
 4. resume from the newest complete checkpoint when ``resume=true``;
 5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
    ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record; evaluate every
-   ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps;
+   ``eval_every`` steps; measure the consensus distance every ``consensus_every`` steps
+   (:mod:`wagma.consensus`, recorded as ``consensus``); checkpoint every ``checkpoint_every`` steps; on a
+   CUDA device, records also carry ``gpu_*`` telemetry sampled every ``telemetry_interval_s``
+   (:mod:`wagma.gpu_metrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
    write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
 
@@ -31,6 +34,7 @@ approximate there; ``step_s`` is exact because the step ends with ``loss.item()`
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import random
 import time
@@ -47,7 +51,9 @@ from torch import nn
 from wagma import launch
 from wagma.checkpoint import capture_rng_state, latest_step, load_checkpoint, restore_rng_state, save_checkpoint
 from wagma.config import ConfigError, build_optimizer, group_options, validate_config
+from wagma.consensus import ConsensusMeter
 from wagma.data import BatchIterator, load_dataset
+from wagma.gpu_metrics import GpuMetrics
 from wagma.imbalance import Imbalance, build_imbalance
 from wagma.metrics import MetricsWriter, write_summary
 from wagma.models import build_model
@@ -125,8 +131,13 @@ def _train(
     _broadcast_from_rank0(net)
 
     policy = build_policy(group_options(cfg, "averaging"), rank=rank, world_size=world_size, device=device)
+    meter: ConsensusMeter | None = None
+    gpu = GpuMetrics(device, float(cfg.get("telemetry_interval_s", 0.0)))
     try:
         model = policy.wrap(net)
+        consensus_every = int(cfg.get("consensus_every", 0))
+        if consensus_every:  # its own group, created after the policy's on every rank
+            meter = ConsensusMeter(datetime.timedelta(seconds=float(cfg.get("dist_timeout_s", 300.0))))
         optimizer = build_optimizer(group_options(cfg, "optim"), net.parameters())
         imbalance = build_imbalance(group_options(cfg, "imbalance"), rank, world_size)
 
@@ -182,10 +193,12 @@ def _train(
                 window.append(timings)
 
                 extra: dict[str, Any] = {}
+                if meter is not None and done % consensus_every == 0:
+                    extra["consensus"] = meter.measure(net.parameters())
                 if eval_every and done % eval_every == 0 and done < steps:
                     extra["test_accuracy"], extra["test_loss"] = evaluate(net, x_test, y_test, rank, world_size)
                 if done % log_every == 0 or done == steps or extra:
-                    record = _window_record(window, batch_size) | _policy_fields(policy) | extra
+                    record = _window_record(window, batch_size) | _policy_fields(policy) | extra | gpu.fields()
                     writer.write(done, **record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", wait_ms=f"{1e3 * record['wait_s']:.1f}")
                     window = []
@@ -201,9 +214,12 @@ def _train(
         # exact trajectory), then let the policy produce the model to keep, evaluate and summarise it.
         if start_step < steps or resume_from is None:
             save(steps)
+        trained_stats = policy.stats()
         policy.finalize(model, optimizer)
         test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
-        summary = _summary(cfg, policy, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started)
+        summary = _summary(
+            cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started
+        )
         summary["resumed_from"] = resume_from
         if rank == 0:
             torch.save(net.state_dict(), run_dir / "model.pt")
@@ -214,6 +230,9 @@ def _train(
             )
         return summary
     finally:
+        gpu.close()
+        if meter is not None:
+            meter.close()
         policy.close()
 
 
@@ -340,12 +359,17 @@ def _policy_fields(policy: Policy) -> dict[str, Any]:
 
 
 def _summary(
-    cfg: DictConfig, policy: Policy, imbalance: Imbalance, totals: _Totals, world_size: int,
-    test_accuracy: float, test_loss: float, run_dir: Path, started: float,
+    cfg: DictConfig, policy: Policy, trained_stats: dict[str, Any], imbalance: Imbalance, totals: _Totals,
+    world_size: int, test_accuracy: float, test_loss: float, run_dir: Path, started: float,
 ) -> dict[str, Any]:
-    """Rank totals gathered on every rank, reduced to the run's numbers."""
+    """Rank totals gathered on every rank, reduced to the run's numbers.
+
+    ``global_reductions`` and ``local_reductions`` count the reductions of the training steps (rank 0's
+    ``trained_stats``, taken before ``policy.finalize``); ``staleness`` and ``fresh_fraction`` are means
+    over the ranks; ``policy_stats`` is rank 0's final account, finalize's own reduction included.
+    """
     per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
-    dist.all_gather_object(per_rank, dataclasses.asdict(totals))
+    dist.all_gather_object(per_rank, dataclasses.asdict(totals) | {"policy": trained_stats})
     steps_run = max(1, max(t["steps"] for t in per_rank))
     slowest_s = max(t["train_s"] for t in per_rank)
     mean_compute_s = sum(t["compute_s"] for t in per_rank) / (world_size * steps_run)
@@ -363,7 +387,10 @@ def _summary(
         "mean_imbalance_s": sum(t["imbalance_s"] for t in per_rank) / (world_size * steps_run),
         "expected_mean_delay_s": imbalance.expected_mean_delay_s(mean_compute_s),
         "expected_max_delay_s": imbalance.expected_max_delay_s(mean_compute_s),
-        "global_reductions": stats.get("global_reductions", 0),
+        "global_reductions": trained_stats.get("global_reductions", 0),
+        "local_reductions": trained_stats.get("local_reductions", 0),
+        "staleness": sum(float(t["policy"].get("staleness", 0.0)) for t in per_rank) / world_size,
+        "fresh_fraction": sum(float(t["policy"].get("fresh_fraction", 1.0)) for t in per_rank) / world_size,
         "policy_stats": stats,
         "train_s": slowest_s,
         "wall_s": time.perf_counter() - started,

@@ -1,0 +1,424 @@
+"""The averaging policies of the application: configs, validation, train() end to end, consensus, commands."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+import wagma.policies as policies
+import wagma.policy_options as policy_options
+from wagma.config import ConfigError, build_optimizer, group_options, validate_config
+from wagma.consensus import ConsensusMeter
+from wagma.data import load_dataset
+from wagma.gpu_metrics import GpuMetrics
+from wagma.metrics import SUMMARY_KEYS, read_metrics
+from wagma.models import build_model
+from wagma.policy import Policy, build_policy, validate_policy_config
+from wagma.run import format_summary, split_run_dir, torchrun_command
+from wagma.sweep import expand, format_table, split_top_level
+from wagma.testing import run_workers, run_workers_outcomes
+from wagma.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+AVERAGING = sorted(p.stem for p in (CONFIGS / "averaging").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+CPU = torch.device("cpu")
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def _skip_unless_importable(policy: str) -> None:
+    """Skip only when the module a policy is written against has not landed yet (the lead removes this)."""
+    if policy == "wagma":
+        import wagma.averaging
+
+        if not hasattr(wagma.averaging, "WagmaAverager"):
+            pytest.skip("wagma.averaging.WagmaAverager is not there yet")
+    elif policy.startswith("eager_"):
+        try:
+            import wagma.hooks.partial  # noqa: F401
+        except ModuleNotFoundError as exc:
+            if exc.name != "wagma.hooks.partial":
+                raise
+            pytest.skip("wagma.hooks.partial is not there yet")
+
+
+def _options(policy: str, **changes: object) -> dict:
+    options = group_options(_compose(f"averaging={policy}"), "averaging")
+    options.update(changes)
+    return options
+
+
+# --- configs -----------------------------------------------------------------------------------------
+
+
+def test_the_averaging_options_and_experiment_presets_exist():
+    assert set(AVERAGING) == {
+        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
+    }
+    assert {"wagma_random_k", "eager_solo_random_k", "allreduce_random_k"} <= set(EXPERIMENTS)
+    wagma = _compose("averaging=wagma").averaging
+    assert (wagma.group_size, wagma.order, wagma.mixing, wagma.schedule, wagma.max_lead) == (
+        2, "average_then_step", "reference", "auto", None,
+    )
+    assert _compose("averaging=eager_solo").averaging.sync_period == 32
+    assert _compose("averaging=eager_majority").averaging.mode == "majority"
+
+
+@pytest.mark.parametrize("option", AVERAGING)
+def test_every_averaging_option_composes_validates_and_builds(option):
+    _skip_unless_importable(option)
+    cfg = _compose(f"averaging={option}")
+    assert cfg.averaging.name == option
+    validate_config(cfg, 4)
+    policy = build_policy(group_options(cfg, "averaging"), rank=0, world_size=4, device=CPU)
+    assert isinstance(policy, Policy) and policy.name == option
+    policy.close()
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_preset_composes_validates_and_builds(experiment):
+    cfg = _compose(f"experiment={experiment}")
+    plain = _compose()
+    changed = [g for g in ("data", "model", "averaging", "imbalance") if cfg[g] != plain[g]]
+    assert changed, f"experiment {experiment} overrides no group"
+    assert cfg.averaging.name in AVERAGING
+    _skip_unless_importable(cfg.averaging.name)
+    validate_config(cfg, 4)
+    data = group_options(cfg, "data")
+    ds = load_dataset(data["name"], seed=cfg.seed, test_fraction=data["test_fraction"])
+    model_cfg = group_options(cfg, "model")
+    model = build_model(model_cfg.pop("name"), ds.in_shape, ds.num_classes, **model_cfg)
+    build_optimizer(group_options(cfg, "optim"), model.parameters())
+    policy = build_policy(group_options(cfg, "averaging"), rank=0, world_size=4, device=CPU)
+    assert policy.name == cfg.averaging.name
+    policy.close()
+
+
+KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momentum, local_sgd, wagma"
+
+
+@pytest.mark.parametrize(
+    "policy,changes,match",
+    [
+        ("local_sgd", {"name": "gossip"}, f"unknown averaging policy 'gossip'; known policies: {KNOWN}"),
+        ("local_sgd", {"period": 0}, r"averaging.period must be an integer >= 1, got 0"),
+        ("local_sgd", {"period": -3}, r"averaging.period must be >= 0, got -3"),
+        ("local_sgd", {"period": 2.5}, r"averaging.period must be an integer >= 1, got 2.5"),
+        ("local_sgd", {"warmup_steps": -1}, r"averaging.warmup_steps must be >= 0, got -1"),
+        ("local_sgd", {"perod": 4}, r"averaging 'local_sgd' takes the keys .*, got unknown keys \['perod'\]"),
+        ("hierarchical", {"local_group_size": 3}, "local_group_size=3 must be a positive divisor of the world size 4"),
+        ("hierarchical", {"local_period": 4, "global_period": 6},
+         "global_period=6 must be a multiple of averaging.local_period=4"),
+        ("hierarchical", {"local_period": 0}, "averaging.local_period must be an integer >= 1, got 0"),
+        ("hierarchical_momentum", {"momentum": 1.0}, r"averaging.momentum must be a number in \[0, 1\), got 1.0"),
+        ("hierarchical_momentum", {"momentum": -0.1}, r"averaging.momentum must be a number in \[0, 1\), got -0.1"),
+        ("hierarchical_momentum", {"apply_to": "local"}, "averaging.apply_to must be one of global, all; got 'local'"),
+        ("hierarchical_momentum", {"lr": 0}, "averaging.lr must be a number > 0, got 0"),
+        ("wagma", {"group_size": 3}, "group_size=3 must be a positive divisor of the world size 4"),
+        ("wagma", {"order": "step_average"},
+         "averaging.order must be one of average_then_step, step_then_average; got 'step_average'"),
+        ("wagma", {"mixing": "gossip"}, "averaging.mixing must be one of reference; got 'gossip'"),
+        ("wagma", {"max_lead": 11}, r"averaging.max_lead must be null or an integer in \[0, sync_period=10\], got 11"),
+        ("wagma", {"sync_period": -1}, "averaging.sync_period must be >= 0, got -1"),
+        ("wagma", {"schedule": "ring"}, "averaging.schedule='ring' cannot be used: unknown schedule kind"),
+        ("wagma", {"group_size": 1}, "averaging.schedule='auto' cannot be used"),  # groups of 1 never mix
+        ("eager_solo", {"mode": "all"}, "averaging.mode must be one of solo, majority; got 'all'"),
+        ("eager_solo", {"mode": "majority"}, "averaging 'eager_solo' runs mode 'solo'.*use averaging=eager_majority"),
+        ("eager_majority", {"warmup_iters": 1}, "averaging.warmup_iters must be an integer >= 2, got 1"),
+        ("eager_majority", {"sync_period": 0}, "averaging.sync_period must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_policy_configs_are_rejected_with_one_clear_message(policy, changes, match):
+    with pytest.raises(ValueError, match=match):
+        validate_policy_config(_options(policy, **changes), 4)
+    # Through the whole config: one ConfigError, before anything is built.
+    cfg = _compose(f"averaging={policy}")
+    with open_dict(cfg):
+        for key, value in changes.items():
+            cfg.averaging[key] = value
+    with pytest.raises(ConfigError, match=match) as info:
+        validate_config(cfg, 4)
+    assert str(info.value).count("\n  - ") == 1
+
+
+def test_missing_wagma_and_eager_modules_are_reported_at_validation_and_build(monkeypatch):
+    monkeypatch.setattr(policy_options, "wagma_available", lambda: False)
+    monkeypatch.setattr(policy_options, "eager_available", lambda: False)
+    with pytest.raises(ValueError, match="averaging 'wagma' needs wagma.averaging.WagmaAverager"):
+        validate_policy_config(_options("wagma"), 4)
+    with pytest.raises(ValueError, match="averaging 'eager_solo' needs wagma.hooks.partial"):
+        validate_policy_config(_options("eager_solo"), 4)
+    with pytest.raises(RuntimeError, match="averaging 'wagma' needs wagma.averaging.WagmaAverager"):
+        policies.WagmaPolicy(device=CPU, group_size=2, sync_period=10)
+    with pytest.raises(RuntimeError, match="averaging 'eager_majority' needs wagma.hooks.partial"):
+        policies.EagerPolicy(device=CPU, mode="majority")
+
+
+# --- how wagma and eager are wired (fakes stand in for the lead's classes) ------------------------------
+
+
+class _FakeAverager:
+    def __init__(self, order: str) -> None:
+        self.order, self.calls = order, []
+        self.stats = policies.AveragerStats(global_reductions=1, local_reductions=2, wait_s=0.5)
+        self.stats.record_contribution(0)
+        self.stats.record_contribution(2)
+
+    def average_parameters(self, params, buffers=None):
+        self.calls.append("average")
+
+    def synchronize(self, params, buffers=None):
+        self.calls.append("synchronize")
+
+
+@pytest.mark.parametrize("order,expected", [
+    ("average_then_step", ["average", "step", "synchronize"]),
+    ("step_then_average", ["step", "average", "synchronize"]),
+])
+def test_wagma_policy_averages_on_the_side_of_the_step_its_order_says(monkeypatch, order, expected):
+    monkeypatch.setattr(policy_options, "wagma_available", lambda: True)
+    policy = policies.WagmaPolicy(device=CPU, group_size=2, sync_period=10, order=order)
+    fake = _FakeAverager(order)
+    policy.averager, policy._net = fake, torch.nn.Linear(2, 2)
+    policy.before_step(None, 0)  # type: ignore[arg-type]
+    fake.calls.append("step")
+    policy.after_step(None, 0)  # type: ignore[arg-type]
+    fake.stats.global_reductions = 5
+    fake.last_reduction = "global"  # WAGMA still synchronizes: its rounds may be in flight
+    policy.finalize(None, None)  # type: ignore[arg-type]
+    assert fake.calls == expected
+    stats = policy.stats()
+    assert stats["global_reductions"] == 5 and stats["local_reductions"] == 2 and stats["comm_wait_s"] == 0.5
+    assert stats["staleness"] == 1.0 and stats["staleness_max"] == 2 and stats["fresh_fraction"] == 0.5
+
+
+def test_eager_policy_flushes_at_the_end_and_keeps_the_hooks_wait_apart(monkeypatch):
+    flushed = []
+
+    class State:
+        def flush(self, optimizer):
+            flushed.append(optimizer)
+
+        def stats(self):
+            return {"global_reductions": 7, "fresh_fraction": 0.75, "staleness": 0.5, "wait_s": 0.25}
+
+    monkeypatch.setattr(policy_options, "eager_available", lambda: True)
+    policy = policies.EagerPolicy(device=CPU, mode="solo")
+    assert policy.name == "eager_solo"
+    policy.hook_state = State()
+    optimizer = object()
+    policy.finalize(None, optimizer)  # type: ignore[arg-type]
+    assert flushed == [optimizer]
+    assert policy.stats() == {
+        "global_reductions": 7, "local_reductions": 0, "staleness": 0.5, "fresh_fraction": 0.75, "comm_wait_s": 0.25,
+    }
+
+
+# --- train() end to end on 4 forked ranks ------------------------------------------------------------
+
+
+def _cfg(run_dir: Path, *overrides: str) -> DictConfig:
+    cfg = _compose("progress=false", *overrides)
+    cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def _train_worker(rank: int, world_size: int, cfg: DictConfig, kill_at: int | None = None) -> dict:
+    def stop(done: int, timings: dict) -> None:
+        if done == kill_at:
+            os._exit(9)
+
+    return train(cfg, step_callback=stop if kill_at is not None else None)
+
+
+# Global and local reductions of the default budget (300 steps), in closed form.
+EXPECTED_REDUCTIONS = {
+    "allreduce": (300, 0),
+    "local_sgd": (38, 0),  # steps 0, 8, ..., 296
+    "hierarchical": (19, 56),  # global at multiples of 16, local at the other multiples of 4
+    "hierarchical_momentum": (19, 56),
+}
+
+
+@pytest.mark.parametrize("option", AVERAGING)
+def test_every_policy_trains_digits_on_four_ranks_to_90_percent_with_its_default_budget(tmp_path, option):
+    _skip_unless_importable(option)
+    cfg = _cfg(tmp_path, f"averaging={option}", "log_every=10", "consensus_every=50")
+    summaries = run_workers(_train_worker, 4, cfg, timeout_s=170)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary["policy"] == option and summary["world_size"] == 4 and summary["steps"] == 300
+    assert summary["test_accuracy"] >= 0.9, summary
+    assert summary["samples_per_s"] > 0 and summary["mean_wait_s"] >= 0 and summary["wall_s"] > 0
+    assert all(s["test_accuracy"] == summary["test_accuracy"] for s in summaries)
+    if option in EXPECTED_REDUCTIONS:
+        assert (summary["global_reductions"], summary["local_reductions"]) == EXPECTED_REDUCTIONS[option]
+    else:
+        assert summary["global_reductions"] > 0
+    records = read_metrics(tmp_path, 0)
+    assert {"reductions", "staleness", "wait_s", "samples_per_s"} <= set(records[-1])
+    assert [r["step"] for r in records if "consensus" in r] == [50, 100, 150, 200, 250, 300]
+    assert all(r["consensus"] >= 0 for r in records if "consensus" in r)
+
+
+def test_consensus_is_zero_after_a_global_mean_and_positive_between_local_sgd_means(tmp_path):
+    cfg = _cfg(tmp_path, "averaging=local_sgd", "averaging.period=4", "steps=12", "consensus_every=1")
+    run_workers(_train_worker, 4, cfg)
+    for rank in range(4):
+        consensus = {r["step"]: r["consensus"] for r in read_metrics(tmp_path, rank)}
+        assert list(consensus) == list(range(1, 13))
+        averaged = {1, 5, 9}  # the steps 0, 4, 8 end with a global mean
+        assert all(consensus[d] == 0.0 for d in averaged), consensus
+        assert all(consensus[d] > 1e-8 for d in consensus if d not in averaged), consensus
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_reductions"] == 3  # = steps / period
+    assert summary["policy_stats"]["global_reductions"] == 4  # + the final mean of finalize()
+
+
+def test_local_sgd_counts_steps_over_period_global_reductions(tmp_path):
+    cfg = _cfg(tmp_path, "averaging=local_sgd", "averaging.period=5", "steps=40")
+    summary = run_workers(_train_worker, 4, cfg)[0]
+    assert summary["global_reductions"] == 40 // 5 and summary["local_reductions"] == 0
+    assert read_metrics(tmp_path, 2)[-1]["reductions"] == 8
+
+
+def test_warmup_is_synchronous_and_reduction_momentum_keeps_global_means_identical(tmp_path):
+    cfg = _cfg(
+        tmp_path, "averaging=hierarchical_momentum", "averaging.warmup_steps=3", "averaging.local_period=2",
+        "averaging.global_period=4", "steps=16", "consensus_every=1",
+    )
+    summary = run_workers(_train_worker, 4, cfg)[0]
+    consensus = {r["step"]: r["consensus"] for r in read_metrics(tmp_path, 0)}
+    identical = {1, 2, 3, 4, 8, 12, 16}  # warm-up steps 0-2 (DDP allreduce), then global means at 3, 7, 11, 15
+    assert all(consensus[d] == 0.0 for d in identical), consensus
+    assert all(consensus[d] > 1e-8 for d in consensus if d not in identical), consensus
+    assert (summary["global_reductions"], summary["local_reductions"]) == (4, 3)
+
+
+def test_kill_and_resume_a_model_averaging_policy_gives_the_uninterrupted_model(tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    common = (
+        "averaging=hierarchical_momentum", "averaging.warmup_steps=3", "averaging.local_period=2",
+        "averaging.global_period=6", "steps=30", "checkpoint_every=10",
+    )
+    run_workers(_train_worker, 4, _cfg(straight, *common))
+    outcomes = run_workers_outcomes(_train_worker, 4, _cfg(broken, *common), 15)
+    assert not any(o.ok for o in outcomes)
+    summaries = run_workers(_train_worker, 4, _cfg(broken, *common, "resume=true"))
+    assert summaries[0]["resumed_from"] == 10
+    a = torch.load(straight / "model.pt", weights_only=True)
+    b = torch.load(broken / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert summaries[0]["global_reductions"] == json.loads((straight / "summary.json").read_text())["global_reductions"]
+
+
+def test_random_k_summary_shows_time_waited_and_global_reductions(tmp_path):
+    cfg = _cfg(tmp_path, "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.02", "steps=20")
+    run_workers(_train_worker, 4, cfg)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_reductions"] == 20
+    assert summary["mean_imbalance_s"] == pytest.approx(0.005, rel=0.3)  # k * d / P
+    assert summary["mean_wait_s"] > 0.005  # three of four ranks wait for the delayed one every step
+    text = format_summary(summary)
+    assert "time waited" in text and "20 global" in text and "imbalance random_k" in text
+
+
+# --- consensus meter and GPU metrics ------------------------------------------------------------------
+
+
+def _consensus_worker(rank: int, world_size: int) -> float:
+    meter = ConsensusMeter()
+    value = meter.measure([torch.full((5,), float(rank)), torch.full((2, 3), float(rank))])
+    meter.close()
+    return value
+
+
+def test_consensus_meter_matches_the_closed_form_on_three_ranks():
+    values = run_workers(_consensus_worker, 3)
+    # w_r = r * ones(11), mean 1: (1/3) * (11 * 1 + 0 + 11 * 1)
+    assert values == [pytest.approx(22 / 3)] * 3
+
+
+def test_gpu_metrics_are_a_silent_no_op_on_the_cpu():
+    gpu = GpuMetrics(CPU, 0.5)
+    assert not gpu.active and gpu.fields() == {}
+    gpu.close()
+    gpu.close()
+
+
+# --- the commands -------------------------------------------------------------------------------------
+
+
+def test_sweep_expands_comma_lists_outside_brackets():
+    assert split_top_level("a,[1,2],'x,y',b") == ["a", "[1,2]", "'x,y'", "b"]
+    assert expand(["averaging=allreduce,wagma", "steps=10", "imbalance.ranks=[0,1]", "seed=1,2"]) == [
+        ["averaging=allreduce", "steps=10", "imbalance.ranks=[0,1]", "seed=1"],
+        ["averaging=allreduce", "steps=10", "imbalance.ranks=[0,1]", "seed=2"],
+        ["averaging=wagma", "steps=10", "imbalance.ranks=[0,1]", "seed=1"],
+        ["averaging=wagma", "steps=10", "imbalance.ranks=[0,1]", "seed=2"],
+    ]
+    with pytest.raises(ValueError, match="empty value"):
+        expand(["averaging=a,,b"])
+
+
+def test_run_command_wraps_torchrun_with_four_ranks_and_one_run_dir():
+    rest, run_dir = split_run_dir(["averaging=local_sgd", "hydra.run.dir=/tmp/x"])
+    assert rest == ["averaging=local_sgd"] and run_dir == Path("/tmp/x")
+    cmd = torchrun_command(rest, run_dir)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    assert cmd[5] == str(ROOT / "train.py") and cmd[6:] == ["averaging=local_sgd", "hydra.run.dir=/tmp/x"]
+    table = format_table([
+        {"job": "00_a", "exit": 0, "summary": {
+            "policy": "local_sgd", "test_accuracy": 0.97, "samples_per_s": 1000.0, "mean_wait_s": 0.002,
+            "global_reductions": 38, "local_reductions": 0, "wall_s": 9.0,
+        }},
+        {"job": "01_b", "exit": 2, "summary": None},
+    ])
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["job", "policy", "acc", "%"]
+    assert lines[2].split() == ["00_a", "local_sgd", "97.00", "1,000", "2.00", "38", "0", "9.0"]
+    assert lines[3].split() == ["01_b", "failed", "(exit", "status", "2)"]
+
+
+def _command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=170)
+
+
+@pytest.mark.slow
+def test_wagma_run_trains_under_torchrun_and_prints_the_summary(tmp_path):
+    proc = _command(
+        "-m", "wagma.run", "--nproc", "2", "averaging=local_sgd", "steps=40", "progress=false", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 1 and (run_dirs[0] / "summary.json").exists()
+    assert "policy        local_sgd on 2 rank(s), 40 steps" in proc.stdout
+    assert "test accuracy" in proc.stdout and "time waited" in proc.stdout
+
+
+@pytest.mark.slow
+def test_wagma_sweep_runs_one_torchrun_per_policy_and_tabulates(tmp_path):
+    out = tmp_path / "sweep"
+    proc = _command(
+        "-m", "wagma.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd,bogus", "steps=20",
+        "progress=false", cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the bogus job fails, the others run
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [r["summary"]["policy"] if r["summary"] else None for r in rows] == ["allreduce", "local_sgd", None]
+    assert "failed (exit status 1)" in proc.stdout
+    assert (out / "00_averaging-allreduce" / "summary.json").exists()

@@ -1,0 +1,73 @@
+"""Consensus distance: how far the ranks' models are from their mean, (1/P) Σ_i ‖w_i − w̄‖².
+
+Model-averaging policies let replicas drift apart between reductions; this number says by how much (it
+is 0 right after a global average and grows between them). :class:`ConsensusMeter` computes it with two
+allreduces on a process group of its own, created up front (never DDP's, never a policy's): one of the
+flattened parameters (for w̄) and one of this rank's squared distance. Sums run in float64 so identical
+replicas give exactly 0 for any world size whose mean is exact, and tiny distances are not lost.
+
+It is a collective over all ranks: every rank must call :meth:`ConsensusMeter.measure` at the same steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from wagma.averaging.groups import new_timeout_group, require_initialized
+
+__all__ = ["ConsensusMeter"]
+
+
+class ConsensusMeter:
+    """Measures the consensus distance of a set of parameters over all ranks.
+
+    Construct it on every rank, in the same order relative to other group creations (it creates a
+    process group). Call :meth:`close` (or use it as a context manager) to release the group.
+
+    Args:
+        timeout: timeout of the meter's process group.
+    """
+
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
+        require_initialized(type(self).__name__)
+        self.world_size = dist.get_world_size()
+        self._group: dist.ProcessGroup | None = new_timeout_group(None, timeout) if self.world_size > 1 else None
+        self._closed = False
+
+    @torch.no_grad()
+    def measure(self, params: Iterable[torch.Tensor]) -> float:
+        """(1/P) Σ_i ‖w_i − w̄‖² of ``params`` (collective: every rank calls it with the same shapes)."""
+        if self._closed:
+            raise RuntimeError("ConsensusMeter is closed: build a new one to keep measuring")
+        tensors = [p.detach().reshape(-1) for p in params]
+        if not tensors:
+            raise ValueError("params: expected at least one tensor to measure")
+        flat = torch.cat([t.to(torch.float64) for t in tensors])
+        if self._group is None:
+            return 0.0
+        mean = flat.clone()
+        dist.all_reduce(mean, group=self._group)
+        mean.div_(self.world_size)
+        squared = (flat - mean).square().sum().reshape(1)
+        dist.all_reduce(squared, group=self._group)
+        return float(squared.item()) / self.world_size
+
+    def close(self) -> None:
+        """Destroy the meter's process group (idempotent)."""
+        self._closed = True
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):  # already gone with the default group
+                pass
+
+    def __enter__(self) -> ConsensusMeter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,453 @@
+"""The built-in averaging policies beyond plain DDP, as the ``averaging`` config group names them.
+
+=========================  ==========================================================================
+``local_sgd``              :class:`LocalSGDPolicy`: local steps, a global model mean every ``period``
+                           steps (K-AVG; :class:`~wagma.averaging.PeriodicAverager`).
+``hierarchical``           :class:`HierarchicalPolicy`: means inside fixed groups every ``local_period``
+                           steps, over all ranks every ``global_period``
+                           (:class:`~wagma.averaging.HierarchicalAverager`).
+``hierarchical_momentum``  :class:`HierarchicalPolicy` with reduction momentum
+                           (:class:`~wagma.averaging.ReductionMomentum` around the hierarchical averager).
+``wagma``                  :class:`WagmaPolicy`: wait-avoiding group model averaging (WAGMA-SGD).
+``eager_solo``,            :class:`EagerPolicy`: eager-SGD's partial gradient allreduce in a DDP comm
+``eager_majority``         hook, solo or majority.
+=========================  ==========================================================================
+
+Model-averaging policies (:class:`ModelAveragingPolicy`) wrap the model in DDP with
+:func:`~wagma.hooks.post_local.post_local_hook`: gradients are allreduced during an optional warm-up of
+synchronous SGD and not communicated afterwards, so every policy runs through the same DDP code path and
+the replicas are identical when model averaging takes over. DDP's per-forward buffer broadcast is off: it
+would otherwise broadcast buffers from rank 0 before every forward pass, a global barrier each step.
+
+``wagma`` and ``eager_*`` import :class:`~wagma.averaging.WagmaAverager` and :mod:`wagma.hooks.partial`
+only when built, so the application imports (and validates other configs) without them; a config that
+names one while it is missing is rejected by its validator with a message saying so. The validators
+live in :mod:`wagma.policy_options`.
+
+Everything here is registered with :func:`wagma.policy.register_policy` when this module is imported, which
+:mod:`wagma.policy` does at its end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from wagma import policy_options
+from wagma.averaging import AveragerStats, HierarchicalAverager, PeriodicAverager, ReductionMomentum
+from wagma.hooks.post_local import PostLocalState, post_local_hook
+from wagma.policy import Policy, register_policy
+from wagma.policy_options import (
+    EAGER_MODES,
+    validate_eager,
+    validate_hierarchical,
+    validate_hierarchical_momentum,
+    validate_local_sgd,
+    validate_wagma,
+)
+from wagma.schedule import GroupSchedule
+
+__all__ = [
+    "EagerPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
+]
+
+
+class _Averager(Protocol):
+    """What :class:`ModelAveragingPolicy` needs of an averager (every wagma averager has it)."""
+
+    stats: AveragerStats
+
+    def average_parameters(self, params: Any, buffers: Any = None) -> Any: ...
+    def synchronize(self, params: Any, buffers: Any = None) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def averager_stats(stats: AveragerStats) -> dict[str, Any]:
+    """An averager's counters as the metrics want them (flat numbers, plus the staleness histogram).
+
+    ``staleness`` is the mean staleness (in rounds) of this rank's contributions so far, ``staleness_max``
+    the largest, ``fresh_fraction`` the share of fresh ones (1.0 for synchronous averagers, which record
+    no contributions: all of theirs are fresh). ``comm_wait_s`` is the averager's own blocking time (the
+    loop's ``wait_s`` is the whole step's waiting, which includes it).
+    """
+    hist = {int(k): int(v) for k, v in stats.staleness_hist.items()}
+    contributions = stats.fresh_contributions + stats.stale_contributions
+    return {
+        "global_reductions": stats.global_reductions,
+        "local_reductions": stats.local_reductions,
+        "bytes_sent": stats.bytes_sent,
+        "comm_wait_s": stats.wait_s,
+        "staleness": sum(k * v for k, v in hist.items()) / contributions if contributions else 0.0,
+        "staleness_max": max(hist, default=0),
+        "fresh_fraction": stats.fresh_contributions / contributions if contributions else 1.0,
+        "staleness_hist": hist,
+    }
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+# torch >= 2.13 renamed DDP's per-forward buffer broadcast; older releases only know broadcast_buffers.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def _ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
+    """DDP without the per-forward buffer broadcast (a global barrier every step)."""
+    device_ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **_NO_BUFFER_SYNC)
+
+
+class ModelAveragingPolicy(Policy):
+    """Local optimizer steps on every rank; an averager brings the models together around each step.
+
+    Subclasses say which averager (:meth:`build_averager`, called from :meth:`wrap`, i.e. on every rank in
+    the same order, because averagers create their process groups when built). Each step the policy calls
+    ``averager.average_parameters(model.parameters(), model.buffers())`` once: in ``before_step`` when the
+    averager's ``order`` is ``"average_then_step"`` (the gradient computed at w_t is applied to the
+    average of w_t), else in ``after_step``. ``finalize`` calls ``averager.synchronize(...)`` unless the
+    last step already ended with a global mean.
+
+    Args:
+        device: where the model lives (a CUDA device is DDP's only device).
+        warmup_steps: steps of synchronous SGD (DDP gradient allreduce) before local steps begin.
+        bucket_cap_mb: DDP's gradient bucket size (used by the warm-up allreduce).
+        timeout_s: timeout of the averager's process groups.
+    """
+
+    def __init__(
+        self, *, device: torch.device, warmup_steps: int = 0, bucket_cap_mb: float = 25.0, timeout_s: float = 300.0
+    ) -> None:
+        self.device = device
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.timeout_s = float(timeout_s)
+        self.hook_state = PostLocalState(warmup_steps)
+        self.averager: _Averager | None = None
+        self.steps_done = 0
+        self._net: nn.Module | None = None
+
+    def build_averager(self, net: nn.Module) -> _Averager:
+        """Create the averager for ``net`` (collective: every rank, same order)."""
+        raise NotImplementedError
+
+    @property
+    def average_before_step(self) -> bool:
+        """Whether averaging runs before ``optimizer.step()`` (the averager's ``order``)."""
+        return getattr(self.averager, "order", "step_then_average") == "average_then_step"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self._net = model
+        self.averager = self.build_averager(model)
+        ddp = _ddp(model, self.device, self.bucket_cap_mb)
+        ddp.register_comm_hook(self.hook_state, post_local_hook)
+        return ddp
+
+    def _average(self) -> None:
+        assert self.averager is not None and self._net is not None, "wrap() the model first"
+        self.averager.average_parameters(self._net.parameters(), self._net.buffers())
+
+    def before_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        if self.average_before_step:
+            self._average()
+
+    def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        if not self.average_before_step:
+            self._average()
+        self.steps_done = step + 1
+        self.hook_state.step = self.steps_done
+
+    def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        assert self.averager is not None and self._net is not None, "wrap() the model first"
+        ended_global = not self.average_before_step and getattr(self.averager, "last_reduction", None) == "global"
+        if not ended_global:
+            self.averager.synchronize(self._net.parameters(), self._net.buffers())
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.averager is not None, "wrap() the model first"
+        return {"steps_done": self.steps_done, "averager": self.averager.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        assert self.averager is not None, "wrap() the model first"
+        self.averager.load_state_dict(dict(state["averager"]))
+        self.steps_done = int(state["steps_done"])
+        self.hook_state.step = self.steps_done
+
+    def stats(self) -> dict[str, Any]:
+        return averager_stats(self.averager.stats) if self.averager is not None else {}
+
+    def close(self) -> None:
+        if self.averager is not None:
+            self.averager.close()
+
+
+class LocalSGDPolicy(ModelAveragingPolicy):
+    """K-AVG / local SGD: :class:`~wagma.averaging.PeriodicAverager` after every step.
+
+    The call of step ``s`` averages globally iff ``s >= warmup_steps`` and ``(s - warmup_steps) % period
+    == 0`` (torch's ``PeriodicModelAverager`` semantics), so ``steps`` steps without warm-up run
+    ``ceil(steps / period)`` global reductions.
+
+    Args:
+        period: steps between global means (K).
+        average_buffers: also average floating-point buffers.
+        **kwargs: see :class:`ModelAveragingPolicy`.
+    """
+
+    name = "local_sgd"
+
+    def __init__(self, *, period: int, average_buffers: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.period = int(period)
+        self.average_buffers = bool(average_buffers)
+
+    def build_averager(self, net: nn.Module) -> _Averager:
+        return PeriodicAverager(
+            self.period, self.hook_state.warmup_steps, average_buffers=self.average_buffers,
+            timeout=_timeout(self.timeout_s),
+        )
+
+
+class HierarchicalPolicy(ModelAveragingPolicy):
+    """Local means in fixed groups, global means less often; optionally with reduction momentum.
+
+    Args:
+        local_group_size: ranks per local group (contiguous ranks: node-local under torchrun).
+        local_period: steps between local means.
+        global_period: steps between global means (a multiple of ``local_period``).
+        momentum: reduction momentum μ in [0, 1); ``None`` for plain averaging.
+        lr: outer learning rate of the momentum update.
+        nesterov: Nesterov form of the momentum update.
+        apply_to: ``"global"`` (momentum at global reductions only) or ``"all"``.
+        average_buffers: also average floating-point buffers.
+        **kwargs: see :class:`ModelAveragingPolicy`.
+    """
+
+    name = "hierarchical"
+
+    def __init__(
+        self,
+        *,
+        local_group_size: int,
+        local_period: int,
+        global_period: int,
+        momentum: float | None = None,
+        lr: float = 1.0,
+        nesterov: bool = False,
+        apply_to: str = "global",
+        average_buffers: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.local_group_size, self.local_period, self.global_period = local_group_size, local_period, global_period
+        self.momentum, self.lr, self.nesterov, self.apply_to = momentum, lr, nesterov, apply_to
+        self.average_buffers = bool(average_buffers)
+        if momentum is not None:
+            self.name = "hierarchical_momentum"
+
+    def build_averager(self, net: nn.Module) -> _Averager:
+        averager = HierarchicalAverager(
+            self.local_group_size, self.local_period, self.global_period, self.hook_state.warmup_steps,
+            average_buffers=self.average_buffers, timeout=_timeout(self.timeout_s),
+        )
+        if self.momentum is None:
+            return averager
+        return ReductionMomentum(
+            averager, float(self.momentum), float(self.lr), self.nesterov, self.apply_to  # type: ignore[arg-type]
+        )
+
+
+class WagmaPolicy(ModelAveragingPolicy):
+    """WAGMA-SGD: wait-avoiding group model averaging with :class:`~wagma.averaging.WagmaAverager`.
+
+    No gradient communication (DDP with the post-local hook and no warm-up). With ``order=
+    "average_then_step"`` (the reference) the round runs in ``before_step``: the gradient computed at w_t
+    is applied by the optimizer to the group average of w_t; with ``"step_then_average"`` it runs in
+    ``after_step``. ``finalize`` is ``averager.synchronize`` (a blocking global mean after the last round).
+
+    Args:
+        group_size: ranks per averaging group S.
+        sync_period: τ; every (τ+1)-th round is a blocking global mean.
+        schedule: ``"auto"``, ``"butterfly"``, ``"mixed_radix"`` or explicit partitions (list of rounds,
+            each a list of groups of ranks).
+        mixing: how a round combines models (:data:`WAGMA_MIXINGS`).
+        order: :data:`ORDERS`.
+        average_buffers: also average floating-point buffers.
+        max_lead: rounds the progress thread may run ahead of the main thread (``None``: the averager's
+            default).
+        **kwargs: ``device``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
+
+    Raises:
+        RuntimeError: if :class:`wagma.averaging.WagmaAverager` is not available.
+    """
+
+    name = "wagma"
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        sync_period: int,
+        schedule: str | list[Any] = "auto",
+        mixing: str = "reference",
+        order: str = "average_then_step",
+        average_buffers: bool = True,
+        max_lead: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not policy_options.wagma_available():
+            raise RuntimeError(policy_options.missing_message("wagma", "wagma.averaging.WagmaAverager"))
+        super().__init__(warmup_steps=0, **kwargs)
+        self.group_size, self.sync_period = int(group_size), int(sync_period)
+        self.schedule, self.mixing, self.order = schedule, mixing, order
+        self.average_buffers, self.max_lead = bool(average_buffers), max_lead
+
+    def build_averager(self, net: nn.Module) -> _Averager:
+        from wagma.averaging import WagmaAverager  # noqa: PLC0415 - optional until it lands
+
+        schedule: str | GroupSchedule = (
+            self.schedule if isinstance(self.schedule, str) else GroupSchedule(self.schedule, name="custom")
+        )
+        return WagmaAverager(  # type: ignore[no-any-return]
+            self.group_size, self.sync_period, params=list(net.parameters()),
+            buffers=list(net.buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
+            order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
+            timeout=_timeout(self.timeout_s),
+        )
+
+    def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        assert self.averager is not None and self._net is not None, "wrap() the model first"
+        self.averager.synchronize(self._net.parameters(), self._net.buffers())
+
+
+class EagerPolicy(Policy):
+    """eager-SGD: DDP with the partial-allreduce comm hook of :mod:`wagma.hooks.partial`.
+
+    ``wrap`` builds ``PartialAllreduceState(params, mode=..., sync_period=..., warmup_iters=..., seed=...,
+    timeout=...)`` and registers it with ``ddp.register_comm_hook(state, partial_allreduce_hook)``;
+    ``finalize`` is ``state.flush(optimizer)``: a blocking, fully fresh round that applies every gradient
+    still in the residual buffers, after which the replicas agree.
+
+    Args:
+        device: where the model lives.
+        mode: ``"solo"`` or ``"majority"``.
+        sync_period: τ; a blocking fully fresh allreduce every τ rounds bounds staleness.
+        warmup_iters: iterations of plain allreduce first (DDP rebuilds its buckets after the first).
+        seed: seed of the shared initiator draw (majority).
+        bucket_cap_mb: DDP's gradient bucket size.
+        timeout_s: bound of every wait of the hook's engine.
+
+    Raises:
+        RuntimeError: if :mod:`wagma.hooks.partial` is not available.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        mode: str,
+        sync_period: int = 32,
+        warmup_iters: int = 2,
+        seed: int = 0,
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.name = f"eager_{mode}"
+        if not policy_options.eager_available():
+            raise RuntimeError(policy_options.missing_message(self.name, "wagma.hooks.partial"))
+        self.device, self.mode = device, mode
+        self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
+        self.bucket_cap_mb, self.timeout_s = float(bucket_cap_mb), float(timeout_s)
+        self.hook_state: Any = None
+        self.steps_done = 0
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook  # noqa: PLC0415
+
+        self.hook_state = PartialAllreduceState(
+            list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
+            seed=self.seed, timeout=_timeout(self.timeout_s),
+        )
+        ddp = _ddp(model, self.device, self.bucket_cap_mb)
+        ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)
+        return ddp
+
+    def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        self.steps_done = step + 1
+
+    def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        assert self.hook_state is not None, "wrap() the model first"
+        self.hook_state.flush(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.hook_state is not None, "wrap() the model first"
+        return {"steps_done": self.steps_done, "hook": self.hook_state.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        assert self.hook_state is not None, "wrap() the model first"
+        self.hook_state.load_state_dict(state["hook"])
+        self.steps_done = int(state["steps_done"])
+
+    def stats(self) -> dict[str, Any]:
+        if self.hook_state is None:
+            return {}
+        stats = dict(self.hook_state.stats())
+        if "wait_s" in stats:  # the loop's wait_s is the whole step's; keep the hook's apart
+            stats["comm_wait_s"] = stats.pop("wait_s")
+        return {"global_reductions": 0, "local_reductions": 0, "staleness": 0.0} | stats
+
+    def close(self) -> None:
+        if self.hook_state is not None:
+            self.hook_state.close()
+
+
+# --- registration -------------------------------------------------------------------------------------
+
+
+def _build_local_sgd(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+    return LocalSGDPolicy(device=device, **options)
+
+
+def _build_hierarchical(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+    return HierarchicalPolicy(device=device, **options)
+
+
+def _build_wagma(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+    return WagmaPolicy(device=device, **options)
+
+
+def _eager_builder(mode: str) -> Callable[..., Policy]:
+    def build(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+        return EagerPolicy(device=device, **({"mode": mode} | options))
+
+    return build
+
+
+def _eager_validator(mode: str) -> Callable[[Mapping[str, Any], int], None]:
+    def validate(options: Mapping[str, Any], world_size: int) -> None:
+        validate_eager(f"eager_{mode}", options, world_size)
+
+    return validate
+
+
+def _register() -> None:
+    register_policy("local_sgd", _build_local_sgd, validate_local_sgd)
+    register_policy("hierarchical", _build_hierarchical, validate_hierarchical)
+    register_policy("hierarchical_momentum", _build_hierarchical, validate_hierarchical_momentum)
+    register_policy("wagma", _build_wagma, validate_wagma)
+    for mode in EAGER_MODES:
+        register_policy(f"eager_{mode}", _eager_builder(mode), _eager_validator(mode))
+
+
+_register()

@@ -1,0 +1,216 @@
+"""Checking ``averaging`` configs before training, and whether the optional policy modules are installed.
+
+One validator per policy of :mod:`wagma.policies`; each is called as ``validate(options, world_size)`` by
+:func:`wagma.policy.validate_policy_config` (after its generic checks: a known name, ``group_size``
+dividing the world size, no negative ``*period``/``*_steps``) on every rank before anything is built, and
+raises one ``ValueError`` naming the key, the value found and what was expected. They check unknown keys,
+group sizes that do not divide the world size, periods, ``global_period`` a multiple of ``local_period``,
+momentum in [0, 1), the mode / mixing / order names, WAGMA's schedule (built here, so a schedule that
+does not mix is refused) and -- for ``wagma`` and ``eager_*`` -- that the module they need is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from wagma.schedule import GroupSchedule
+
+__all__ = [
+    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "eager_available", "missing_message", "validate_eager",
+    "validate_hierarchical", "validate_hierarchical_momentum", "validate_local_sgd", "validate_wagma",
+    "wagma_available",
+]
+
+#: When a model-averaging policy averages within a step (DESIGN §2.2).
+ORDERS: tuple[str, ...] = ("average_then_step", "step_then_average")
+#: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), DESIGN §2.2).
+WAGMA_MIXINGS: tuple[str, ...] = ("reference",)
+#: eager-SGD partial allreduce modes (DESIGN §2.4).
+EAGER_MODES: tuple[str, ...] = ("solo", "majority")
+#: Keys every DDP-wrapping policy accepts.
+_COMMON_KEYS = ("bucket_cap_mb", "timeout_s")
+
+
+def wagma_available() -> bool:
+    """Whether :class:`wagma.averaging.WagmaAverager` can be imported."""
+    try:
+        from wagma.averaging import WagmaAverager  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def eager_available() -> bool:
+    """Whether :mod:`wagma.hooks.partial` (eager-SGD's partial allreduce hook) can be imported."""
+    try:
+        import wagma.hooks.partial  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def missing_message(policy: str, what: str) -> str:
+    """The message for a policy whose optional module ``what`` is not installed."""
+    return (
+        f"averaging '{policy}' needs {what}, which this installation of wagma does not have; "
+        "update wagma or pick another averaging option"
+    )
+
+
+def _only_keys(policy: str, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"averaging '{policy}' takes the keys {sorted(allowed)}, got unknown keys {unknown}")
+
+
+def _int(options: Mapping[str, Any], key: str, minimum: int, *, required: bool = True) -> int | None:
+    if key not in options:
+        if required:
+            raise ValueError(f"averaging.{key} is required (an integer >= {minimum})")
+        return None
+    value = options[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"averaging.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive(options: Mapping[str, Any], key: str) -> None:
+    value = options.get(key, 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"averaging.{key} must be a number > 0, got {value!r}")
+
+
+def _flag(options: Mapping[str, Any], key: str) -> None:
+    if key in options and not isinstance(options[key], bool):
+        raise ValueError(f"averaging.{key} must be true or false, got {options[key]!r}")
+
+
+def _choice(options: Mapping[str, Any], key: str, choices: tuple[str, ...], default: str) -> str:
+    value = options.get(key, default)
+    if value not in choices:
+        raise ValueError(f"averaging.{key} must be one of {', '.join(choices)}; got {value!r}")
+    return str(value)
+
+
+def _divisor(options: Mapping[str, Any], key: str, world_size: int) -> None:
+    value = _int(options, key, 1)
+    assert value is not None
+    if world_size % value != 0:
+        raise ValueError(
+            f"averaging.{key}={value} must be a positive divisor of the world size {world_size}; "
+            "pick a group size that divides the number of ranks"
+        )
+
+
+def _common(options: Mapping[str, Any]) -> None:
+    _positive(options, "bucket_cap_mb")
+    _positive(options, "timeout_s")
+
+
+_LOCAL_SGD_KEYS = ("period", "warmup_steps", "average_buffers", *_COMMON_KEYS)
+_HIERARCHICAL_KEYS = (
+    "local_group_size", "local_period", "global_period", "warmup_steps", "average_buffers", *_COMMON_KEYS,
+)
+_MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
+_WAGMA_KEYS = (
+    "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", *_COMMON_KEYS,
+)
+_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", *_COMMON_KEYS)
+
+
+def validate_local_sgd(options: Mapping[str, Any], world_size: int) -> None:
+    """Check a ``local_sgd`` config: ``period`` >= 1, ``warmup_steps`` >= 0."""
+    _only_keys("local_sgd", options, _LOCAL_SGD_KEYS)
+    _int(options, "period", 1)
+    _int(options, "warmup_steps", 0, required=False)
+    _flag(options, "average_buffers")
+    _common(options)
+
+
+def validate_hierarchical(options: Mapping[str, Any], world_size: int, *, momentum: bool = False) -> None:
+    """Check a ``hierarchical`` (or, with ``momentum``, ``hierarchical_momentum``) config.
+
+    ``local_group_size`` divides the world size; periods >= 1 with ``global_period`` a multiple of
+    ``local_period``; with momentum: ``momentum`` in [0, 1), ``lr`` > 0, ``nesterov`` a bool, ``apply_to``
+    ``global`` or ``all``.
+    """
+    name = "hierarchical_momentum" if momentum else "hierarchical"
+    _only_keys(name, options, _MOMENTUM_KEYS if momentum else _HIERARCHICAL_KEYS)
+    _divisor(options, "local_group_size", world_size)
+    local, global_ = _int(options, "local_period", 1), _int(options, "global_period", 1)
+    assert local is not None and global_ is not None
+    if global_ % local != 0:
+        raise ValueError(
+            f"averaging.global_period={global_} must be a multiple of averaging.local_period={local} "
+            "(a global mean replaces the local one on the steps where both fall)"
+        )
+    _int(options, "warmup_steps", 0, required=False)
+    _flag(options, "average_buffers")
+    _common(options)
+    if momentum:
+        value = options.get("momentum")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ValueError(f"averaging.momentum must be a number in [0, 1), got {value!r}")
+        _positive(options, "lr")
+        _flag(options, "nesterov")
+        _choice(options, "apply_to", ("global", "all"), "global")
+
+
+def validate_hierarchical_momentum(options: Mapping[str, Any], world_size: int) -> None:
+    """Check a ``hierarchical_momentum`` config (see :func:`validate_hierarchical`)."""
+    validate_hierarchical(options, world_size, momentum=True)
+
+
+def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
+    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, ``max_lead`` <= ``sync_period``.
+
+    The schedule is built (cheaply, without communication) so one that does not mix every rank with
+    every other is refused here. Also refuses the config when ``WagmaAverager`` is not installed.
+    """
+    _only_keys("wagma", options, _WAGMA_KEYS)
+    _divisor(options, "group_size", world_size)
+    sync_period = _int(options, "sync_period", 0)
+    assert sync_period is not None
+    max_lead = options.get("max_lead")
+    if max_lead is not None and (
+        not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= sync_period
+    ):
+        raise ValueError(
+            f"averaging.max_lead must be null or an integer in [0, sync_period={sync_period}], got {max_lead!r}"
+        )
+    _choice(options, "mixing", WAGMA_MIXINGS, "reference")
+    _choice(options, "order", ORDERS, "average_then_step")
+    _flag(options, "average_buffers")
+    _common(options)
+    schedule = options.get("schedule", "auto")
+    try:
+        if isinstance(schedule, str):
+            built = GroupSchedule.create(schedule, world_size, int(options["group_size"]))
+        else:
+            built = GroupSchedule(schedule)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"averaging.schedule={schedule!r} cannot be used: {exc}") from exc
+    if built.world_size != world_size:
+        raise ValueError(f"averaging.schedule is for {built.world_size} ranks, the job has {world_size}")
+    if not wagma_available():
+        raise ValueError(missing_message("wagma", "wagma.averaging.WagmaAverager"))
+
+
+def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> None:
+    """Check an ``eager_solo`` / ``eager_majority`` config: ``mode`` matches the name, periods, seed."""
+    _only_keys(policy, options, _EAGER_KEYS)
+    expected = policy.removeprefix("eager_")
+    mode = _choice(options, "mode", EAGER_MODES, expected)
+    if mode != expected:
+        raise ValueError(
+            f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; use averaging=eager_{mode} instead"
+        )
+    _int(options, "sync_period", 1, required=False)
+    _int(options, "warmup_iters", 2, required=False)
+    seed = options.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
+    _common(options)
+    if not eager_available():
+        raise ValueError(missing_message(policy, "wagma.hooks.partial"))
