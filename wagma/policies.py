@@ -402,7 +402,7 @@ class EagerPolicy(Policy):
     def stats(self) -> dict[str, Any]:
         if self.hook_state is None:
             return {}
-        stats = dict(self.hook_state.stats())
+        stats = dict(self.hook_state.stats_dict())
         if "wait_s" in stats:  # the loop's wait_s is the whole step's; keep the hook's apart
             stats["comm_wait_s"] = stats.pop("wait_s")
         return {"global_reductions": 0, "local_reductions": 0, "staleness": 0.0} | stats

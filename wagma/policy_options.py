@@ -25,7 +25,7 @@ __all__ = [
 #: When a model-averaging policy averages within a step (DESIGN §2.2).
 ORDERS: tuple[str, ...] = ("average_then_step", "step_then_average")
 #: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), DESIGN §2.2).
-WAGMA_MIXINGS: tuple[str, ...] = ("reference",)
+WAGMA_MIXINGS: tuple[str, ...] = ("reference", "mean")
 #: eager-SGD partial allreduce modes (DESIGN §2.4).
 EAGER_MODES: tuple[str, ...] = ("solo", "majority")
 #: Keys every DDP-wrapping policy accepts.

@@ -189,7 +189,15 @@ class PartialAllreduceState:
     def stats_dict(self) -> dict[str, Any]:
         """Counters for the metrics stream."""
         out = self.stats.as_dict()
-        out.update(rounds=self.rounds, iteration=self.iteration, fresh_fraction=self.fresh_fraction())
+        hist = out["staleness_hist"]
+        count = sum(hist.values())
+        out.update(
+            rounds=self.rounds,
+            iteration=self.iteration,
+            fresh_fraction=self.fresh_fraction(),
+            staleness=sum(k * v for k, v in hist.items()) / count if count else 0.0,
+            staleness_max=max(hist) if hist else 0,
+        )
         return out
 
     def state_dict(self) -> dict[str, Any]:
