@@ -8,7 +8,7 @@ experiment=wagma_random_k``); ``hydra.run.dir=DIR`` among them picks the run dir
 
 ``train.py`` is found next to the ``wagma`` package (a checkout, or ``pip install -e .``), or where the
 ``WAGMA_TRAIN_SCRIPT`` environment variable points. For several nodes use torchrun (or srun) directly; see
-``docs/app.md``.
+the "training application" section of README.md.
 """
 
 from __future__ import annotations
