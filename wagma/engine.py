@@ -336,7 +336,9 @@ class WaitAvoidingGroupAllreduce:
         if self.accumulate:
             with self._cond:
                 if self._snapshot_event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(self._snapshot_event)
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(self._snapshot_event)
+                    self._snapshot.record_stream(stream)  # it may come from the thread's stream
                 self._snapshot.add_(tensor.detach())
                 self._snapshot_version = k
                 self._snapshot_event = self._record()
