@@ -113,6 +113,7 @@ KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momen
          "averaging.order must be one of average_then_step, step_then_average; got 'step_average'"),
         ("wagma", {"mixing": "gossip"}, "averaging.mixing must be one of reference, mean; got 'gossip'"),
         ("wagma", {"max_lead": 11}, r"averaging.max_lead must be null or an integer in \[0, sync_period=10\], got 11"),
+        ("eager_solo", {"max_lead": 33}, r"averaging.max_lead must be null or an integer in \[0, sync_period=32\], got 33"),
         ("wagma", {"sync_period": -1}, "averaging.sync_period must be >= 0, got -1"),
         ("wagma", {"schedule": "ring"}, "averaging.schedule='ring' cannot be used: unknown schedule kind"),
         ("wagma", {"group_size": 1}, "averaging.schedule='auto' cannot be used"),  # groups of 1 never mix
@@ -403,3 +404,26 @@ def test_wagma_sweep_runs_one_torchrun_per_policy_and_tabulates(tmp_path):
     assert [r["summary"]["policy"] if r["summary"] else None for r in rows] == ["allreduce", "local_sgd", None]
     assert "failed (exit status 1)" in proc.stdout
     assert (out / "00_averaging-allreduce" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "policy,extra",
+    [
+        ("wagma", ("averaging.sync_period=4",)),
+        ("eager_solo", ("averaging.sync_period=4",)),
+        ("eager_majority", ("averaging.sync_period=4",)),
+    ],
+)
+def test_kill_and_resume_of_the_wait_avoiding_policies_gives_the_uninterrupted_model(tmp_path, policy, extra):
+    # max_lead=0 makes every round wait for every rank's fresh contribution: a deterministic path, so the
+    # resumed run (engine restarted at the checkpoint's round, residuals restored) must match bit for bit.
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    common = (f"averaging={policy}", "averaging.max_lead=0", *extra, "steps=24", "checkpoint_every=10")
+    run_workers(_train_worker, 4, _cfg(straight, *common))
+    outcomes = run_workers_outcomes(_train_worker, 4, _cfg(broken, *common), 15)
+    assert not any(o.ok for o in outcomes)
+    summaries = run_workers(_train_worker, 4, _cfg(broken, *common, "resume=true"))
+    assert summaries[0]["resumed_from"] == 10
+    a = torch.load(straight / "model.pt", weights_only=True)
+    b = torch.load(broken / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -345,6 +345,8 @@ class EagerPolicy(Policy):
         sync_period: τ; a blocking fully fresh allreduce every τ rounds bounds staleness.
         warmup_iters: iterations of plain allreduce first (DDP rebuilds its buckets after the first).
         seed: seed of the shared initiator draw (majority).
+        max_lead: rounds the hook's progress thread may run ahead of the backward passes
+            (``None``: ``sync_period``; 0: every round waits for every rank's fresh gradient).
         bucket_cap_mb: DDP's gradient bucket size.
         timeout_s: bound of every wait of the hook's engine.
 
@@ -360,6 +362,7 @@ class EagerPolicy(Policy):
         sync_period: int = 32,
         warmup_iters: int = 2,
         seed: int = 0,
+        max_lead: int | None = None,
         bucket_cap_mb: float = 25.0,
         timeout_s: float = 300.0,
     ) -> None:
@@ -368,6 +371,7 @@ class EagerPolicy(Policy):
             raise RuntimeError(policy_options.missing_message(self.name, "wagma.hooks.partial"))
         self.device, self.mode = device, mode
         self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
+        self.max_lead = None if max_lead is None else int(max_lead)
         self.bucket_cap_mb, self.timeout_s = float(bucket_cap_mb), float(timeout_s)
         self.hook_state: Any = None
         self.steps_done = 0
@@ -377,7 +381,7 @@ class EagerPolicy(Policy):
 
         self.hook_state = PartialAllreduceState(
             list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
-            seed=self.seed, timeout=_timeout(self.timeout_s),
+            seed=self.seed, max_lead=self.max_lead, timeout=_timeout(self.timeout_s),
         )
         ddp = _ddp(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)

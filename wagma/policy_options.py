@@ -116,7 +116,7 @@ _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
     "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", *_COMMON_KEYS,
 )
-_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", *_COMMON_KEYS)
+_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", *_COMMON_KEYS)
 
 
 def validate_local_sgd(options: Mapping[str, Any], world_size: int) -> None:
@@ -206,8 +206,15 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
         raise ValueError(
             f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; use averaging=eager_{mode} instead"
         )
-    _int(options, "sync_period", 1, required=False)
+    sync_period = _int(options, "sync_period", 1, required=False)
     _int(options, "warmup_iters", 2, required=False)
+    max_lead, bound = options.get("max_lead"), 32 if sync_period is None else sync_period
+    if max_lead is not None and (
+        not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= bound
+    ):
+        raise ValueError(
+            f"averaging.max_lead must be null or an integer in [0, sync_period={bound}], got {max_lead!r}"
+        )
     seed = options.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"averaging.seed must be an integer, got {seed!r}")

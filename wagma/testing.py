@@ -141,9 +141,10 @@ def run_workers_outcomes(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    # A world started within a second of the previous one's end can pick, for its loopback connects,
-    # ports still in TIME-WAIT (Linux tcp_tw_reuse=2 allows that only once timestamps have moved on by
-    # 1 s) and then stalls 5 s in SYN retries. Spacing worlds 1 s apart avoids it.
+    # A world started right after the previous one ended often saw one store connect per process stall
+    # for exactly 5 s (with a fresh interpreter per world it never happened). The cause is not pinned
+    # down: not the server backend (libuv or classic), not DNS, not tcp_tw_reuse; spacing worlds at
+    # least 1 s apart made the stall rare (about 1 world in 6 instead of 4 in 6 on a loaded machine).
     global _last_world_end
     time.sleep(max(0.0, _last_world_end + 1.0 - time.monotonic()))
     ctx = mp.get_context("fork")
