@@ -198,7 +198,12 @@ def plot_accuracy(
         ax.set_xlabel("training time (s, slowest rank)")
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(scenarios):]:
+    _finish_grid(fig, axes, len(scenarios), path)
+
+
+def _finish_grid(fig: Any, axes: Any, used: int, path: Path) -> None:
+    """Blank the unused panels of a grid, put one legend under it, save it to ``path`` and close it."""
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), frameon=False)
@@ -276,11 +281,5 @@ def plot_consensus(path: Path, records: Sequence[Record], scenarios: Sequence[st
         ax.set_xlabel("training time (s, slowest rank)")
         ax.set_ylabel("(1/P) Σ ‖w_i − w̄‖²")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(with_data):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_grid(fig, axes, len(with_data), path)
     return True

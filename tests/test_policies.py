@@ -289,21 +289,30 @@ def test_warmup_is_synchronous_and_reduction_momentum_keeps_global_means_identic
     assert (summary["global_reductions"], summary["local_reductions"]) == (4, 3)
 
 
-def test_kill_and_resume_a_model_averaging_policy_gives_the_uninterrupted_model(tmp_path):
+def _kill_and_resume(tmp_path: Path, *common: str) -> tuple[dict, Path]:
+    """Train straight; train again, kill every rank after step 15, resume from the step-10 checkpoint.
+
+    Asserts that the resumed run started at step 10 and ended with exactly the uninterrupted model;
+    returns the resumed run's rank-0 summary and the uninterrupted run's directory.
+    """
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    common = (
-        "averaging=hierarchical_momentum", "averaging.warmup_steps=3", "averaging.local_period=2",
-        "averaging.global_period=6", "steps=30", "checkpoint_every=10",
-    )
-    run_workers(_train_worker, 4, _cfg(straight, *common))
-    outcomes = run_workers_outcomes(_train_worker, 4, _cfg(broken, *common), 15)
+    run_workers(_train_worker, 4, _cfg(straight, *common, "checkpoint_every=10"))
+    outcomes = run_workers_outcomes(_train_worker, 4, _cfg(broken, *common, "checkpoint_every=10"), 15)
     assert not any(o.ok for o in outcomes)
-    summaries = run_workers(_train_worker, 4, _cfg(broken, *common, "resume=true"))
+    summaries = run_workers(_train_worker, 4, _cfg(broken, *common, "checkpoint_every=10", "resume=true"))
     assert summaries[0]["resumed_from"] == 10
     a = torch.load(straight / "model.pt", weights_only=True)
     b = torch.load(broken / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert summaries[0]["global_reductions"] == json.loads((straight / "summary.json").read_text())["global_reductions"]
+    return summaries[0], straight
+
+
+def test_kill_and_resume_a_model_averaging_policy_gives_the_uninterrupted_model(tmp_path):
+    summary, straight = _kill_and_resume(
+        tmp_path, "averaging=hierarchical_momentum", "averaging.warmup_steps=3", "averaging.local_period=2",
+        "averaging.global_period=6", "steps=30",
+    )
+    assert summary["global_reductions"] == json.loads((straight / "summary.json").read_text())["global_reductions"]
 
 
 def test_random_k_summary_shows_time_waited_and_global_reductions(tmp_path):
@@ -417,13 +426,4 @@ def test_wagma_sweep_runs_one_torchrun_per_policy_and_tabulates(tmp_path):
 def test_kill_and_resume_of_the_wait_avoiding_policies_gives_the_uninterrupted_model(tmp_path, policy, extra):
     # max_lead=0 makes every round wait for every rank's fresh contribution: a deterministic path, so the
     # resumed run (engine restarted at the checkpoint's round, residuals restored) must match bit for bit.
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
-    common = (f"averaging={policy}", "averaging.max_lead=0", *extra, "steps=24", "checkpoint_every=10")
-    run_workers(_train_worker, 4, _cfg(straight, *common))
-    outcomes = run_workers_outcomes(_train_worker, 4, _cfg(broken, *common), 15)
-    assert not any(o.ok for o in outcomes)
-    summaries = run_workers(_train_worker, 4, _cfg(broken, *common, "resume=true"))
-    assert summaries[0]["resumed_from"] == 10
-    a = torch.load(straight / "model.pt", weights_only=True)
-    b = torch.load(broken / "model.pt", weights_only=True)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _kill_and_resume(tmp_path, f"averaging={policy}", "averaging.max_lead=0", *extra, "steps=24")
