@@ -75,6 +75,16 @@ def _int(options: Mapping[str, Any], key: str, minimum: int, *, required: bool =
     return value
 
 
+def _max_lead(options: Mapping[str, Any], sync_period: int) -> None:
+    max_lead = options.get("max_lead")
+    if max_lead is not None and (
+        not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= sync_period
+    ):
+        raise ValueError(
+            f"averaging.max_lead must be null or an integer in [0, sync_period={sync_period}], got {max_lead!r}"
+        )
+
+
 def _positive(options: Mapping[str, Any], key: str) -> None:
     value = options.get(key, 1.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -172,13 +182,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _divisor(options, "group_size", world_size)
     sync_period = _int(options, "sync_period", 0)
     assert sync_period is not None
-    max_lead = options.get("max_lead")
-    if max_lead is not None and (
-        not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= sync_period
-    ):
-        raise ValueError(
-            f"averaging.max_lead must be null or an integer in [0, sync_period={sync_period}], got {max_lead!r}"
-        )
+    _max_lead(options, sync_period)
     _choice(options, "mixing", WAGMA_MIXINGS, "reference")
     _choice(options, "order", ORDERS, "average_then_step")
     _flag(options, "average_buffers")
@@ -208,13 +212,7 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
         )
     sync_period = _int(options, "sync_period", 1, required=False)
     _int(options, "warmup_iters", 2, required=False)
-    max_lead, bound = options.get("max_lead"), 32 if sync_period is None else sync_period
-    if max_lead is not None and (
-        not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= bound
-    ):
-        raise ValueError(
-            f"averaging.max_lead must be null or an integer in [0, sync_period={bound}], got {max_lead!r}"
-        )
+    _max_lead(options, 32 if sync_period is None else sync_period)  # 32: EagerPolicy's default
     seed = options.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"averaging.seed must be an integer, got {seed!r}")

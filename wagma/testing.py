@@ -85,7 +85,7 @@ def _child(
     os._exit(code)
 
 
-_server: tuple[Any, int] | None = None
+_server: tuple[Any, int, Any] | None = None  # (host process, port, pipe kept open while it lives)
 _world_ids = itertools.count()
 _last_world_end = float("-inf")
 
@@ -102,9 +102,8 @@ def _host_store(conn: Any) -> None:
 def _store_port() -> int:
     """Port of a TCPStore server shared by all worlds of this process, under distinct key prefixes.
 
-    The server lives in a process of its own, started once: a server in the parent hands its listening
-    socket to every forked worker, and creating a server per world made client connects stall for 5 s
-    from the second world on.
+    The server lives in a process of its own, started once, so no forked worker inherits a live server
+    (its thread, its listening socket) from the parent.
     """
     global _server
     if _server is None or not _server[0].is_alive():
@@ -112,8 +111,7 @@ def _store_port() -> int:
         parent_end, child_end = ctx.Pipe()
         proc = ctx.Process(target=_host_store, args=(child_end,), name="wagma-test-store", daemon=True)
         proc.start()
-        _server = (proc, parent_end.recv())
-        _server[0]._wagma_conn = parent_end  # keep the pipe open for the server's lifetime
+        _server = (proc, parent_end.recv(), parent_end)
     return _server[1]
 
 

@@ -125,8 +125,10 @@ class WagmaAverager(AveragerBase):
                 f"passed at construction, found {len(flat.buffers)}; pass the same parameters every step"
             )
         kind: Reduction = "local"
+        results = []
         for buffer, engine in zip(flat.pack(), self._engines):
             res = engine(buffer)
+            results.append(res)
             size = len(res.group)
             if res.is_sync:
                 kind = "global"
@@ -137,16 +139,13 @@ class WagmaAverager(AveragerBase):
                 wagma_combine_(buffer, res.sum, float(size + 1))
             self.stats.record_reduction("global" if res.is_sync else "local", buffer.nbytes, res.wait_s)
         # One contribution per round, whatever the number of buffers: the first engine's view of it.
-        self.stats.record_contribution(res.staleness)
+        self.stats.record_contribution(results[0].staleness)
         flat.unpack()
         return kind
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"step", "stats"}``: the round to continue from is the step."""
-        return super().state_dict()
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the step and counters and restart the engines at that round.
+        """Restore the step and counters (``state_dict()`` is the base's: the round to continue from is the
+        step) and restart the engines at that round.
 
         Collective: every rank calls it, in the same order, with the same step (it creates communicators).
         The model as it is now (load the checkpoint's parameters first) is what each rank publishes.

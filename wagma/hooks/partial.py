@@ -116,14 +116,13 @@ class PartialAllreduceState:
             )
         if self.iteration < self.warmup_iters:
             return self._warmup_allreduce(bucket)
-        buffer = bucket.buffer()
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             offset, n = self._offsets[id(p)]
             self._staging[offset : offset + n].copy_(g.reshape(-1))
         future: torch.futures.Future = torch.futures.Future()
         self._waiting.append((bucket, future))
         if bucket.is_last():
-            self._finish_iteration(buffer)
+            self._finish_iteration()
         return future
 
     def _warmup_allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -142,7 +141,7 @@ class PartialAllreduceState:
 
         return work.get_future().then(done)
 
-    def _finish_iteration(self, last_buffer: torch.Tensor) -> None:
+    def _finish_iteration(self) -> None:
         assert self.engine is not None
         res = self.engine(self._staging)
         self._staging.zero_()
@@ -159,7 +158,7 @@ class PartialAllreduceState:
         self.iteration += 1
         self.rounds += 1
         self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
-        self.stats.record_contribution(res.staleness if not res.fresh else 0)
+        self.stats.record_contribution(res.staleness)  # 0 when this rank's fresh gradient made it in
 
     # ------------------------------------------------------------------------------------ end of run
     def flush(self, optimizer: torch.optim.Optimizer) -> None:
