@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -48,16 +49,72 @@ def test_cuda_sources_compile_with_nvcc(arch, tmp_path):
         assert (tmp_path / f"{cu.stem}.cubin").stat().st_size > 0
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-def test_every_launched_kernel_is_exported(tmp_path):
-    ptx = tmp_path / "averaging.ptx"
-    cmd = ["nvcc", "-arch=sm_80", "--ptx", "-o", str(ptx), str(REPO / "cuda" / K.SOURCE_FILE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    text = ptx.read_text()
+def _check_ptx(text: str) -> None:
+    """Every launched kernel is exported; no FMA contraction and no flushed subnormals anywhere."""
     entries = {line.split()[2].rstrip("(") for line in text.splitlines() if line.startswith(".visible .entry")}
     assert _expected_kernel_names() <= entries
-    assert " fma." not in text  # no contraction: kernels stay bit-identical to the references
+    assert "fma." not in text  # no contraction: kernels stay bit-identical to the references
+    assert ".ftz" not in text  # subnormals kept, although CuPy compiles with -ftz=true
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_every_launched_kernel_is_exported(tmp_path):
+    # The harshest flags: FTZ (which CuPy always passes) and fast math must change nothing.
+    ptx = tmp_path / "averaging.ptx"
+    cmd = ["nvcc", "-arch=sm_80", "--ptx", "-ftz=true", "-use_fast_math", "-o", str(ptx),
+           str(REPO / "cuda" / K.SOURCE_FILE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    _check_ptx(ptx.read_text())
+
+
+def _cupy_compiler():
+    """CuPy's compiler module, when CuPy and an NVRTC library load (no GPU needed); else skip.
+
+    ``.ci/run`` installs both (the ``nvrtc`` extra) and sets ``WAGMA_REQUIRE_NVRTC=1``, which turns
+    the skip into a failure, so CI always runs these tests.
+    """
+    try:
+        from cupy.cuda import compiler, nvrtc  # noqa: PLC0415
+
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001 - ImportError, or no libnvrtc
+        if os.environ.get("WAGMA_REQUIRE_NVRTC", "") not in ("", "0"):
+            pytest.fail(f"WAGMA_REQUIRE_NVRTC is set but CuPy's NVRTC is unavailable: {exc}")
+        pytest.skip(f"CuPy with NVRTC is not installed (pip install -e '.[nvrtc]'): {exc}")
+    return compiler
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("method", ["ptx", "cubin"])
+def test_cupy_compiles_the_sources_with_nvrtc(monkeypatch, arch, method):
+    # What RawModule(code=source).get_function(...) does on a GPU host, through CuPy's own compile
+    # function with its own options (-ftz=true among them), with NVRTC and no GPU: only the device
+    # query and the driver's module load are replaced. method "cubin" is what CuPy uses on an A100 or
+    # H100 (-arch=sm_XX); "ptx" gives text to inspect.
+    compiler = _cupy_compiler()
+    loaded = []
+
+    class Module:  # cupy.cuda.function.Module, whose load() needs a driver
+        def _set_mapping(self, mapping):
+            pass
+
+        def load(self, payload):
+            loaded.append(payload)
+
+    flag = f"-arch=compute_{arch}" if method == "ptx" else f"-arch=sm_{arch}"
+    monkeypatch.setattr(compiler, "function", types.SimpleNamespace(Module=Module))
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (flag, method))
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")  # nothing written to ~/.cupy
+    source = (K.cuda_source_dir() / K.SOURCE_FILE).read_text()
+    compiler._compile_module_with_cache(source, (), arch=arch)
+    (payload,) = loaded
+    if method == "ptx":
+        text = payload.decode() if isinstance(payload, bytes) else payload
+        assert f".target sm_{arch}" in text
+        _check_ptx(text)
+    else:
+        assert bytes(payload[:4]) == b"\x7fELF"  # a cubin for sm_XX, ready for cuModuleLoadData
 
 
 def test_cuda_sources_include_no_headers():
@@ -492,6 +549,19 @@ def test_kernels_run_on_the_current_torch_stream():
         total = w.sum()
     side.synchronize()
     assert total.item() == float(1 << 22)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernels_keep_subnormals_on_gpu():
+    # CuPy compiles with -ftz=true; the kernels' PTX primitives carry no .ftz, so nothing is flushed.
+    _needs_cupy_backend()
+    tiny = torch.finfo(torch.float32).smallest_normal
+    w = torch.tensor([tiny / 4, -tiny / 1024, tiny], device="cuda")
+    K.wagma_combine_(w, torch.tensor([tiny / 4, 0.0, -tiny / 2], device="cuda"), 1.0)
+    assert w.cpu().tolist() == [tiny / 2, -tiny / 1024, tiny / 2]
+    packed = K.pack_bf16(torch.tensor([tiny / 8], device="cuda"))
+    assert K.unpack_bf16(packed).cpu().tolist() == [tiny / 8]
 
 
 @pytest.mark.gpu

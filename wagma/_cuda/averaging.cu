@@ -5,13 +5,52 @@
 // at run time) does not reliably find cuda_fp16.h / cuda_bf16.h, so 16-bit values are stored as raw
 // `unsigned short` and converted with bit arithmetic (bf16) or a PTX cvt instruction (fp16).
 //
-// Explicit __fadd_rn / __fmul_rn / __fsub_rn keep the compiler from contracting a*b+c into an FMA:
-// the kernels are memory-bound, so FMA would buy nothing, and without it every result is bit-identical
-// to the torch reference implementation in wagma/kernels.py (the test oracle).
+// fp32 arithmetic goes through add_rn / sub_rn / mul_rn, one PTX instruction each with an explicit
+// rounding mode and no .ftz:
+// - an explicit rounding mode keeps ptxas from contracting a*b+c into an FMA (the kernels are
+//   memory-bound, so FMA would buy nothing);
+// - no .ftz keeps subnormals: CuPy compiles every RawModule with -ftz=true, which turns the
+//   add_rn-style intrinsics into add.rn.ftz.f32 and flushes subnormal inputs and results to zero.
+// So every result is bit-identical to the torch reference implementation in wagma/kernels.py (the
+// test oracle), whatever flags compile this file.
+//
+// Host emulation: tests/test_kernel_emulation.py compiles this file with g++ and runs the kernels on
+// the CPU against the references. It defines WAGMA_HOST_EMULATION and supplies IEEE-equivalent host
+// versions of the PTX primitives below and of the CUDA built-ins; nothing else is changed.
 //
 // Exported names are extern "C" (unmangled) with a dtype suffix: _f32, _f16, _bf16.
 
 typedef unsigned short u16;
+
+#ifndef WAGMA_HOST_EMULATION
+// IEEE fp32 add / subtract / multiply, round to nearest even, subnormals kept, never fused.
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float sub_rn(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+// fp16 <-> fp32: widening is exact; narrowing rounds to nearest even (no .ftz: subnormal halves kept).
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f32_to_f16_rn(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#endif
 
 // Storage-type adapters: load() widens to fp32, store() rounds fp32 to the storage type.
 struct F32 {
@@ -22,16 +61,8 @@ struct F32 {
 
 struct F16 {
     typedef u16 T;
-    static __device__ __forceinline__ float load(u16 h) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-        return f;
-    }
-    static __device__ __forceinline__ u16 store(float f) {
-        u16 h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));  // round to nearest even
-        return h;
-    }
+    static __device__ __forceinline__ float load(u16 h) { return f16_to_f32(h); }
+    static __device__ __forceinline__ u16 store(float f) { return f32_to_f16_rn(f); }
 };
 
 // fp32 -> bf16, round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0, exactly as
@@ -65,7 +96,7 @@ template <class D>
 __device__ __forceinline__ void combine(typename D::T* w, const typename D::T* sum, float inv_divisor,
                                         long long n) {
     GRID_STRIDE_LOOP(i, n) {
-        w[i] = D::store(__fmul_rn(__fadd_rn(D::load(w[i]), D::load(sum[i])), inv_divisor));
+        w[i] = D::store(mul_rn(add_rn(D::load(w[i]), D::load(sum[i])), inv_divisor));
     }
 }
 
@@ -76,11 +107,11 @@ __device__ __forceinline__ void momentum(typename D::T* anchor, typename D::T* v
                                          int nesterov, long long n) {
     GRID_STRIDE_LOOP(i, n) {
         const float a = D::load(anchor[i]);
-        const float d = __fsub_rn(D::load(average[i]), a);
-        const float v = __fadd_rn(__fmul_rn(mu, D::load(velocity[i])), d);
-        const float step = nesterov ? __fadd_rn(__fmul_rn(mu, v), d) : v;
+        const float d = sub_rn(D::load(average[i]), a);
+        const float v = add_rn(mul_rn(mu, D::load(velocity[i])), d);
+        const float step = nesterov ? add_rn(mul_rn(mu, v), d) : v;
         velocity[i] = D::store(v);
-        anchor[i] = D::store(__fadd_rn(a, __fmul_rn(lr, step)));
+        anchor[i] = D::store(add_rn(a, mul_rn(lr, step)));
     }
 }
 
@@ -99,7 +130,7 @@ __device__ __forceinline__ void residual_take_add(typename D::T* residual, const
                                                   typename D::T* out, long long n) {
     GRID_STRIDE_LOOP(i, n) {
         const float r = D::load(residual[i]);
-        out[i] = D::store(__fadd_rn(r, D::load(grad[i])));
+        out[i] = D::store(add_rn(r, D::load(grad[i])));
         residual[i] = 0;
     }
 }
@@ -108,7 +139,7 @@ template <class D>
 __device__ __forceinline__ void residual_accumulate(typename D::T* residual, const typename D::T* grad,
                                                     long long n) {
     GRID_STRIDE_LOOP(i, n) {
-        residual[i] = D::store(__fadd_rn(D::load(residual[i]), D::load(grad[i])));
+        residual[i] = D::store(add_rn(D::load(residual[i]), D::load(grad[i])));
     }
 }
 
@@ -145,5 +176,5 @@ extern "C" __global__ void wagma_pack_bf16(const float* src, u16* dst, long long
 }
 
 extern "C" __global__ void wagma_unpack_bf16(const u16* src, float* dst, float scale, long long n) {
-    GRID_STRIDE_LOOP(i, n) { dst[i] = __fmul_rn(bf16_to_f32(src[i]), scale); }
+    GRID_STRIDE_LOOP(i, n) { dst[i] = mul_rn(bf16_to_f32(src[i]), scale); }
 }
