@@ -12,6 +12,10 @@ Effective bandwidth = (bytes the fused kernel must read + write) / time, for eve
 columns compare time for the same useful work. Each repetition is timed alone, so small sizes include
 the per-call launch overhead (Python + DLPack for ``wagma``) and may sit in L2 cache.
 
+Before the kernels (while this process has not initialised CUDA, so it can fork ranks that use it),
+it also measures the wait-avoiding group allreduce engine on CUDA tensors: ``--engine-world`` gloo
+ranks forked on this one GPU, ``benchmarks/engine_latency.py --device cuda`` (skip with ``--no-engine``).
+
 Usage::
 
     python benchmarks/gpu.py --out results/gpu_bench.json [--sizes 1e6,1e7,1e8] [--dtype bfloat16]
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -31,6 +36,7 @@ import torch
 
 # Run as a script from a checkout without installing: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import engine_latency  # noqa: E402
 from wagma import kernels  # noqa: E402
 
 Fn = Callable[[], Any]
@@ -46,13 +52,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=50, help="timed repetitions per measurement (>= 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed repetitions first")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine's round time on CUDA tensors")
+    p.add_argument("--engine-world", type=int, default=4, help="gloo ranks sharing the GPU (default 4)")
+    p.add_argument("--engine-group", type=int, default=2, help="group size S (default 2)")
+    p.add_argument("--engine-rounds", type=int, default=200, help="rounds per rank (default 200)")
+    p.add_argument("--engine-numel", default="1e6", help="elements of the averaged buffer (default 1e6)")
     args = p.parse_args(argv)
     if args.reps < 20:
         p.error(f"--reps must be >= 20, got {args.reps}")
     try:
         args.size_list = [int(float(s)) for s in args.sizes.split(",") if s.strip()]
+        args.engine_numel = int(float(args.engine_numel))
     except ValueError:
-        p.error(f"--sizes must be comma-separated numbers, got {args.sizes!r}")
+        p.error(f"--sizes and --engine-numel must be numbers, got {args.sizes!r} and {args.engine_numel!r}")
+    if args.engine_world < 1 or args.engine_group < 1 or args.engine_world % args.engine_group:
+        p.error(f"--engine-group must divide --engine-world, got {args.engine_group} and {args.engine_world}")
     return args
 
 
@@ -169,8 +183,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, refuse clearly without a GPU, measure, print a table and write JSON."""
     args = parse_args(argv)
+    # Ask NVML, not the CUDA runtime: this process must not initialise CUDA before forking the engine's ranks.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here")
+    engine = None
+    if not args.no_engine:
+        print(f"engine: {args.engine_world} ranks, S={args.engine_group}, {args.engine_numel:,d} elements, "
+              f"{args.engine_rounds} rounds on CUDA tensors", file=sys.stderr)
+        engine = engine_latency.measure(args.engine_world, args.engine_group, args.engine_rounds,
+                                        args.engine_numel, device="cuda")
+        print(json.dumps(engine, indent=2))
     try:
         import cupy  # noqa: PLC0415
 
@@ -195,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "results": rows,
             "markdown": table,
+            "engine": engine,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))

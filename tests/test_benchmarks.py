@@ -169,3 +169,27 @@ def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
     assert f"| random_k1 | {test_policy} |" in table and "`no_such_policy` (skipped; random_k1)" in table
     for png in ("accuracy_vs_time.png", "throughput.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/engine_latency.py (also the engine section of benchmarks/gpu.py)
+# ----------------------------------------------------------------------------------------------
+def test_engine_latency_measures_on_cpu_ranks():
+    from benchmarks import engine_latency
+
+    result = engine_latency.measure(world=4, group=2, rounds=8, numel=16, sync_period=3)
+    assert result["device"] == "cpu" and result["world_size"] == 4 and result["rounds"] == 8
+    assert result["median_round_ms"] > 0 and result["median_async_round_ms"] > 0
+    assert result["median_activation_latency_ms"] is not None  # one winner per async round, others timed
+
+
+def test_engine_latency_refuses_bad_input_and_cuda_without_a_gpu():
+    from benchmarks import engine_latency
+
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        engine_latency.measure(device="tpu")
+    with pytest.raises(ValueError, match="rounds >= 2"):
+        engine_latency.measure(rounds=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            engine_latency.measure(world=2, rounds=4, device="cuda")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
-from wagma.testing import run_workers, run_workers_outcomes
+from wagma.testing import rank_device, run_workers, run_workers_outcomes
 
 L = 4  # elements per rank block
 TIMEOUT = datetime.timedelta(seconds=20)  # also bounds group creation, slow on a loaded 2-core machine
@@ -46,19 +46,21 @@ def _schedule(world: int, group: int) -> GroupSchedule:
     return GroupSchedule.create("auto", world, group)
 
 
-def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed, max_delay_s):
+def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed, max_delay_s, device="cpu"):
     rng = random.Random(delay_seed * 1000 + rank)
     sched = _schedule(world, group)
+    dev = rank_device(device, rank)
     records = []
     with WaitAvoidingGroupAllreduce(
-        sched, _encode(rank, world, -1), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT
+        sched, _encode(rank, world, -1).to(dev), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT
     ) as eng:
         for k in range(rounds):
             if max_delay_s:
                 time.sleep(rng.random() * max_delay_s)
-            res = eng(_encode(rank, world, k))
+            res = eng(_encode(rank, world, k).to(dev))
             assert res.round == k, f"call {k} returned round {res.round}"
-            decoded = _decode(res.sum, world)
+            assert res.sum.device == dev
+            decoded = _decode(res.sum.cpu(), world)
             members = {j: v for j, v in decoded.items() if j in res.group}
             outside = {j: v for j, v in decoded.items() if j not in res.group}
             assert all(v == -1 for v in outside.values()), f"round {k}: non-members contributed {outside}"
@@ -89,9 +91,13 @@ def _check_records(records_by_rank, world, group, sync_period, max_lead, exact):
 
 @pytest.mark.parametrize("world,group", [(2, 2), (3, 3), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4)])
 def test_sums_match_closed_form_without_delays(world, group):
+    check_sums_without_delays(world, group)
+
+
+def check_sums_without_delays(world: int, group: int, device: str = "cpu") -> None:
     # max_lead=0: the thread waits for its main thread, so every contribution is fresh and exact.
     rounds, sync_period = 12, 4
-    out = run_workers(_rounds_worker, world, group, rounds, sync_period, 0, 0, 0.0)
+    out = run_workers(_rounds_worker, world, group, rounds, sync_period, 0, 0, 0.0, device)
     _check_records(out, world, group, sync_period, 0, exact=True)
 
 
@@ -132,13 +138,14 @@ def test_transient_stragglers_do_not_make_others_wait():
     assert stale_seen > 0
 
 
-def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger):
+def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger, device="cpu"):
     rng = random.Random(seed * 100 + rank)
     sched = _schedule(world, group)
+    dev = rank_device(device, rank)
     passed_in = torch.zeros(world, dtype=torch.float64)
     received = torch.zeros(world, dtype=torch.float64)  # my block of every group sum I was part of
     with WaitAvoidingGroupAllreduce(
-        sched, torch.zeros(world, dtype=torch.float64), sync_period=sync_period, timeout=TIMEOUT,
+        sched, torch.zeros(world, dtype=torch.float64, device=dev), sync_period=sync_period, timeout=TIMEOUT,
         accumulate=True, trigger=trigger, seed=seed,
     ) as eng:
         for k in range(rounds):
@@ -146,13 +153,14 @@ def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger):
             x = torch.zeros(world, dtype=torch.float64)
             x[rank] = rng.randint(1, 1000)
             passed_in += x
-            res = eng(x)
+            res = eng(x.to(dev))
             assert res.round == k
-            received[rank] += res.sum[rank]
+            total = res.sum.cpu()
+            received[rank] += total[rank]
             # The sum holds exactly the group's contributions.
-            assert torch.all(res.sum[[j for j in range(world) if j not in res.group]] == 0)
-        left = eng.take()
-        again = eng.take()
+            assert torch.all(total[[j for j in range(world) if j not in res.group]] == 0)
+        left = eng.take().cpu()
+        again = eng.take().cpu()
     assert torch.all(again == 0)
     return passed_in[rank].item(), received[rank].item(), left[rank].item(), left.sum().item()
 
@@ -160,7 +168,11 @@ def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger):
 @pytest.mark.parametrize("trigger", ["any", "initiator"])
 @pytest.mark.parametrize("world,group", [(4, 2), (6, 3)])
 def test_accumulate_counts_every_value_exactly_once(world, group, trigger):
-    out = run_workers(_accumulate_worker, world, group, 40, 6, 3, trigger)
+    check_accumulate(world, group, trigger)
+
+
+def check_accumulate(world: int, group: int, trigger: str, device: str = "cpu") -> None:
+    out = run_workers(_accumulate_worker, world, group, 40, 6, 3, trigger, device)
     for rank, (passed, received, left, left_total) in enumerate(out):
         assert left == left_total  # take() only holds this rank's own values
         assert received + left == passed, f"rank {rank}: {received} + {left} != {passed}"
@@ -168,8 +180,12 @@ def test_accumulate_counts_every_value_exactly_once(world, group, trigger):
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_stress_500_rounds_random_delays(world):
-    rounds, sync_period, max_lead = 500, 7, 3
-    out = run_workers(_rounds_worker, world, 2, rounds, sync_period, max_lead, 11, 0.002, timeout_s=150)
+    check_random_delays(world, 500)
+
+
+def check_random_delays(world: int, rounds: int, device: str = "cpu") -> None:
+    sync_period, max_lead = 7, 3
+    out = run_workers(_rounds_worker, world, 2, rounds, sync_period, max_lead, 11, 0.002, device, timeout_s=150)
     _check_records(out, world, 2, sync_period, max_lead, exact=False)
 
 

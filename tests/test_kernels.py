@@ -501,8 +501,11 @@ def test_benchmark_help_and_no_gpu_exit(capsys, tmp_path):
     assert info.value.code == 0 and "--out" in capsys.readouterr().out
     args = bench.parse_args(["--out", str(tmp_path / "r.json"), "--sizes", "1e6,2.5e7", "--reps", "20"])
     assert args.size_list == [1_000_000, 25_000_000]
+    assert (args.engine_world, args.engine_group, args.engine_numel, args.no_engine) == (4, 2, 1_000_000, False)
     with pytest.raises(SystemExit):
         bench.parse_args(["--reps", "5"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engine-world", "3", "--engine-group", "2"])  # S must divide P
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             bench.main(["--out", str(tmp_path / "r.json")])

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wagma.hooks import get as get_hook
 from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
-from wagma.testing import run_workers
+from wagma.testing import rank_device, run_workers
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -31,9 +31,10 @@ def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
 
 
-def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0):
+def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu"):
     """Train with DDP + the partial hook (or plain DDP when mode is None); record local gradients."""
-    model = _model()
+    dev = rank_device(device, rank)
+    model = _model().to(dev)
     ddp = DDP(model, bucket_cap_mb=0.0005)
     state = None
     if mode is not None:
@@ -41,7 +42,7 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0):
             model.parameters(), mode=mode, sync_period=5, max_lead=max_lead, seed=seed, timeout=TIMEOUT
         )
         ddp.register_comm_hook(state, partial_allreduce_hook)
-    local_grads = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    local_grads = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64, device=dev)
     offsets, at = {}, 0
     for p in model.parameters():
         offsets[p] = at
@@ -59,9 +60,9 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0):
         if sleep_s and shared.randrange(world) == rank:
             time.sleep(sleep_s)
         opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
+        nn.functional.cross_entropy(ddp(x.to(dev)), y.to(dev)).backward()
         opt.step()
-        checks.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+        checks.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu())
     extra = {}
     if state is not None:
         state.flush(opt)
@@ -71,21 +72,29 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0):
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     total_grads = local_grads.clone()
     dist.all_reduce(total_grads)
-    return initial, final, total_grads, checks, extra
+    return initial.cpu(), final.cpu(), total_grads.cpu(), checks, extra
 
 
 def test_without_delays_and_with_a_flush_it_equals_plain_allreduce():
+    check_equals_plain_allreduce()
+
+
+def check_equals_plain_allreduce(device: str = "cpu") -> None:
     world, iters = 3, 12
     # max_lead=0: each rank's exchange waits for its own gradient, so every round is fully fresh.
-    partial = run_workers(_train, world, iters, "solo", 0.0, 0)
-    plain = run_workers(_train, world, iters, None, 0.0, 0)
+    partial = run_workers(_train, world, iters, "solo", 0.0, 0, 0, device)
+    plain = run_workers(_train, world, iters, None, 0.0, 0, 0, device)
     torch.testing.assert_close(partial[0][1], plain[0][1], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["solo", "majority"])
 def test_late_gradients_are_carried_not_dropped(mode):
+    check_late_gradients_carried(mode)
+
+
+def check_late_gradients_carried(mode: str, device: str = "cpu") -> None:
     world, iters, lr = 4, 40, 0.1
-    out = run_workers(_train, world, iters, mode, 0.03, None, timeout_s=120)
+    out = run_workers(_train, world, iters, mode, 0.03, None, 0, device, timeout_s=120)
     initial, final, total_grads, _, stats = out[0]
     # SGD without momentum: the total change is -lr * (sum of every gradient computed) / P.
     torch.testing.assert_close(final - initial, -lr * total_grads / world, rtol=1e-9, atol=1e-10)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wagma.testing import WorkerError, run_workers, run_workers_outcomes
+from wagma.testing import WorkerError, rank_device, run_workers, run_workers_outcomes
 
 
 def _allreduce_rank(rank: int, world_size: int) -> float:
@@ -42,3 +42,14 @@ def test_dead_rank_is_reported_with_exit_code():
     outs = run_workers_outcomes(_exit_rank_0, 2)
     assert not outs[0].ok and outs[0].exitcode == 3
     assert outs[1].ok and outs[1].value == 1
+
+
+def test_rank_device_is_the_cpu_or_a_gpu_and_says_what_is_wrong():
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="device kind must be 'cpu' or 'cuda', got 'tpu'"):
+        rank_device("tpu", 0)
+    if torch.cuda.is_available():
+        assert rank_device("cuda", 0).type == "cuda"
+    else:
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            rank_device("cuda", 0)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from wagma.averaging import AveragingOptimizer, WagmaAverager
-from wagma.testing import run_workers
+from wagma.testing import rank_device, run_workers
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -87,11 +87,12 @@ def test_sync_rounds_are_global_means(world):
                 assert torch.equal(a, b)
 
 
-def _sgd_worker(rank, world, steps, policy):
+def _sgd_worker(rank, world, steps, policy, device="cpu"):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    dev = rank_device(device, rank)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dev)
     g = torch.Generator().manual_seed(100 + rank)
-    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    x, y = torch.randn(64, 6, generator=g).to(dev), torch.randint(0, 3, (64,), generator=g).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if policy == "wagma":
         avg = WagmaAverager(2, 0, params=model.parameters(), order="step_then_average", timeout=TIMEOUT)
@@ -107,21 +108,25 @@ def _sgd_worker(rank, world, steps, policy):
                     p.div_(world)
     if policy == "wagma":
         avg.close()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def test_sync_period_zero_equals_a_global_mean_every_step():
+    check_sync_period_zero()
+
+
+def check_sync_period_zero(device: str = "cpu") -> None:
     world = 4
-    wagma = run_workers(_sgd_worker, world, 8, "wagma")
-    mean = run_workers(_sgd_worker, world, 8, "mean")
+    wagma = run_workers(_sgd_worker, world, 8, "wagma", device)
+    mean = run_workers(_sgd_worker, world, 8, "mean", device)
     for a, b in zip(wagma[0], mean[0]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def _straggler_worker(rank, world, rounds, sync_period, delay_s):
+def _straggler_worker(rank, world, rounds, sync_period, delay_s, device="cpu"):
     shared = random.Random(3)
     sleepers = [shared.randrange(world) for _ in range(rounds)]
-    model = _tagged(rank)
+    model = _tagged(rank).to(rank_device(device, rank))
     waits, synced = [], []
     with WagmaAverager(2, sync_period, params=model.parameters(), timeout=TIMEOUT) as avg:
         for step in range(rounds):
@@ -134,14 +139,18 @@ def _straggler_worker(rank, world, rounds, sync_period, delay_s):
             kind = avg.average_parameters(model.parameters())
             waits.append((step, kind, time.perf_counter() - t0, sleepers[step] == rank))
             if kind == "global":
-                synced.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+                synced.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu())
         stats = avg.stats.as_dict()
     return waits, synced, stats
 
 
 def test_fast_ranks_do_not_wait_for_a_late_rank_except_on_sync_rounds():
+    check_late_rank_not_waited_for()
+
+
+def check_late_rank_not_waited_for(device: str = "cpu") -> None:
     world, rounds, sync_period, delay = 4, 16, 7, 0.2
-    out = run_workers(_straggler_worker, world, rounds, sync_period, delay)
+    out = run_workers(_straggler_worker, world, rounds, sync_period, delay, device)
     async_waits = [w for waits, _, _ in out for (_, kind, w, _) in waits if kind == "local"]
     # A rank that does not sleep still spends time in averaging only for the exchange itself; with a
     # straggler present most of the time, waiting for it would cost ~delay per round.

@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankOutcome", "WorkerError", "run_workers", "run_workers_outcomes"]
+__all__ = ["RankOutcome", "WorkerError", "rank_device", "run_workers", "run_workers_outcomes"]
 
 
 class WorkerError(RuntimeError):
@@ -43,6 +43,27 @@ class RankOutcome:
     value: Any = None
     error: str | None = None
     exitcode: int | None = None
+
+
+def rank_device(kind: str, rank: int) -> Any:
+    """The ``torch.device`` a test rank computes on: the CPU, or GPU ``rank % device_count()``.
+
+    With ``kind="cuda"`` the GPU is made current, so several ranks can share one GPU over gloo
+    (which takes CUDA tensors): one GPU can stand in for a multi-rank world. Call it in the worker.
+    The forking parent must not have initialised CUDA itself (torch then refuses CUDA in the
+    children): run such worlds from a fresh process, as ``tests/gpu_worlds.py`` does.
+    """
+    import torch  # noqa: PLC0415 - this module imports torch lazily, for the store host's sake
+
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"device kind must be 'cpu' or 'cuda', got {kind!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device kind 'cuda' needs a CUDA GPU, and torch.cuda.is_available() is False")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def _child(

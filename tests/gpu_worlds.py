@@ -1,0 +1,74 @@
+"""Multi-rank checks on CUDA tensors: gloo ranks sharing one GPU stand in for a multi-GPU world.
+
+The engine (its progress thread on a CUDA side stream, ordered by events), WagmaAverager and the
+eager-SGD partial hook under DDP run the same checks as their CPU tests, with every rank's tensors on
+the GPU (``wagma.testing.rank_device``). Ranks are forked, and a forked child can use CUDA only if its
+parent never initialised it, so this runs as a script in a fresh interpreter:
+
+    python tests/gpu_worlds.py --device cuda            # every check
+    python tests/gpu_worlds.py --device cpu engine_exact  # one check, on the CPU
+
+``tests/test_gpu_worlds.py`` runs it: every check on CUDA where there is a GPU (marked ``gpu``), and
+one on the CPU everywhere, so the script itself cannot rot unseen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# Ask NVML, not the CUDA runtime, whether there is a GPU: this process must leave CUDA uninitialised.
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the test modules (their check_* functions), and wagma
+
+import test_engine  # noqa: E402
+import test_partial_hook  # noqa: E402
+import test_wagma_averager  # noqa: E402
+import torch  # noqa: E402
+
+CHECKS: dict[str, Callable[[str], None]] = {
+    "engine_exact": lambda d: test_engine.check_sums_without_delays(4, 2, d),
+    "engine_random_delays": lambda d: test_engine.check_random_delays(4, 200, d),
+    "engine_accumulate_any": lambda d: test_engine.check_accumulate(4, 2, "any", d),
+    "engine_accumulate_initiator": lambda d: test_engine.check_accumulate(4, 2, "initiator", d),
+    "wagma_sync_period_zero": test_wagma_averager.check_sync_period_zero,
+    "wagma_late_rank": test_wagma_averager.check_late_rank_not_waited_for,
+    "partial_equals_allreduce": test_partial_hook.check_equals_plain_allreduce,
+    "partial_carries_late_solo": lambda d: test_partial_hook.check_late_gradients_carried("solo", d),
+    "partial_carries_late_majority": lambda d: test_partial_hook.check_late_gradients_carried("majority", d),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("checks", nargs="*", help=f"which checks (default: all): {', '.join(CHECKS)}")
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.checks if c not in CHECKS]
+    if unknown:
+        parser.error(f"unknown check(s) {unknown}; expected some of {list(CHECKS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
+    failed = []
+    for name in args.checks or list(CHECKS):
+        t0 = time.perf_counter()
+        try:
+            CHECKS[name](args.device)
+        except Exception as exc:  # noqa: BLE001 - report every check, then fail
+            failed.append(name)
+            print(f"FAIL {name} on {args.device} ({time.perf_counter() - t0:.1f} s): {type(exc).__name__}: {exc}",
+                  flush=True)
+        else:
+            print(f"ok   {name} on {args.device} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    ran = len(args.checks or CHECKS)
+    print(f"{ran - len(failed)} of {ran} checks passed on {args.device}" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
