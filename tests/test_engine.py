@@ -386,3 +386,41 @@ def test_single_rank_world_returns_its_own_tensor():
     sums, total = run_workers(_single_rank_worker, 1)[0]
     assert sums == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
     assert total == 5.0
+
+
+def _split_path_worker(rank, world, group):
+    # Run the engine's NCCL path (one split_group per distinct partition of the schedule) on gloo:
+    # split_group itself needs NCCL, so it is replaced by new_group calls that build the same groups.
+    import wagma.engine as engine_module
+
+    calls = []
+
+    def fake_split_group(split_ranks, timeout):
+        flat = sorted(r for g in split_ranks for r in g)
+        assert flat == list(range(world)), f"split_ranks {split_ranks} is not a partition of the world"
+        calls.append([tuple(g) for g in split_ranks])
+        mine = None
+        for g in split_ranks:  # every rank creates every group, in the same order: collective
+            pg = dist.new_group(list(g), timeout=timeout)
+            if rank in g:
+                mine = pg
+        return mine
+
+    engine_module._can_split = lambda: True
+    engine_module.dist.split_group = fake_split_group
+    records = _rounds_worker(rank, world, group, 12, 4, 0, 0, 0.0)
+    return records, calls
+
+
+@pytest.mark.parametrize("world,group", [(4, 2), (8, 2), (6, 3)])
+def test_split_group_path_makes_one_split_per_distinct_partition(world, group):
+    out = run_workers(_split_path_worker, world, group)
+    _check_records([records for records, _ in out], world, group, 4, 0, exact=True)
+    sched = _schedule(world, group)
+    partitions = []
+    for r in range(sched.period):
+        p = [tuple(g) for g in sched.groups(r)]
+        if p not in partitions:
+            partitions.append(p)
+    for _, calls in out:
+        assert calls == partitions + [[tuple(range(world))]]  # then one over all ranks, for sync rounds
