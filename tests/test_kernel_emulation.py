@@ -36,7 +36,6 @@ import torch
 from wagma import kernels as K
 
 GXX = shutil.which("g++")
-pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is not on PATH")
 
 PRELUDE = r"""
 // Host emulation of the CUDA execution model for wagma's elementwise kernels (see the test's docstring).
@@ -182,6 +181,8 @@ def _emulated_cupy(build_dir: Path) -> types.ModuleType:
 
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ is not on PATH")
     return tmp_path_factory.mktemp("emulated_kernels")
 
 
@@ -271,27 +272,38 @@ CASE_DTYPES = [(case, dtype) for case, (kinds, _, _) in CASES.items()
 @pytest.mark.parametrize("case,dtype", CASE_DTYPES, ids=[f"{c}-{str(d)[6:]}" for c, d in CASE_DTYPES])
 @pytest.mark.parametrize("n,sms", [(1, 132), (255, 132), (257, 1), (100_003, 132), (100_003, 1)])
 def test_emulated_kernels_equal_references_bit_for_bit(emulated, case, dtype, n, sms):
-    kinds, extra, ref = CASES[case]
     emulated.sms = sms
-    dtypes = [dtype if k == "x" else k for k in kinds]
-    bufs = [_buffer(n, dt, seed=i) for i, dt in enumerate(dtypes)]
-    before = [b.clone() for b in bufs]
-    got = [b[:n] for b in bufs]
-    want = [b[:n].clone() for b in bufs]
-    public = getattr(K, PUBLIC.get(case, case))
-    if case == "residual_take_add":  # (residual, out, grad) in the public order
-        public(got[0], got[1], got[2])
-        ref(want[0], want[1], want[2])
-    else:
-        public(*got, *extra)
-        ref(*want, *extra)
+    _compare_with_reference(case, dtype, n, "cpu")
     (name, grid, block), = _launches(emulated)
-    assert block == K._BLOCK
+    assert name.startswith("wagma_") and block == K._BLOCK
     assert grid == max(1, min(-(-n // K._BLOCK), sms * K._BLOCKS_PER_SM))
+
+
+def _compare_with_reference(case: str, dtype: torch.dtype, n: int, device: str) -> None:
+    """Run public ``case`` on ``device`` and its reference on CPU copies; compare, check the guards."""
+    kinds, extra, ref = CASES[case]
+    dtypes = [dtype if k == "x" else k for k in kinds]
+    bufs = [_buffer(n, dt, seed=i).to(device) for i, dt in enumerate(dtypes)]
+    before = [b.cpu() for b in bufs]
+    got = [b[:n] for b in bufs]
+    want = [b[:n].clone() for b in before]
+    public = getattr(K, PUBLIC.get(case, case))
+    public(*got, *extra)
+    ref(*want, *extra)
     for i, (g, w) in enumerate(zip(got, want)):
-        _assert_same(g, w, f"{name} n={n} buffer {i}")
+        _assert_same(g.cpu(), w, f"{case} {dtype} n={n} buffer {i}")
     for i, (b, old) in enumerate(zip(bufs, before)):
-        assert torch.equal(_bits(b[n:]), _bits(old[n:])), f"{name} wrote past the end of buffer {i}"
+        assert torch.equal(_bits(b[n:].cpu()), _bits(old[n:])), f"{case} wrote past the end of buffer {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case,dtype", CASE_DTYPES, ids=[f"{c}-{str(d)[6:]}" for c, d in CASE_DTYPES])
+def test_gpu_kernels_equal_references_on_special_values(case, dtype):
+    # The same comparison on a real GPU: subnormals, signed zeros, infinities and NaNs included.
+    if K.backend() != "cupy":
+        pytest.skip("CuPy is not installed or disabled: no kernel to compare")
+    _compare_with_reference(case, dtype, 100_003, "cuda")
 
 
 def test_every_exported_kernel_is_launched_by_some_public_function(emulated):
