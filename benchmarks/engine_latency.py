@@ -8,7 +8,8 @@ rank's progress thread records when it saw the activation (``activated_at``). Ac
 ``activated_at - triggered_at`` over all (round, non-winning rank) pairs; the clocks are the same machine's.
 Round time is the wall time of one call on a rank (no compute between calls), over all ranks and rounds.
 
-``--device cuda`` gives every rank CUDA tensors on GPU 0 (gloo, so one GPU serves the whole world):
+``--device cuda`` gives rank r CUDA tensors on GPU ``r % device_count()`` (gloo, so one GPU can serve
+the whole world):
 the engine's progress thread then works on its own CUDA stream, and a round's time includes a
 synchronisation of the caller's stream, so it counts until the result is usable.
 """
@@ -30,15 +31,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wagma import GroupSchedule, WaitAvoidingGroupAllreduce  # noqa: E402
-from wagma.testing import run_workers  # noqa: E402
+from wagma.testing import rank_device, run_workers  # noqa: E402
 
 
 def _worker(rank: int, world: int, group: int, rounds: int, numel: int, sync_period: int, device: str) -> list:
     sched = GroupSchedule.create("auto", world, group)
     out = []
-    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = rank_device(device, rank)
     x = torch.ones(numel, device=dev)
     timeout = datetime.timedelta(seconds=30)
     with WaitAvoidingGroupAllreduce(sched, x, sync_period=sync_period, timeout=timeout) as eng:
