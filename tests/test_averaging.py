@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import time
 
@@ -556,3 +557,19 @@ def _world_dependent_validation(rank: int, world: int) -> bool:
 def test_world_dependent_bad_arguments_world3():
     assert run_workers(_world_dependent_validation, 3, collective_timeout_s=TIMEOUT_S) == [True] * 3
 
+
+
+def _destroy_worker(rank, world):
+    from wagma.averaging.groups import destroy_groups, new_timeout_group
+
+    group = new_timeout_group(list(range(world)), datetime.timedelta(seconds=10))
+    destroy_groups([group, None])
+    destroy_groups([group])  # already destroyed: ignored
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def test_destroy_groups_destroys_once_and_ignores_the_rest():
+    from wagma.averaging.groups import destroy_groups
+
+    destroy_groups([None])  # no default group: nothing to do
+    assert run_workers(_destroy_worker, 2) == [False, False]

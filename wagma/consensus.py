@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.groups import new_timeout_group, require_initialized
+from wagma.averaging.groups import destroy_groups, new_timeout_group, require_initialized
 
 __all__ = ["ConsensusMeter"]
 
@@ -60,11 +60,7 @@ class ConsensusMeter:
         """Destroy the meter's process group (idempotent)."""
         self._closed = True
         group, self._group = self._group, None
-        if group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):  # already gone with the default group
-                pass
+        destroy_groups([group])
 
     def __enter__(self) -> ConsensusMeter:
         return self

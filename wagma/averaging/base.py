@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group, require_initialized
+from wagma.averaging.groups import (
+    DEFAULT_TIMEOUT,
+    as_timeout,
+    destroy_groups,
+    new_timeout_group,
+    require_initialized,
+)
 
 __all__ = [
     "AveragerBase",
@@ -449,12 +455,7 @@ class AveragerBase(ModelAverager):
         self._closed = True
         self._flat = None
         groups, self._owned_groups = self._owned_groups, []
-        if dist.is_initialized():
-            for group in groups:
-                try:
-                    dist.destroy_process_group(group)
-                except (RuntimeError, ValueError):  # already destroyed with the default group
-                    pass
+        destroy_groups(groups)
 
     def __enter__(self) -> AveragerBase:
         return self

@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "as_timeout",
     "contiguous_subgroups",
+    "destroy_groups",
     "group_ranks",
     "new_timeout_group",
     "require_initialized",
@@ -50,6 +51,23 @@ def require_initialized(what: str) -> None:
         raise RuntimeError(
             f"{what} needs torch.distributed: call torch.distributed.init_process_group() on every rank first"
         )
+
+
+def destroy_groups(groups: Sequence[dist.ProcessGroup | None]) -> None:
+    """Destroy the process groups a component created (``None`` entries are skipped).
+
+    Nothing to do once the default group is gone, and a group destroyed with it already is ignored,
+    so ``close()`` methods can call this in any order relative to ``destroy_process_group()``.
+    """
+    if not dist.is_initialized():
+        return
+    for group in groups:
+        if group is None:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):  # already destroyed with the default group
+            pass
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:

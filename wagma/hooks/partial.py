@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, check_int, collect_parameters
-from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
+from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, destroy_groups, new_timeout_group
 from wagma.engine import WaitAvoidingGroupAllreduce
 from wagma.schedule import GroupSchedule
 
@@ -225,11 +225,7 @@ class PartialAllreduceState:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        if self.group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(self.group)
-            except (RuntimeError, ValueError):
-                pass
+        destroy_groups([self.group])
         self.group = None
 
     def __getstate__(self) -> dict[str, Any]:
