@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
-from wagma.testing import rank_device, run_workers, run_workers_outcomes
+from wagma.testing import error_messages, rank_device, run_workers, run_workers_outcomes
 
 L = 4  # elements per rank block
 TIMEOUT = datetime.timedelta(seconds=20)  # also bounds group creation, slow on a loaded 2-core machine
@@ -334,23 +334,21 @@ def test_close_joins_thread_and_rejects_later_calls():
 
 def _bad_use_worker(rank, world):
     sched = GroupSchedule.create("auto", world, 2)
-    errors = {}
-
-    def catch(name, fn):
-        try:
-            fn()
-            errors[name] = None
-        except (ValueError, RuntimeError) as exc:
-            errors[name] = f"{type(exc).__name__}: {exc}"
-
-    catch("negative sync", lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=-1))
-    catch("lead > sync", lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, max_lead=3))
-    catch("other world", lambda: WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", 8, 2), torch.zeros(2), sync_period=2))
-    catch("trigger", lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, trigger="last"))
+    raised = (ValueError, RuntimeError)
+    errors = error_messages({
+        "negative sync": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=-1),
+        "lead > sync": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, max_lead=3),
+        "other world": lambda: WaitAvoidingGroupAllreduce(
+            GroupSchedule.create("auto", 8, 2), torch.zeros(2), sync_period=2
+        ),
+        "trigger": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, trigger="last"),
+    }, raised)
     with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT) as eng:
-        catch("shape", lambda: eng(torch.zeros(3)))
-        catch("dtype", lambda: eng(torch.zeros(2, dtype=torch.float64)))
-        catch("take in replace mode", eng.take)
+        errors |= error_messages({
+            "shape": lambda: eng(torch.zeros(3)),
+            "dtype": lambda: eng(torch.zeros(2, dtype=torch.float64)),
+            "take in replace mode": eng.take,
+        }, raised)
         eng(torch.zeros(2))  # still usable after rejected calls
     return errors
 

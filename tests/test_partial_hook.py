@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wagma.hooks import get as get_hook
 from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
-from wagma.testing import rank_device, run_workers
+from wagma.testing import error_messages, rank_device, run_workers
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -135,18 +135,11 @@ def test_registry_and_pickling_drop_threads_and_groups():
 
 def _bad_args_worker(rank, world):
     model = _model()
-    errors = {}
-    for name, kwargs in {
-        "mode": dict(mode="plurality"),
-        "sync": dict(sync_period=-2),
-        "warmup": dict(warmup_iters=1),
-    }.items():
-        try:
-            PartialAllreduceState(model.parameters(), timeout=TIMEOUT, **kwargs).close()
-            errors[name] = None
-        except ValueError as exc:
-            errors[name] = str(exc)
-    return errors
+    cases = {"mode": dict(mode="plurality"), "sync": dict(sync_period=-2), "warmup": dict(warmup_iters=1)}
+    return error_messages({
+        name: lambda kw=kwargs: PartialAllreduceState(model.parameters(), timeout=TIMEOUT, **kw).close()
+        for name, kwargs in cases.items()
+    })
 
 
 def test_bad_arguments_raise_value_errors():

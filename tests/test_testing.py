@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wagma.testing import WorkerError, rank_device, run_workers, run_workers_outcomes
+from wagma.testing import WorkerError, error_messages, rank_device, run_workers, run_workers_outcomes
 
 
 def _allreduce_rank(rank: int, world_size: int) -> float:
@@ -53,3 +53,15 @@ def test_rank_device_is_the_cpu_or_a_gpu_and_says_what_is_wrong():
     else:
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             rank_device("cuda", 0)
+
+
+def test_error_messages_records_the_expected_errors_and_lets_others_through():
+    def bad():
+        raise ValueError("x must be > 0, got -1")
+
+    assert error_messages({"bad": bad, "fine": lambda: None}) == {"bad": "ValueError: x must be > 0, got -1",
+                                                                  "fine": None}
+    with pytest.raises(RuntimeError, match="other"):
+        error_messages({"other": lambda: (_ for _ in ()).throw(RuntimeError("other"))})
+    assert error_messages({"rt": lambda: (_ for _ in ()).throw(RuntimeError("r"))}, (RuntimeError,)) == {
+        "rt": "RuntimeError: r"}

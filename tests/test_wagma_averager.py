@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from wagma.averaging import AveragingOptimizer, WagmaAverager
-from wagma.testing import rank_device, run_workers
+from wagma.testing import error_messages, rank_device, run_workers
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -240,7 +240,6 @@ def test_state_dict_round_trip_continues_like_an_uninterrupted_run():
 
 def _bad_args_worker(rank, world):
     model = nn.Linear(2, 2)
-    errors = {}
     cases = {
         "group size": dict(group_size=3, sync_period=2),
         "negative sync": dict(group_size=2, sync_period=-1),
@@ -249,13 +248,10 @@ def _bad_args_worker(rank, world):
         "lead": dict(group_size=2, sync_period=2, max_lead=3),
         "schedule": dict(group_size=2, sync_period=2, schedule="ring"),
     }
-    for name, kwargs in cases.items():
-        try:
-            WagmaAverager(params=model.parameters(), timeout=TIMEOUT, **kwargs).close()
-            errors[name] = None
-        except ValueError as exc:
-            errors[name] = str(exc)
-    return errors
+    return error_messages({
+        name: lambda kw=kwargs: WagmaAverager(params=model.parameters(), timeout=TIMEOUT, **kw).close()
+        for name, kwargs in cases.items()
+    })
 
 
 def test_bad_arguments_raise_value_errors():

@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankOutcome", "WorkerError", "rank_device", "run_workers", "run_workers_outcomes"]
+__all__ = ["RankOutcome", "WorkerError", "error_messages", "rank_device", "run_workers", "run_workers_outcomes"]
 
 
 class WorkerError(RuntimeError):
@@ -43,6 +43,24 @@ class RankOutcome:
     value: Any = None
     error: str | None = None
     exitcode: int | None = None
+
+
+def error_messages(
+    cases: dict[str, Callable[[], Any]], errors: tuple[type[BaseException], ...] = (ValueError,)
+) -> dict[str, str | None]:
+    """Call every case in turn: ``"ExcType: message"`` for one that raised one of ``errors``, else None.
+
+    Any other exception propagates. Tests of argument validation use it inside a worker, where the
+    arguments need a live process group, and check the messages in the parent.
+    """
+    out: dict[str, str | None] = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = None
+        except errors as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def rank_device(kind: str, rank: int) -> Any:
