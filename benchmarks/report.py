@@ -193,12 +193,17 @@ def plot_accuracy(
             ax.plot(t, a, marker="o", markersize=2.5, linewidth=1.4, color=colors[policy], label=policy)
         ax.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:g}")
         ax.set_ylim(max(0.0, min(lowest, target) - 0.05), 1.0)
-        ax.set_xlim(left=0)
-        ax.set_title(scenario)
-        ax.set_xlabel("training time (s, slowest rank)")
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
+        _label_time_panel(ax, scenario, "test accuracy")
     _finish_grid(fig, axes, len(scenarios), path)
+
+
+def _label_time_panel(ax: Any, scenario: str, ylabel: str) -> None:
+    """Title, axis labels and grid of one scenario's panel against training time."""
+    ax.set_xlim(left=0)
+    ax.set_title(scenario)
+    ax.set_xlabel("training time (s, slowest rank)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
 
 
 def _finish_grid(fig: Any, axes: Any, used: int, path: Path) -> None:
@@ -276,10 +281,6 @@ def plot_consensus(path: Path, records: Sequence[Record], scenarios: Sequence[st
                 ax.plot(*zip(*pts, strict=True), marker="o", markersize=2.5, linewidth=1.2, color=colors[policy],
                         label=policy)
         ax.set_yscale("symlog", linthresh=linthresh)
-        ax.set_xlim(left=0)
-        ax.set_title(scenario)
-        ax.set_xlabel("training time (s, slowest rank)")
-        ax.set_ylabel("(1/P) Σ ‖w_i − w̄‖²")
-        ax.grid(alpha=0.3)
+        _label_time_panel(ax, scenario, "(1/P) Σ ‖w_i − w̄‖²")
     _finish_grid(fig, axes, len(with_data), path)
     return True
