@@ -1,0 +1,58 @@
+"""The chaos harness (benchmarks/chaos.py): its plan, how it reads a job's output, and one real fault run."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import chaos  # noqa: E402
+
+
+def test_the_plan_covers_every_combination_before_repeating_and_is_reproducible():
+    combos = len(chaos.POLICIES) * len(chaos.WORLDS) * len(chaos.FAULTS)
+    specs = chaos.plan(combos + 5, seed=3)
+    assert specs == chaos.plan(combos + 5, seed=3)
+    assert {(s.policy, s.world_size, s.fault) for s in specs[:combos]} == {
+        (p, w, f) for p in chaos.POLICIES for w in chaos.WORLDS for f in chaos.FAULTS
+    }
+    assert all(0 <= s.victim < s.world_size and 0.3 <= s.at_s <= 2.5 for s in specs)
+    assert {s.restart for s in specs} == set(chaos.RESTARTS)
+
+
+def _spec(fault: str, victim: int) -> chaos.Spec:
+    return dataclasses.replace(chaos.plan(1, 0)[0], fault=fault, victim=victim, world_size=4)
+
+
+def test_a_frozen_rank_counts_as_named_only_when_a_survivor_says_it_did_not_arrive():
+    said = "RuntimeError: step 12: rank(s) [2] did not arrive within 5.0 s (last seen at step 11)"
+    assert chaos.named(said, _spec("SIGSTOP", 2))
+    assert not chaos.named(said, _spec("SIGSTOP", 1))
+    # torchrun's report of the survivor that raised first names that survivor, not the frozen rank.
+    blamed = "  rank      : 2 (local_rank: 2)\n  exitcode  : 1 (pid: 9730)"
+    assert not chaos.named(blamed, _spec("SIGSTOP", 2))
+
+
+def test_a_dead_rank_is_named_by_torchruns_record_of_its_signal():
+    agent = "E1123 api.py:1002] failed (exitcode: -9) local_rank: 2 (pid: 9713) of binary: python"
+    assert chaos.named(agent, _spec("SIGKILL", 2))
+    assert not chaos.named(agent, _spec("SIGKILL", 3))
+    report = "[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -15 (pid: 97)  (SIGTERM)\n"
+    assert chaos.named(report, _spec("SIGTERM", 3))
+    survivor = "[1]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : 1 (pid: 97)\n"
+    assert not chaos.named(survivor, _spec("SIGTERM", 3))
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_allreduce_rank_is_survived_named_and_resumed_to_the_uninterrupted_model(tmp_path):
+    spec = chaos.Spec(index=0, policy="allreduce", world_size=2, fault="SIGKILL", victim=1, at_s=1.0,
+                      checkpoint_every=5, restart="resume", steps=60)
+    record = chaos.run_one(spec, tmp_path, timeout_s=5.0)
+    assert "error" not in record, record
+    assert not record["hung"] and record["max_survivor_s"] <= 2 * 5.0, record
+    assert record["named_rank"], record
+    assert record["resumed"] and 0 < record["resumed_from"] < 60, record
+    assert record["bitwise"] is True, record
