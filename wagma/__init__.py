@@ -1,14 +1,62 @@
 """wagma: data-parallel training that does not wait for stragglers or for global reductions it does not need.
 
-Parts that plug into ``torch.distributed``:
+The library imports with torch alone; use it from your own DDP script (docs/library.md has complete recipes):
 
-- :class:`GroupSchedule` -- which ranks average together in which round.
-- :class:`WaitAvoidingGroupAllreduce` -- the wait-avoiding group allreduce engine (WAGMA-SGD, eager-SGD).
+- WAGMA-SGD model averaging: :class:`WagmaAverager` (wait-avoiding group averages on rotating groups).
+- eager-SGD partial collectives: :class:`PartialAllreduceState` + :func:`partial_allreduce_hook`, a DDP
+  comm hook (solo or majority allreduce of gradients).
+- Fewer global reductions: :class:`PeriodicAverager` (K-step averaging), :class:`HierarchicalAverager`
+  (local reductions on subsets of learners), :class:`ReductionMomentum`.
+- :class:`AveragingOptimizer` runs the local step and an averager's step in the averager's order;
+  :func:`post_local_hook` (with :class:`PostLocalState`) is the DDP hook for model averaging: allreduce for a
+  warm-up, then no gradient communication.
+- Building blocks: :class:`GroupSchedule` (which ranks average together in which round) and
+  :class:`WaitAvoidingGroupAllreduce` (the engine under WAGMA-SGD and eager-SGD).
+
+The training application (Hydra configs, ``train.py``, datasets, checkpoints) is built on top of it.
 """
 
 __version__ = "0.1.0"
 
+from wagma.averaging import (
+    AveragerBase,
+    AveragingOptimizer,
+    HierarchicalAverager,
+    PeriodicAverager,
+    ReductionMomentum,
+    WagmaAverager,
+)
 from wagma.engine import RoundResult, WaitAvoidingGroupAllreduce
+from wagma.hooks import (
+    AllreduceState,
+    GroupAllreduceState,
+    PartialAllreduceState,
+    allreduce_hook,
+    group_allreduce_hook,
+    local_hook,
+    partial_allreduce_hook,
+)
+from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 
-__all__ = ["GroupSchedule", "RoundResult", "WaitAvoidingGroupAllreduce", "__version__"]
+__all__ = [
+    "AllreduceState",
+    "AveragerBase",
+    "AveragingOptimizer",
+    "GroupAllreduceState",
+    "GroupSchedule",
+    "HierarchicalAverager",
+    "PartialAllreduceState",
+    "PeriodicAverager",
+    "PostLocalState",
+    "ReductionMomentum",
+    "RoundResult",
+    "WagmaAverager",
+    "WaitAvoidingGroupAllreduce",
+    "__version__",
+    "allreduce_hook",
+    "group_allreduce_hook",
+    "local_hook",
+    "partial_allreduce_hook",
+    "post_local_hook",
+]

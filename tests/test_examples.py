@@ -1,0 +1,80 @@
+"""The library's public API and the recipes in examples/ (docs/library.md), run as a user runs them."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import wagma
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("schedule", "engine", "averaging", "hooks", "kernels", "telemetry")
+APPLICATION = (
+    "wagma.train", "wagma.config", "wagma.data", "wagma.models", "wagma.imbalance", "wagma.checkpoint",
+    "wagma.metrics", "wagma.launch", "wagma.run", "wagma.sweep", "wagma.policy", "wagma.policies",
+    "wagma.policy_options", "wagma.consensus", "hydra", "omegaconf",
+)
+
+
+def test_the_public_api_is_importable_from_the_top_level_package():
+    for name in ("WagmaAverager", "PeriodicAverager", "HierarchicalAverager", "ReductionMomentum",
+                 "AveragingOptimizer", "PartialAllreduceState", "partial_allreduce_hook", "post_local_hook",
+                 "PostLocalState", "GroupSchedule", "WaitAvoidingGroupAllreduce"):
+        assert name in wagma.__all__ and getattr(wagma, name) is not None, name
+    assert all(hasattr(wagma, name) for name in wagma.__all__)
+
+
+def test_importing_the_library_loads_no_part_of_the_application():
+    code = "import sys, wagma; print('\\n'.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                cwd=ROOT).stdout.split())
+    assert not {m for m in loaded if m.split(".")[0] in ("hydra", "omegaconf")}
+    assert not [m for m in loaded if m.startswith(APPLICATION)], sorted(m for m in loaded if m.startswith(APPLICATION))
+
+
+def test_no_library_module_imports_the_application():
+    offenders = []
+    for part in LIBRARY:
+        path = ROOT / "wagma" / part
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+        for file in files:
+            for node in ast.walk(ast.parse(file.read_text(), str(file))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offenders += [f"{file.relative_to(ROOT)} imports {n}" for n in names if n.startswith(APPLICATION)]
+    assert not offenders, offenders
+
+
+def _torchrun(script: str, nproc: int, *args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         str(ROOT / "examples" / script), *args],
+        capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(170)
+def test_recipe_eager_sgd_as_a_ddp_comm_hook_keeps_replicas_identical():
+    assert "replicas identical" in _torchrun("eager_sgd_hook.py", 3)
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("args", [(), ("--no-ddp",)], ids=["ddp", "no-ddp"])
+def test_recipe_wagma_averaging_ends_with_identical_replicas(args):
+    out = _torchrun("wagma_averaging.py", 4, *args)
+    assert "replicas identical" in out and ("no DDP" in out) == bool(args)
+
+
+@pytest.mark.timeout(170)
+def test_recipe_periodic_averaging_agrees_with_torchs_post_local_sgd_optimizer():
+    assert "agree after 24 steps on 2 ranks" in _torchrun("post_local_sgd.py", 2)
