@@ -60,7 +60,7 @@ from wagma.models import MLP  # noqa: E402
 from wagma.policy import build_policy  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 
-__all__ = ["hidden_width", "main", "parse_args", "run_one", "summarize"]
+__all__ = ["hidden_width", "main", "parse_args", "run_reps", "summarize"]
 
 IN_DIM, CLASSES = 64, 10  # the synthetic MLP's input and output sizes (digits-like)
 SCENARIOS: tuple[str, ...] = ("random_k1", "random_k2", "persistent", "heavy_tail")
@@ -90,9 +90,10 @@ def _allreduce_s(n: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """One rank of one run (forked by :func:`wagma.testing.run_workers`); returns its trace and timings."""
-    torch.manual_seed(spec["seed"] + rank)
+def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One rank of one world (forked by :func:`wagma.testing.run_workers`): every repetition in turn, each
+    with a fresh policy, optimizer and delay trace (imbalance seed = repetition); returns their traces."""
+    torch.manual_seed(rank)
     net = MLP((IN_DIM,), CLASSES, hidden=[spec["hidden"]] * 2)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(spec["batch_size"], IN_DIM, generator=gen)
@@ -101,17 +102,31 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         for tensor in net.state_dict().values():
             dist.broadcast(tensor, src=0)
     nparams = sum(p.numel() for p in net.parameters())
-    small_s, large_s = _allreduce_s(1), _allreduce_s(nparams)
+    network = {"allreduce_small_s": _allreduce_s(1), "allreduce_model_s": _allreduce_s(nparams), "nparams": nparams}
+    ready = [0.0]  # when the last gradient of the current backward pass was accumulated
+    hooks = [q.register_post_accumulate_grad_hook(lambda _q: ready.__setitem__(0, time.perf_counter()))
+             for q in net.parameters()]
+    try:
+        return [_repetition(rank, world_size, spec, rep, net, (x, y), ready) | network for rep in range(spec["reps"])]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net: torch.nn.Module,
+                batch: tuple[torch.Tensor, torch.Tensor], ready: list[float]) -> dict[str, Any]:
+    """One timed repetition on this rank: warm-up, barrier, timed steps, finalize, barrier."""
+    x, y = batch
     policy = build_policy(spec["averaging"], rank=rank, world_size=world_size, device=torch.device("cpu"))
     try:
         model = policy.wrap(net)
         optimizer = build_optimizer(spec["optim"], net.parameters())
-        imbalance = build_imbalance(spec["imbalance"], rank, world_size)
+        imbalance_cfg = dict(spec["imbalance"])
+        if "seed" in imbalance_cfg:
+            imbalance_cfg["seed"] = rep  # a fresh delay trace per repetition, the same for every policy
+        imbalance = build_imbalance(imbalance_cfg, rank, world_size)
         compute_s, warmup, steps = spec["compute_ms"] / 1e3, spec["warmup"], spec["steps"]
         slept, pre, real = [], [], []
-        ready = [0.0]  # when the last gradient of the current backward pass was accumulated
-        hooks = [q.register_post_accumulate_grad_hook(lambda _q: ready.__setitem__(0, time.perf_counter()))
-                 for q in net.parameters()]
 
         def one_step(step: int, inject: bool) -> None:
             t0 = time.perf_counter()
@@ -141,31 +156,31 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         policy.finalize(model, optimizer)
         dist.barrier()
         end = time.monotonic()
-        for hook in hooks:
-            hook.remove()
-        return {"start": start, "finished": finished, "end": end, "slept": slept, "pre": pre, "real": real,
-                "allreduce_small_s": small_s, "allreduce_model_s": large_s, "nparams": nparams,
-                "stats": policy.stats()}
+        return {"rep": rep, "start": start, "finished": finished, "end": end, "slept": slept, "pre": pre,
+                "real": real, "stats": policy.stats()}
     finally:
         policy.close()
 
 
-def _spec(cfg: Any, args: argparse.Namespace, params: int, rep: int) -> dict[str, Any]:
-    imbalance = group_options(cfg, "imbalance")
-    if "seed" in imbalance:
-        imbalance["seed"] = rep  # a fresh delay trace per repetition, the same for every policy
+def _spec(cfg: Any, args: argparse.Namespace, params: int) -> dict[str, Any]:
     return {
-        "averaging": group_options(cfg, "averaging"), "imbalance": imbalance,
+        "averaging": group_options(cfg, "averaging"), "imbalance": group_options(cfg, "imbalance"),
         "optim": group_options(cfg, "optim"), "compute_ms": args.compute_ms, "hidden": hidden_width(params),
-        "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "seed": rep,
+        "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "reps": args.reps,
     }
 
 
-def run_one(cfg: Any, args: argparse.Namespace, world: int, params: int, rep: int) -> dict[str, Any]:
-    """Run one repetition on ``world`` forked ranks; return its measured, ideal, bound and simulated ms/step."""
-    spec = _spec(cfg, args, params, rep)
-    timeout_s = 120.0 + (args.warmup + args.steps) * (4 * 5 * args.compute_ms / 1e3 + 2.0)
-    ranks = run_workers(_rank, world, spec, timeout_s=timeout_s, collective_timeout_s=120.0)
+def run_reps(cfg: Any, args: argparse.Namespace, world: int, params: int) -> list[dict[str, Any]]:
+    """Run ``args.reps`` repetitions in one world of ``world`` forked ranks; per repetition, its measured,
+    ideal, bound and simulated ms/step."""
+    spec = _spec(cfg, args, params)
+    timeout_s = 120.0 + args.reps * (args.warmup + args.steps) * (4 * 5 * args.compute_ms / 1e3 + 2.0)
+    per_rank = run_workers(_rank, world, spec, timeout_s=timeout_s, collective_timeout_s=120.0)
+    return [_analyse([reps[i] for reps in per_rank], spec, args, world) for i in range(args.reps)]
+
+
+def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """One repetition's numbers from every rank's trace."""
     t = args.compute_ms / 1e3
     delays = np.array([r["slept"] for r in ranks])
     pre = np.array([r["pre"] for r in ranks])
@@ -180,14 +195,13 @@ def run_one(cfg: Any, args: argparse.Namespace, world: int, params: int, rep: in
     total = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
     avg = spec["averaging"]
     return {
-        "rep": rep, "ms_per_step": 1e3 * total / args.steps,
+        "rep": ranks[0]["rep"], "ms_per_step": 1e3 * total / args.steps,
         "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
         "ideal_ms": 1e3 * (t + float(delays.mean())),
         "bound_ms": protocol_bound(avg, t, delays, first_step=args.warmup).ms_per_step,
-        "simulated_ms": simulate(avg, pre + real, network=net, nbytes=nbytes,
-                                 first_step=args.warmup).ms_per_step,
-        "real_compute_ms": 1e3 * float(real.mean()), "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth,
-                                                             "activation_s": net.activation_s},
+        "simulated_ms": simulate(avg, pre + real, network=net, nbytes=nbytes, first_step=args.warmup).ms_per_step,
+        "real_compute_ms": 1e3 * float(real.mean()),
+        "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
     }
 
@@ -270,8 +284,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         try:
                             if cfg is None:
                                 raise ValueError(reason)
-                            for rep in range(args.reps):
-                                reps.append(key | run_one(cfg, args, world, params, rep))
+                            reps = [key | r for r in run_reps(cfg, args, world, params)]
                             rec |= summarize(reps)
                             rec["params"] = params
                             rec["params_actual"] = reps[0]["params"]
