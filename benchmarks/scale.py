@@ -122,14 +122,16 @@ def validation_records(regime: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _validation_status(records: list[dict[str, Any]], regime_path: Path, regime: dict[str, Any] | None) -> dict[str, Any]:
+    full = regime_path.resolve()
+    shown = full.relative_to(ROOT) if full.is_relative_to(ROOT) else regime_path
     if not records:
-        return {"status": f"pending: no measured records in {regime_path} yet; run benchmarks/regime_campaign.sh on a "
+        return {"status": f"pending: no measured records in {shown} yet; run benchmarks/regime_campaign.sh on a "
                           "quiet machine, then this script", "tolerance": TOLERANCE}
     worst = max(records, key=lambda r: abs(r["relative_error"]))
     inside = sum(r["within_tolerance"] for r in records)
     return {"status": f"{inside} of {len(records)} within ±{TOLERANCE:.0%}", "tolerance": TOLERANCE,
             "worst": {k: worst[k] for k in ("scenario", "policy", "world_size", "relative_error")},
-            "regime_commands": [i["command"] for i in (regime or {}).get("invocations", [])]}
+            "regime": str(shown), "regime_commands": [i["command"] for i in (regime or {}).get("invocations", [])]}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
