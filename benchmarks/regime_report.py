@@ -98,7 +98,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
 def _panels(n: int, width: float = 4.6, height: float = 3.6) -> tuple[Any, Any]:
     ncols = min(2, n)
     nrows = -(-n // ncols)
-    return plt.subplots(nrows, ncols, figsize=(max(9.0, width * ncols), height * nrows), squeeze=False)
+    return plt.subplots(nrows, ncols, figsize=(max(11.0, width * ncols), height * nrows), squeeze=False)
 
 
 def plot_ms_per_step(path: Path, records: Sequence[Record]) -> None:
@@ -118,6 +118,8 @@ def plot_ms_per_step(path: Path, records: Sequence[Record]) -> None:
         if ideal:
             ax.plot(*zip(*ideal, strict=True), linestyle="--", color="black", label="no-wait ideal")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({pt[0] for pt in ideal}), [str(w) for w in sorted({pt[0] for pt in ideal})])
+        ax.minorticks_off()
         ax.set_title(f"{scenario} ({size:,} params)")
         ax.set_xlabel("ranks P")
         ax.set_ylabel("ms per step (slowest rank)")

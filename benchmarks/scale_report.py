@@ -76,7 +76,7 @@ def plot_scale(path: Path, records: list[Record]) -> None:
     scenarios = list(dict.fromkeys(r["scenario"] for r in records))
     policies = list(dict.fromkeys(r["policy"] for r in records))
     colors = _colors(policies)
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(max(9.0, 4.8 * len(scenarios)), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(max(11.0, 4.8 * len(scenarios)), 3.8), squeeze=False)
     for ax, scenario in zip(axes.flat, scenarios, strict=False):
         mine = [r for r in records if r["scenario"] == scenario]
         for policy in policies:
@@ -85,6 +85,8 @@ def plot_scale(path: Path, records: list[Record]) -> None:
         ideal = sorted({(r["world_size"], r["ideal_ms"]) for r in mine})
         ax.plot(*zip(*ideal, strict=True), linestyle="--", color="black", label="no-wait ideal")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({pt[0] for pt in ideal}), [str(w) for w in sorted({pt[0] for pt in ideal})])
+        ax.minorticks_off()
         ax.set_title(f"{scenario} (simulated, paper setting)")
         ax.set_xlabel("ranks P")
         ax.set_ylabel("ms per step")
@@ -96,17 +98,18 @@ def plot_vs_measured(path: Path, records: list[Record]) -> None:
     """Simulated against measured ms/step, one colour per policy, the ±10 % band shaded."""
     policies = list(dict.fromkeys(r["policy"] for r in records))
     colors = _colors(policies)
-    fig, axes = plt.subplots(1, 1, figsize=(6.0, 5.0), squeeze=False)
+    fig, axes = plt.subplots(1, 1, figsize=(10.5, 6.5), squeeze=False)
     ax = axes[0, 0]
-    top = max(max(r["measured_ms"], r["simulated_ms"]) for r in records) * 1.1
-    ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.2, label="±10 %")
-    ax.plot([0, top], [0, top], color="black", linewidth=1)
+    values = [v for r in records for v in (r["measured_ms"], r["simulated_ms"])]
+    lo, top = 0.85 * min(values), 1.1 * max(values)
+    ax.fill_between([lo, top], [0.9 * lo, 0.9 * top], [1.1 * lo, 1.1 * top], color="grey", alpha=0.2, label="±10 %")
+    ax.plot([lo, top], [lo, top], color="black", linewidth=1)
     for policy in policies:
         mine = [r for r in records if r["policy"] == policy]
         ax.scatter([r["measured_ms"] for r in mine], [r["simulated_ms"] for r in mine], s=18, color=colors[policy],
                    label=policy)
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
+    ax.set_xlim(lo, top)
+    ax.set_ylim(lo, top)
     ax.set_xlabel("measured ms per step")
     ax.set_ylabel("simulated ms per step")
     ax.set_title("Simulator vs real runs (every scenario, P, policy)")
