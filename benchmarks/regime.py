@@ -203,6 +203,7 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "real_compute_ms": 1e3 * float(real.mean()),
         "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
+        "delays_ms": np.round(1e3 * delays, 3).tolist(),  # the recorded trace: [rank][step], to recompute bounds
     }
 
 
