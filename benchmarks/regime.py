@@ -236,6 +236,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results[/quick])")
     p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
     p.add_argument("--no-report", action="store_true", help="write regime.json only")
+    p.add_argument("--report-only", action="store_true", help="only rewrite regime.md and the plots from regime.json")
     args = p.parse_args(argv)
     mode = QUICK if args.quick else FULL
     for key, value in mode.items():
@@ -261,6 +262,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "regime.json"
+    if args.report_only:
+        if not path.exists():
+            raise FileNotFoundError(f"--report-only needs {path}: expected a regime.json from an earlier run, found none")
+        result = json.loads(path.read_text(encoding="utf-8"))
+        _report(args.out, result)
+        return result
     result = _load(path, args.append)
     command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     invocation = len(result["invocations"])
@@ -301,11 +308,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["invocations"][-1]["load_average_end"] = load_average()
     path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     if not args.no_report:
-        from benchmarks import regime_report  # noqa: PLC0415 - matplotlib only when reporting
-
-        regime_report.write_all(args.out, result)
+        _report(args.out, result)
     print(f"done in {time.perf_counter() - started:.0f} s -> {path}", flush=True)
     return result
+
+
+def _report(out: Path, result: dict[str, Any]) -> None:
+    from benchmarks import regime_report  # noqa: PLC0415 - matplotlib only when reporting
+
+    regime_report.write_all(out, result)
 
 
 def _replace(result: dict[str, Any], rec: dict[str, Any], reps: list[dict[str, Any]]) -> None:

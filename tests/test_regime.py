@@ -68,3 +68,8 @@ def test_tiny_run_end_to_end(tmp_path):
                          "--reps", "1", "--out", str(tmp_path), "--append", "--no-report"])
     assert len(again["records"]) == 3 and len(again["invocations"]) == 2
     assert next(r for r in again["records"] if r["policy"] == "allreduce")["invocation"] == 1
+    (tmp_path / "regime.md").unlink()
+    assert regime.main(["--out", str(tmp_path), "--report-only"]) == again
+    assert (tmp_path / "regime.md").exists()
+    with pytest.raises(FileNotFoundError, match="expected a regime.json"):
+        regime.main(["--out", str(tmp_path / "empty"), "--report-only"])
