@@ -7,7 +7,7 @@ The protocols are those of the library, with the library's own round rules:
 
 - ``allreduce`` (DDP): every step a blocking allreduce of the gradients over all P ranks.
 - ``local_sgd`` (K-AVG): a blocking global model mean on steps ``s >= w`` with ``(s - w) % period == 0``;
-  warm-up steps ``s < w`` are DDP steps. Final flush: a global mean.
+  warm-up steps ``s < w`` are DDP steps. Final flush: a global mean, unless the last step was one.
 - ``hierarchical`` / ``hierarchical_momentum``: fixed contiguous blocks of ``local_group_size`` ranks
   average every ``local_period`` steps, all ranks every ``global_period`` (both firing: global only).
 - ``wagma``: round k = step k; rounds with ``k % (tau + 1) == tau`` are blocking global means; the other
@@ -165,6 +165,16 @@ class _Sim:
             self.has_local = 1 < s < p
             self.block = [tuple(range(r - r % s, r - r % s + s)) for r in range(p)]
 
+    def _ended_global(self) -> bool:
+        """Whether the last step was a global mean after the optimizer step, so finalize has nothing to do
+        (local SGD and hierarchical; WAGMA and eager always flush)."""
+        last = self.first + self.n - 1 - self.warmup
+        if last < 0:
+            return False
+        if self.name == "local_sgd":
+            return last % int(self.opt.get("period", 8)) == 0
+        return self.name.startswith("hierarchical") and last % self.global_every == 0
+
     def _round(self, step: int) -> int:
         """The engine round of ``step`` (negative during the eager warm-up)."""
         return step - self.warmup if self.name.startswith("eager") else step
@@ -194,8 +204,8 @@ class _Sim:
             yield from self._exchange(rank, step)
             self.wait[rank] += env.now - arrive
         self.finish[rank] = env.now
-        if self.name != "allreduce":  # the final flush: a blocking global mean (or the eager residual flush)
-            yield self._global(("flush",))
+        if self.name != "allreduce" and not self._ended_global():
+            yield self._global(("flush",))  # the final flush: a blocking global mean (or eager's residual flush)
         yield self.coll.join(("barrier",), self.p, self.net.allreduce_s(self.p, 0.0))
 
     def _exchange(self, rank: int, step: int) -> Generator[simpy.Event, Any, None]:

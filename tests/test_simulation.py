@@ -72,6 +72,17 @@ def test_ddp_pays_the_network_every_step():
     assert got.total_s == pytest.approx(want)
 
 
+@pytest.mark.parametrize("n, flushes", [(9, False), (10, True)])
+def test_local_sgd_flushes_unless_the_last_step_was_a_global_mean(n, flushes):
+    """K = 8: steps 0 and 8 average; after 9 steps (last = 8) finalize has nothing to do, after 10 it averages."""
+    p = 4
+    net = Network(alpha_s=1e-3, bandwidth_Bps=1e8)
+    got = simulate({"name": "local_sgd", "period": 8}, np.full((p, n), T), network=net, nbytes=1e6)
+    mean = net.allreduce_s(p, 1e6)
+    want = n * T + (2 + flushes) * mean + net.allreduce_s(p, 0.0)
+    assert got.total_s == pytest.approx(want)
+
+
 def _one_late_rank(p: int = 4, n: int = 5, late: int = 3, late_s: float = 10.0) -> np.ndarray:
     c = np.full((p, n), 1.0)
     c[late, 0] += late_s
