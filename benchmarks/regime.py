@@ -12,7 +12,8 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
 - ``bound_ms``: the policy's protocol bound on that recorded delay trace (:func:`benchmarks.simulate.protocol_bound`:
   zero-cost communication, T of compute per step);
 - ``simulated_ms``: :func:`benchmarks.simulate.simulate` on the recorded trace (per rank and step: the
-  sleeps, plus the real forward/backward up to its last gradient and the optimizer step) with an alpha-beta network calibrated in the same world
+  sleeps, plus the real forward/backward up to its last gradient and the optimizer step) with an alpha-beta
+  network calibrated in the same world
   (allreduce of 1 float and of the model, before training).
 
 Ratios (medians of the repetitions first): ``x_ddp`` = DDP's ms / the policy's, ``x_ideal`` = ideal / ms,
@@ -264,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     path = args.out / "regime.json"
     if args.report_only:
         if not path.exists():
-            raise FileNotFoundError(f"--report-only needs {path}: expected a regime.json from an earlier run, found none")
+            raise FileNotFoundError(
+                f"--report-only needs {path}: expected a regime.json from an earlier run, found none")
         result = json.loads(path.read_text(encoding="utf-8"))
         _report(args.out, result)
         return result
@@ -331,7 +333,8 @@ def _line(rec: dict[str, Any]) -> str:
         return f"{head}  FAILED {rec['reason'].strip().splitlines()[-1][:200]}"
     x_ddp = "-" if rec["x_ddp"] is None else f"{rec['x_ddp']:.2f}"
     return (f"{head}  {rec['ms_per_step']:7.1f} ms/step  ideal {rec['ideal_ms']:6.1f}  bound {rec['bound_ms']:6.1f}  "
-            f"sim {rec['simulated_ms']:6.1f}  x DDP {x_ddp}  x ideal {rec['x_ideal']:.2f}  x bound {rec['x_bound']:.2f}")
+            f"sim {rec['simulated_ms']:6.1f}  x DDP {x_ddp}  x ideal {rec['x_ideal']:.2f}  "
+            f"x bound {rec['x_bound']:.2f}")
 
 
 if __name__ == "__main__":

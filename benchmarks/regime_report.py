@@ -67,7 +67,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     for inv in result["invocations"]:
         m, s = inv["machine"], inv["settings"]
         lines += [
-            f"- `{inv['command']}`: {m['cpu_count']} CPUs ({m.get('cpu_model') or 'unknown model'}), torch {m['torch']}, "
+            f"- `{inv['command']}`: {m['cpu_count']} CPUs ({m.get('cpu_model') or 'unknown model'}), "
+            f"torch {m['torch']}, "
             f"commit `{m['git_commit']}`, load average at start {m.get('load_average_start')}, at end "
             f"{inv.get('load_average_end')}; T = {s['compute_ms']:g} ms emulated compute (a sleep), {s['steps']} timed "
             f"steps after {s['warmup']} warm-up steps, batch {s['batch_size']}, {s['reps']} repetition(s); "
@@ -90,7 +91,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         )
     if failed:
         lines += ["", "## Failed or skipped", ""]
-        lines += [f"- {r['scenario']} / {r['policy']} / P={r['world_size']}: {r.get('reason', '')[-300:]}" for r in failed]
+        lines += [f"- {r['scenario']} / {r['policy']} / P={r['world_size']}: {r.get('reason', '')[-300:]}"
+                  for r in failed]
     lines += ["", "## How the numbers are computed", ""] + [f"- {d}" for d in DEFINITIONS] + [""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -111,10 +113,12 @@ def plot_ms_per_step(path: Path, records: Sequence[Record]) -> None:
     fig, axes = _panels(len(scenarios))
     for ax, scenario in zip(axes.flat, scenarios, strict=False):
         for policy in policies:
-            pts = sorted((r["world_size"], r["ms_per_step"]) for r in recs if r["scenario"] == scenario and r["policy"] == policy)
+            pts = sorted((r["world_size"], r["ms_per_step"]) for r in recs
+                         if r["scenario"] == scenario and r["policy"] == policy)
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", color=colors[policy], label=policy)
-        ideal = sorted({(r["world_size"], r["ideal_ms"]) for r in recs if r["scenario"] == scenario and r["policy"] == "allreduce"})
+        ideal = sorted({(r["world_size"], r["ideal_ms"]) for r in recs
+                        if r["scenario"] == scenario and r["policy"] == "allreduce"})
         if ideal:
             ax.plot(*zip(*ideal, strict=True), linestyle="--", color="black", label="no-wait ideal")
         ax.set_xscale("log", base=2)
@@ -140,7 +144,8 @@ def plot_x_ideal(path: Path, records: Sequence[Record]) -> None:
     for ax, scenario in zip(axes.flat, scenarios, strict=False):
         for j, policy in enumerate(policies):
             for i, world in enumerate(worlds):
-                r = next((r for r in recs if (r["scenario"], r["policy"], r["world_size"]) == (scenario, policy, world)), None)
+                r = next((r for r in recs
+                          if (r["scenario"], r["policy"], r["world_size"]) == (scenario, policy, world)), None)
                 if r is not None:
                     ax.bar(i - 0.4 + width * (j + 0.5), r["x_ideal"], width * 0.92, color=colors[policy],
                            label=policy if i == 0 else None)
@@ -154,8 +159,10 @@ def plot_x_ideal(path: Path, records: Sequence[Record]) -> None:
 
 def plot_params(path: Path, records: Sequence[Record]) -> bool:
     """ms/step against model size for each (scenario, P) that ran several sizes; False when none did."""
-    groups = sorted({(r["scenario"], r["world_size"]) for r in records
-                     if len({q["params"] for q in records if (q["scenario"], q["world_size"]) == (r["scenario"], r["world_size"])}) > 1})
+    sizes: dict[tuple[str, int], set[int]] = {}
+    for r in records:
+        sizes.setdefault((r["scenario"], r["world_size"]), set()).add(r["params"])
+    groups = sorted(key for key, found in sizes.items() if len(found) > 1)
     if not groups:
         return False
     policies = list(dict.fromkeys(r["policy"] for r in records))

@@ -49,14 +49,15 @@ POLICIES: tuple[str, ...] = ("allreduce", "local_sgd", "hierarchical", "wagma", 
 CLAIMS: tuple[dict[str, Any], ...] = (
     {"policy": "wagma", "claim": 2.1, "what": "WAGMA-SGD throughput over the best decentralized baseline at 1,024 GPUs "
      "(deep RL, DD-PPO on Habitat; that baseline already preempts the slowest ~40 % of workers)", "world_size": 1024},
-    {"policy": "eager_solo", "claim": 1.29, "what": "eager-SGD over synchronous SGD, ResNet-50 / ImageNet", "world_size": 64},
+    {"policy": "eager_solo", "claim": 1.29, "what": "eager-SGD over synchronous SGD, ResNet-50 / ImageNet",
+     "world_size": 64},
     {"policy": "eager_solo", "claim": 1.27, "what": "eager-SGD over synchronous SGD, LSTM / UCF101", "world_size": 64},
 )
 TOLERANCE = 0.10
 
 
 def paper_policies(configs: Path = ROOT / "configs") -> dict[str, dict[str, Any]]:
-    """The policies' ``averaging`` options from ``configs/averaging/`` (seed 0), WAGMA with the paper's S = 8, τ = 10."""
+    """The policies' ``averaging`` options from ``configs/averaging/`` (seed 0); WAGMA with S = 8, τ = 10."""
     out = {}
     for name in POLICIES:
         options = OmegaConf.to_container(OmegaConf.load(configs / "averaging" / f"{name}.yaml"), resolve=False)
@@ -100,9 +101,9 @@ def paper_records(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "x_allreduce": ddp_ms / ms if ddp_ms else None, "x_ideal": ideal_ms / ms,
                     "sim_seconds": time.perf_counter() - t0,
                 })
+                rec = records[-1]
                 print(f"paper random_{variant:<4} P={world:<5} {name:<15} {ms:7.1f} ms/step  "
-                      f"x allreduce {records[-1]['x_allreduce'] or float('nan'):.2f}  [{records[-1]['sim_seconds']:.1f} s]",
-                      flush=True)
+                      f"x allreduce {rec['x_allreduce'] or float('nan'):.2f}  [{rec['sim_seconds']:.1f} s]", flush=True)
     return records
 
 
@@ -121,7 +122,9 @@ def validation_records(regime: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _validation_status(records: list[dict[str, Any]], regime_path: Path, regime: dict[str, Any] | None) -> dict[str, Any]:
+def _validation_status(
+    records: list[dict[str, Any]], regime_path: Path, regime: dict[str, Any] | None
+) -> dict[str, Any]:
     full = regime_path.resolve()
     shown = full.relative_to(ROOT) if full.is_relative_to(ROOT) else regime_path
     if not records:

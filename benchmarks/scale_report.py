@@ -51,7 +51,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
                   f"{r['simulated_ms']:.1f} | {100 * r['relative_error']:+.1f} % |" for r in val]
     lines += [
         "", "## Extrapolation: the WAGMA paper's setting", "",
-        f"ResNet-50 ({s['params']:,} parameters, {4 * s['params'] / 1e6:.1f} MB per allreduce), {1e3 * s['compute_s']:.0f} ms "
+        f"ResNet-50 ({s['params']:,} parameters, {4 * s['params'] / 1e6:.1f} MB per allreduce), "
+        f"{1e3 * s['compute_s']:.0f} ms "
         f"of forward + backward per step, {s['bandwidth_GBps']:g} GB/s injection bandwidth, {s['alpha_us']:g} µs "
         f"latency, each step k ranks (shared seed) sleep {1e3 * s['delay_s']:.0f} ms; {s['steps']} steps; WAGMA S = 8, "
         "τ = 10; other policies with their configs' defaults. random_k2: k = 2 at every P (the reference scripts); "

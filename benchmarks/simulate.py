@@ -288,7 +288,9 @@ def simulate(
     return _Sim(options, trace, network, nbytes, first_step).run()
 
 
-def protocol_bound(options: Mapping[str, Any], compute_s: float, delays_s: np.ndarray, first_step: int = 0) -> SimResult:
+def protocol_bound(
+    options: Mapping[str, Any], compute_s: float, delays_s: np.ndarray, first_step: int = 0
+) -> SimResult:
     """The best time ``options``' protocol permits on the ``(P, N)`` delay trace: zero-cost communication
     and exactly ``compute_s`` of compute per step, so only the protocol's waits remain."""
     delays = np.asarray(delays_s, dtype=np.float64)
