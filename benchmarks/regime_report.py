@@ -175,6 +175,7 @@ def plot_params(path: Path, records: Sequence[Record]) -> bool:
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", color=colors[policy], label=policy)
         ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.set_title(f"{scenario}, P={world}")
         ax.set_xlabel("parameters")
         ax.set_ylabel("ms per step")
