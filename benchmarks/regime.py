@@ -13,7 +13,8 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
   zero-cost communication, T of compute per step);
 - ``simulated_ms``: :func:`benchmarks.simulate.simulate` on the recorded trace (per rank and step: the
   sleeps, plus the real forward/backward up to its last gradient and the optimizer step) with an alpha-beta
-  network calibrated in the same world
+  network calibrated in the same world (allreduce of 1 float and of the model: 5 samples each, the
+  fastest as the slowest rank saw it)
   (allreduce of 1 float and of the model, before training).
 
 Ratios (medians of the repetitions first): ``x_ddp`` = DDP's ms / the policy's, ``x_ideal`` = ideal / ms,
@@ -79,8 +80,8 @@ def hidden_width(params: int) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
 
 
-def _allreduce_s(n: int, repeats: int = 5) -> float:
-    """Median time of an allreduce of ``n`` floats over the default group (all ranks call it), after one untimed."""
+def _allreduce_s(n: int, repeats: int = 5) -> list[float]:
+    """Times of ``repeats`` allreduces of ``n`` floats over the default group (all ranks call it), after one untimed."""
     buf, times = torch.zeros(n), []
     dist.all_reduce(buf)
     for _ in range(repeats):
@@ -88,7 +89,7 @@ def _allreduce_s(n: int, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         dist.all_reduce(buf)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -187,8 +188,10 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
     pre = np.array([r["pre"] for r in ranks])
     real = np.array([r["real"] for r in ranks])
     nbytes = 4.0 * ranks[0]["nparams"]
-    small = max(r["allreduce_small_s"] for r in ranks)
-    large = max(r["allreduce_model_s"] for r in ranks)
+    # Each sample as the slowest rank saw it, then the fastest sample: one slow outlier (another process
+    # holding the cores) must not set the network's speed.
+    small = min(max(s) for s in zip(*(r["allreduce_small_s"] for r in ranks), strict=True))
+    large = min(max(s) for s in zip(*(r["allreduce_model_s"] for r in ranks), strict=True))
     alpha = small / (2 * (world - 1))
     spread = large - small
     bandwidth = 2 * (world - 1) / world * nbytes / spread if spread > 0 else float("inf")
@@ -202,9 +205,11 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "bound_ms": protocol_bound(avg, t, delays, first_step=args.warmup).ms_per_step,
         "simulated_ms": simulate(avg, pre + real, network=net, nbytes=nbytes, first_step=args.warmup).ms_per_step,
         "real_compute_ms": 1e3 * float(real.mean()),
-        "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s},
+        "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s,
+                    "allreduce_1_float_s": small, "allreduce_model_s": large},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
-        "delays_ms": np.round(1e3 * delays, 3).tolist(),  # the recorded trace: [rank][step], to recompute bounds
+        # The recorded traces, [rank][step]: the delays (to recompute bounds) and the simulator's input.
+        "delays_ms": np.round(1e3 * delays, 3).tolist(), "trace_ms": np.round(1e3 * (pre + real), 3).tolist(),
     }
 
 

@@ -40,7 +40,7 @@ DEFINITIONS: tuple[str, ...] = (
     "×bound = bound / ms: what the implementation keeps of what its protocol permits.",
     "sim: benchmarks.simulate.simulate on the recorded per-rank trace (sleeps + real forward/backward/step) "
     "with an alpha-beta network calibrated in the same world before training (allreduce of 1 float and of "
-    "the model, median of 5).",
+    "the model: 5 samples each, the fastest as the slowest rank saw it).",
     "×DDP: DDP's ms / the policy's ms, same scenario, P and model (median of each first).",
 )
 

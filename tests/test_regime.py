@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 from benchmarks import regime  # noqa: E402
+from benchmarks.simulate import Network, simulate  # noqa: E402
 from wagma.models import MLP  # noqa: E402
 
 REQUIRED = ("scenario", "policy", "world_size", "params", "compute_ms", "ms_per_step", "ideal_ms", "bound_ms",
@@ -62,6 +63,12 @@ def test_tiny_run_end_to_end(tmp_path):
         want = {"allreduce": 10.0 + delays.max(axis=0).mean(), "wagma": 10.0 + delays.sum(axis=1).max() / 6}
         if rep["policy"] in want:
             assert rep["bound_ms"] == pytest.approx(want[rep["policy"]], abs=1e-2), rep["policy"]
+        if rep["policy"] == "allreduce":  # the stored trace and network re-simulate to the stored value
+            net = rep["network"]
+            again = simulate({"name": "allreduce"}, np.array(rep["trace_ms"]) / 1e3, first_step=2,
+                             nbytes=4.0 * rep["params"],
+                             network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]))
+            assert again.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
     assert len(saved["records"]) == 3 and len(saved["reps"]) == 3 and saved["invocations"][0]["machine"]
     assert (tmp_path / "regime.md").exists() and (tmp_path / "regime_ms_per_step.png").exists()
     again = regime.main([*argv[:5], "allreduce", "--compute-ms", "10", "--steps", "4", "--warmup", "2",
