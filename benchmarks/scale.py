@@ -150,6 +150,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-GBps", type=float, default=10.0, help="injection bandwidth per node (Aries ~10 GB/s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    p.add_argument("--validate-only", action="store_true",
+                   help="only redo the validation; keep the paper-setting records of --out's simulation.json")
     args = p.parse_args(argv)
     if args.steps < 1 or min(args.worlds) < 2 or args.compute_s <= 0:
         p.error("need --steps >= 1, worlds >= 2, --compute-s > 0")
@@ -163,12 +165,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     regime = json.loads(args.regime.read_text(encoding="utf-8")) if args.regime.exists() else None
     validation = validation_records(regime or {})
-    records = validation + paper_records(args)
+    setting = {k: getattr(args, k) for k in ("worlds", "steps", "params", "compute_s", "delay_s", "alpha_us",
+                                            "bandwidth_GBps", "seed")} | {"policies": paper_policies()}
+    previous = args.out / "simulation.json"
+    if args.validate_only and previous.exists():  # keep the extrapolation already there (and its setting)
+        old = json.loads(previous.read_text(encoding="utf-8"))
+        paper = [r for r in old["records"] if r["source"] == "paper_setting"]
+        setting = old["setting"] | {"paper_records_from": old["command"]}
+    else:
+        paper = paper_records(args)
+    records = validation + paper
     result = {
         "command": "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine_info(ROOT),
-        "setting": {k: getattr(args, k) for k in ("worlds", "steps", "params", "compute_s", "delay_s", "alpha_us",
-                                                 "bandwidth_GBps", "seed")} | {"policies": paper_policies()},
+        "setting": setting,
         "validation": _validation_status(validation, args.regime, regime),
         "claims": list(CLAIMS), "records": records, "duration_s": time.perf_counter() - started,
     }

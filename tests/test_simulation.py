@@ -149,3 +149,7 @@ def test_paper_extrapolation_and_pending_validation(tmp_path):
     wagma = next(r for r in recs if r["policy"] == "wagma" and r["scenario"] == "random_k2")
     assert wagma["x_allreduce"] > 1.0
     assert (tmp_path / "simulation.md").exists() and (tmp_path / "simulation_scale.png").exists()
+    # --validate-only keeps those records (no new simulation: a different --steps would change them).
+    kept = scale.main(["--validate-only", "--steps", "3", "--regime", str(tmp_path / "none.json"),
+                       "--out", str(tmp_path)])
+    assert kept["records"] == recs and kept["setting"]["steps"] == 12
