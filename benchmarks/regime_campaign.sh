@@ -2,7 +2,7 @@
 # The full compute-bound regime campaign (issue 13, points 1, 5, 6). Run it on a QUIET machine (nothing
 # else running: the ranks share the cores, and the numbers are wall-clock times), from the repository root:
 #
-#     bash benchmarks/regime_campaign.sh          # about 20-25 min on the 2-core CI machine
+#     bash benchmarks/regime_campaign.sh          # about 25 min on the 2-core CI machine (estimated, never run whole)
 #
 # It writes benchmarks/results/regime.json, regime.md, regime_*.png (the measurements), then
 # simulation.json, simulation.md, simulation_*.png (the simulator validated against them, and the
@@ -26,7 +26,7 @@ start=$(date +%s)
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # 1. The grid: T = 100 ms of emulated compute, a 0.25 M-parameter MLP, P = 4, 8, 16, every scenario and
-#    policy, REPS repetitions (medians). 72 worlds; about 16 s each.
+#    policy, REPS repetitions (medians). 72 worlds; about 16-26 s each (P = 4 ... 16), ~19-23 min.
 # shellcheck disable=SC2086  # WORLDS and SCENARIOS are lists
 "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 0.25e6 --worlds $WORLDS --scenarios $SCENARIOS \
     --steps "$STEPS" --warmup 3 --reps "$REPS" --out "$OUT" --no-report
