@@ -1,0 +1,346 @@
+"""The compute-bound regime: policies under stragglers when compute, not communication, fills a step.
+
+Each step of each rank first sleeps the injected delay (``benchmarks.scenarios``, d in units of T),
+then sleeps ``--compute-ms`` T (emulated device compute: a sleep, so the 2 cores are not the bottleneck),
+then runs the real forward/backward of a synthetic MLP of ``--params`` parameters, the policy's
+averaging (the library's own :func:`wagma.policy.build_policy`, as the training app builds it) and the
+optimizer step. Per (scenario, policy, P, params) and repetition it measures:
+
+- ``ms_per_step``: from a barrier after ``--warmup`` steps to a barrier after the last step and the
+  policy's ``finalize`` (final mean or flush), the slowest rank (max end - min start over ranks), / steps;
+- ``ideal_ms``: T + the mean over ranks and steps of the delays the ranks actually slept (DESIGN §4);
+- ``bound_ms``: the policy's protocol bound on that recorded delay trace (:func:`benchmarks.simulate.protocol_bound`:
+  zero-cost communication, T of compute per step);
+- ``simulated_ms``: :func:`benchmarks.simulate.simulate` on the recorded trace (per rank and step: the
+  sleeps, plus the real forward/backward up to its last gradient and the optimizer step) with an alpha-beta
+  network calibrated in the same world (allreduce of 1 float and of the model: 5 samples each, the
+  fastest as the slowest rank saw it)
+  (allreduce of 1 float and of the model, before training).
+
+Ratios (medians of the repetitions first): ``x_ddp`` = DDP's ms / the policy's, ``x_ideal`` = ideal / ms,
+``x_bound`` = bound / ms (what the implementation keeps of what the protocol permits).
+
+Usage::
+
+    python benchmarks/regime.py --quick                       # smoke test: P=4, random_k1, T=20 ms, 1 rep
+    python benchmarks/regime.py --worlds 4 8 16 --reps 3      # the grid (see benchmarks/regime_campaign.sh)
+
+Outputs in ``--out`` (default ``benchmarks/results``): ``regime.json`` (``records``: one per
+(scenario, policy, world_size, params) with medians; ``reps``: every repetition; ``invocations``:
+command, machine, settings) and, through :mod:`benchmarks.regime_report`, ``regime.md`` and plots.
+``--append`` merges into an existing ``regime.json`` (a record of the same key is replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  (DDP imports it lazily: once here, not in every forked rank)
+import torch.distributed as dist  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from benchmarks import scenarios as sc  # noqa: E402
+from benchmarks.machine import load_average, machine_info  # noqa: E402
+from benchmarks.simulate import Network, protocol_bound, simulate  # noqa: E402
+from wagma.config import build_optimizer, group_options  # noqa: E402
+from wagma.imbalance import build_imbalance  # noqa: E402
+from wagma.models import MLP  # noqa: E402
+from wagma.policy import build_policy  # noqa: E402
+from wagma.testing import WorkerError, run_workers  # noqa: E402
+
+__all__ = ["hidden_width", "main", "parse_args", "run_reps", "summarize"]
+
+IN_DIM, CLASSES = 64, 10  # the synthetic MLP's input and output sizes (digits-like)
+SCENARIOS: tuple[str, ...] = ("random_k1", "random_k2", "persistent", "heavy_tail")
+POLICIES: tuple[str, ...] = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority")
+QUICK = {"worlds": [4], "scenarios": ["random_k1"], "steps": 14, "warmup": 3, "reps": 1, "compute_ms": 20.0}
+FULL = {"worlds": [4, 8, 16], "scenarios": list(SCENARIOS), "steps": 36, "warmup": 3, "reps": 3, "compute_ms": 100.0}
+KEY = ("scenario", "policy", "world_size", "params", "compute_ms")
+
+
+def hidden_width(params: int) -> int:
+    """Width H of the two hidden layers of the synthetic MLP ``IN_DIM -> H -> H -> CLASSES`` closest to ``params``."""
+    if params < 1000:
+        raise ValueError(f"params must be >= 1000, got {params}")
+    b = IN_DIM + CLASSES + 2  # H^2 + b H + CLASSES = params
+    return max(1, round((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
+
+
+def _allreduce_s(n: int, repeats: int = 5) -> list[float]:
+    """Times of ``repeats`` allreduces of ``n`` floats over the default group (all ranks call it), after one untimed."""
+    buf, times = torch.zeros(n), []
+    dist.all_reduce(buf)
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One rank of one world (forked by :func:`wagma.testing.run_workers`): every repetition in turn, each
+    with a fresh policy, optimizer and delay trace (imbalance seed = repetition); returns their traces."""
+    torch.manual_seed(rank)
+    net = MLP((IN_DIM,), CLASSES, hidden=[spec["hidden"]] * 2)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(spec["batch_size"], IN_DIM, generator=gen)
+    y = torch.randint(0, CLASSES, (spec["batch_size"],), generator=gen)
+    with torch.no_grad():
+        for tensor in net.state_dict().values():
+            dist.broadcast(tensor, src=0)
+    nparams = sum(p.numel() for p in net.parameters())
+    network = {"allreduce_small_s": _allreduce_s(1), "allreduce_model_s": _allreduce_s(nparams), "nparams": nparams}
+    ready = [0.0]  # when the last gradient of the current backward pass was accumulated
+    hooks = [q.register_post_accumulate_grad_hook(lambda _q: ready.__setitem__(0, time.perf_counter()))
+             for q in net.parameters()]
+    try:
+        return [_repetition(rank, world_size, spec, rep, net, (x, y), ready) | network for rep in range(spec["reps"])]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net: torch.nn.Module,
+                batch: tuple[torch.Tensor, torch.Tensor], ready: list[float]) -> dict[str, Any]:
+    """One timed repetition on this rank: warm-up, barrier, timed steps, finalize, barrier."""
+    x, y = batch
+    policy = build_policy(spec["averaging"], rank=rank, world_size=world_size, device=torch.device("cpu"))
+    try:
+        model = policy.wrap(net)
+        optimizer = build_optimizer(spec["optim"], net.parameters())
+        imbalance_cfg = dict(spec["imbalance"])
+        if "seed" in imbalance_cfg:
+            imbalance_cfg["seed"] = rep  # a fresh delay trace per repetition, the same for every policy
+        imbalance = build_imbalance(imbalance_cfg, rank, world_size)
+        compute_s, warmup, steps = spec["compute_ms"] / 1e3, spec["warmup"], spec["steps"]
+        slept, pre, real = [], [], []
+
+        def one_step(step: int, inject: bool) -> None:
+            t0 = time.perf_counter()
+            delay = imbalance(step) if inject else 0.0
+            time.sleep(compute_s)  # the emulated device compute
+            t1 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()  # DDP and the eager hook communicate in here, after the last gradient is ready
+            policy.before_step(optimizer, step)
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            policy.after_step(optimizer, step)
+            if inject:  # the trace the simulator replays: sleeps, and the real compute without any waiting
+                slept.append(delay)
+                pre.append(t1 - t0)
+                real.append((ready[0] - t1) + (t3 - t2))
+
+        for step in range(warmup):
+            one_step(step, inject=False)
+        dist.barrier()
+        start = time.monotonic()
+        for step in range(warmup, warmup + steps):
+            one_step(step, inject=True)
+        finished = time.monotonic()
+        policy.finalize(model, optimizer)
+        dist.barrier()
+        end = time.monotonic()
+        return {"rep": rep, "start": start, "finished": finished, "end": end, "slept": slept, "pre": pre,
+                "real": real, "stats": policy.stats()}
+    finally:
+        policy.close()
+
+
+def _spec(cfg: Any, args: argparse.Namespace, params: int) -> dict[str, Any]:
+    return {
+        "averaging": group_options(cfg, "averaging"), "imbalance": group_options(cfg, "imbalance"),
+        "optim": group_options(cfg, "optim"), "compute_ms": args.compute_ms, "hidden": hidden_width(params),
+        "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "reps": args.reps,
+    }
+
+
+def run_reps(cfg: Any, args: argparse.Namespace, world: int, params: int) -> list[dict[str, Any]]:
+    """Run ``args.reps`` repetitions in one world of ``world`` forked ranks; per repetition, its measured,
+    ideal, bound and simulated ms/step."""
+    spec = _spec(cfg, args, params)
+    timeout_s = 120.0 + args.reps * (args.warmup + args.steps) * (4 * 5 * args.compute_ms / 1e3 + 2.0)
+    per_rank = run_workers(_rank, world, spec, timeout_s=timeout_s, collective_timeout_s=120.0)
+    return [_analyse([reps[i] for reps in per_rank], spec, args, world) for i in range(args.reps)]
+
+
+def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """One repetition's numbers from every rank's trace."""
+    t = args.compute_ms / 1e3
+    delays = np.array([r["slept"] for r in ranks])
+    pre = np.array([r["pre"] for r in ranks])
+    real = np.array([r["real"] for r in ranks])
+    nbytes = 4.0 * ranks[0]["nparams"]
+    # Each sample as the slowest rank saw it, then the fastest sample: one slow outlier (another process
+    # holding the cores) must not set the network's speed.
+    small = min(max(s) for s in zip(*(r["allreduce_small_s"] for r in ranks), strict=True))
+    large = min(max(s) for s in zip(*(r["allreduce_model_s"] for r in ranks), strict=True))
+    alpha = small / (2 * (world - 1))
+    spread = large - small
+    bandwidth = 2 * (world - 1) / world * nbytes / spread if spread > 0 else float("inf")
+    net = Network(alpha_s=alpha, bandwidth_Bps=bandwidth, activation_s=args.activation_ms / 1e3)
+    total = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
+    avg = spec["averaging"]
+    return {
+        "rep": ranks[0]["rep"], "ms_per_step": 1e3 * total / args.steps,
+        "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
+        "ideal_ms": 1e3 * (t + float(delays.mean())),
+        "bound_ms": protocol_bound(avg, t, delays, first_step=args.warmup).ms_per_step,
+        "simulated_ms": simulate(avg, pre + real, network=net, nbytes=nbytes, first_step=args.warmup).ms_per_step,
+        "real_compute_ms": 1e3 * float(real.mean()),
+        "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s,
+                    "allreduce_1_float_s": small, "allreduce_model_s": large},
+        "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
+        # The recorded traces, [rank][step]: the delays (to recompute bounds) and the simulator's input.
+        "delays_ms": np.round(1e3 * delays, 3).tolist(), "trace_ms": np.round(1e3 * (pre + real), 3).tolist(),
+    }
+
+
+def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repetitions of one (scenario, policy, world_size, params)."""
+    out = {k: statistics.median(r[k] for r in reps)
+           for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
+    out["reps"] = len(reps)
+    out["x_ideal"] = out["ideal_ms"] / out["ms_per_step"]
+    out["x_bound"] = out["bound_ms"] / out["ms_per_step"]
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring); ``--quick`` or the full grid fill what is not given."""
+    p = argparse.ArgumentParser(description="Policies in the compute-bound regime (emulated compute + stragglers)")
+    p.add_argument("--quick", action="store_true", help="smoke test: P=4, random_k1, 14 steps, T=20 ms, 1 rep")
+    p.add_argument("--compute-ms", type=float, default=None, help="emulated compute T per step (full: 100)")
+    p.add_argument("--params", type=float, nargs="+", default=[0.25e6], help="MLP sizes (default 0.25e6)")
+    p.add_argument("--worlds", type=int, nargs="+", default=None, help="world sizes (full: 4 8 16)")
+    p.add_argument("--scenarios", nargs="+", default=None, choices=SCENARIOS)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (full: 36)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (full: 3)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions, medians reported (full: 3)")
+    p.add_argument("--batch-size", type=int, default=4, help="examples per rank and step (real compute stays small)")
+    p.add_argument("--activation-ms", type=float, default=0.2, help="simulator: round activation latency")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
+                   help="extra Hydra override for every run, e.g. --set averaging.group_size=4 (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results[/quick])")
+    p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
+    p.add_argument("--no-report", action="store_true", help="write regime.json only")
+    p.add_argument("--report-only", action="store_true", help="only rewrite regime.md and the plots from regime.json")
+    args = p.parse_args(argv)
+    mode = QUICK if args.quick else FULL
+    for key, value in mode.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = ROOT / ("benchmarks/results/quick" if args.quick else "benchmarks/results")
+    if args.compute_ms <= 0 or args.steps < 1 or args.warmup < 2 or args.reps < 1 or min(args.worlds) < 2:
+        p.error("need --compute-ms > 0, --steps >= 1, --warmup >= 2 (DDP rebuilds buckets), --reps >= 1, worlds >= 2")
+    args.params = [int(v) for v in args.params]
+    args.policies = [sc.BASELINE] + [q for q in dict.fromkeys(args.policies) if q != sc.BASELINE]
+    return args
+
+
+def _load(path: Path, append: bool) -> dict[str, Any]:
+    if append and path.exists():
+        return json.loads(path.read_text(encoding="utf-8"))
+    return {"invocations": [], "records": [], "reps": []}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the grid; write and return ``regime.json``'s contents."""
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "regime.json"
+    if args.report_only:
+        if not path.exists():
+            raise FileNotFoundError(
+                f"--report-only needs {path}: expected a regime.json from an earlier run, found none")
+        result = json.loads(path.read_text(encoding="utf-8"))
+        _report(args.out, result)
+        return result
+    result = _load(path, args.append)
+    command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    invocation = len(result["invocations"])
+    settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
+                                             "warmup", "reps", "batch_size", "activation_ms", "extra")}
+    result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
+    started = time.perf_counter()
+    sc.load_policy_modules()
+    t = args.compute_ms / 1e3
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        for params in args.params:
+            for world in args.worlds:
+                for scenario in args.scenarios:
+                    ddp_ms = None
+                    for policy in args.policies:
+                        key = dict(zip(KEY, (scenario, policy, world, params, args.compute_ms)))
+                        base = ["device=cpu", *sc.SCENARIO_TABLE[scenario].overrides(t, world), *args.extra]
+                        cfg, reason = sc.resolve_policy(policy, lambda o: compose("config", overrides=o),
+                                                        ROOT / "configs", world, base)
+                        rec: dict[str, Any] = key | {"status": "ok", "invocation": invocation}
+                        reps: list[dict[str, Any]] = []
+                        try:
+                            if cfg is None:
+                                raise ValueError(reason)
+                            reps = [key | r for r in run_reps(cfg, args, world, params)]
+                            rec |= summarize(reps)
+                            rec["params"] = params
+                            rec["params_actual"] = reps[0]["params"]
+                        except (WorkerError, ValueError, OSError) as exc:
+                            rec |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[-3000:]}
+                        if policy == sc.BASELINE and rec["status"] == "ok":
+                            ddp_ms = rec["ms_per_step"]
+                        rec["x_ddp"] = ddp_ms / rec["ms_per_step"] if ddp_ms and rec["status"] == "ok" else None
+                        _replace(result, rec, reps)
+                        path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+                        print(_line(rec), flush=True)
+    result["invocations"][-1]["duration_s"] = time.perf_counter() - started
+    result["invocations"][-1]["load_average_end"] = load_average()
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if not args.no_report:
+        _report(args.out, result)
+    print(f"done in {time.perf_counter() - started:.0f} s -> {path}", flush=True)
+    return result
+
+
+def _report(out: Path, result: dict[str, Any]) -> None:
+    from benchmarks import regime_report  # noqa: PLC0415 - matplotlib only when reporting
+
+    regime_report.write_all(out, result)
+
+
+def _replace(result: dict[str, Any], rec: dict[str, Any], reps: list[dict[str, Any]]) -> None:
+    same = lambda r: all(r.get(k) == rec[k] for k in KEY)  # noqa: E731
+    result["records"] = [r for r in result["records"] if not same(r)] + [rec]
+    result["reps"] = [r for r in result["reps"] if not same(r)] + reps
+
+
+def _line(rec: dict[str, Any]) -> str:
+    head = f"{rec['scenario']:<10} {rec['policy']:<15} P={rec['world_size']:<3} params={rec['params']:.3g}"
+    if rec["status"] != "ok":
+        return f"{head}  FAILED {rec['reason'].strip().splitlines()[-1][:200]}"
+    x_ddp = "-" if rec["x_ddp"] is None else f"{rec['x_ddp']:.2f}"
+    return (f"{head}  {rec['ms_per_step']:7.1f} ms/step  ideal {rec['ideal_ms']:6.1f}  bound {rec['bound_ms']:6.1f}  "
+            f"sim {rec['simulated_ms']:6.1f}  x DDP {x_ddp}  x ideal {rec['x_ideal']:.2f}  "
+            f"x bound {rec['x_bound']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

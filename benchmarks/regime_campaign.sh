@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The full compute-bound regime campaign (issue 13, points 1, 5, 6). Run it on a QUIET machine (nothing
+# else running: the ranks share the cores, and the numbers are wall-clock times), from the repository root:
+#
+#     bash benchmarks/regime_campaign.sh          # about 25 min on the 2-core CI machine (estimated, never run whole)
+#
+# It writes benchmarks/results/regime.json, regime.md, regime_*.png (the measurements), then
+# simulation.json, simulation.md, simulation_*.png (the simulator validated against them, and the
+# extrapolation to 64..1,024 ranks). Environment: PYTHON (default python), OUT (default
+# benchmarks/results), STEPS (timed steps per run, default 22 = two WAGMA periods), REPS (default 3),
+# SWEEP_STEPS (timed steps of the 2.5 M / 25 M payload runs, default 11 = one WAGMA period), SWEEP=0 skips them;
+# for a dry run of the script itself: WORLDS, SCENARIOS, COMPUTE_MS, SCALE_ARGS (extra scale.py options).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+OUT=${OUT:-benchmarks/results}
+STEPS=${STEPS:-22}
+REPS=${REPS:-3}
+SWEEP=${SWEEP:-1}
+SWEEP_STEPS=${SWEEP_STEPS:-11}
+WORLDS=${WORLDS:-4 8 16}
+SCENARIOS=${SCENARIOS:-random_k1 random_k2 persistent heavy_tail}
+COMPUTE_MS=${COMPUTE_MS:-100}
+SCALE_ARGS=${SCALE_ARGS:-}
+start=$(date +%s)
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+# 1. The grid: T = 100 ms of emulated compute, a 0.25 M-parameter MLP, P = 4, 8, 16, every scenario and
+#    policy, REPS repetitions (medians). 72 worlds; about 16-26 s each (P = 4 ... 16), ~19-23 min.
+# shellcheck disable=SC2086  # WORLDS and SCENARIOS are lists
+"$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 0.25e6 --worlds $WORLDS --scenarios $SCENARIOS \
+    --steps "$STEPS" --warmup 3 --reps "$REPS" --out "$OUT" --no-report
+echo "grid done after $(( $(date +%s) - start )) s"
+
+# 2. Payloads: 2.5 M and 25 M parameters at P = 8 under random_k1 (25 M needs ~6 GB of RAM, and its real
+#    forward/backward/step on 2 cores is no longer small next to T: about 3-5 min in all, unmeasured quiet).
+if [ "$SWEEP" != 0 ]; then
+    "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 2.5e6 25e6 --worlds 8 --scenarios random_k1 \
+        --policies allreduce wagma eager_solo --steps "$SWEEP_STEPS" --warmup 3 --reps "$REPS" --out "$OUT" --append
+    echo "payload sweep done after $(( $(date +%s) - start )) s"
+else
+    "$PY" benchmarks/regime.py --out "$OUT" --report-only
+fi
+
+# 3. The simulator against every run above (seconds); the paper-setting extrapolation already committed in
+#    $OUT/simulation.json is kept (without one it is computed: about 2-3 min).
+# shellcheck disable=SC2086
+"$PY" benchmarks/scale.py --regime "$OUT/regime.json" --out "$OUT" --validate-only $SCALE_ARGS
+echo "campaign done in $(( $(date +%s) - start )) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

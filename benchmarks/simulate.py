@@ -1,0 +1,297 @@
+"""A discrete-event simulator (SimPy) of the averaging policies' step timing under load imbalance.
+
+It replays, for P ranks and N steps, a per-rank compute trace and a per-rank delay trace through each
+policy's protocol, with an alpha-beta network model, and returns when the slowest rank finished
+(after the policy's final flush and a closing barrier, as :mod:`benchmarks.regime` measures a real run).
+The protocols are those of the library, with the library's own round rules:
+
+- ``allreduce`` (DDP): every step a blocking allreduce of the gradients over all P ranks.
+- ``local_sgd`` (K-AVG): a blocking global model mean on steps ``s >= w`` with ``(s - w) % period == 0``;
+  warm-up steps ``s < w`` are DDP steps. Final flush: a global mean, unless the last step was one.
+- ``hierarchical`` / ``hierarchical_momentum``: fixed contiguous blocks of ``local_group_size`` ranks
+  average every ``local_period`` steps, all ranks every ``global_period`` (both firing: global only).
+- ``wagma``: round k = step k; rounds with ``k % (tau + 1) == tau`` are blocking global means; the other
+  rounds are wait-avoiding group allreduces in the groups of :class:`wagma.schedule.GroupSchedule`
+  (the library's schedule object, not a re-implementation): the first main thread to reach round k
+  activates it for everyone; every rank's progress thread runs the rounds in order, at most
+  ``max_lead`` rounds ahead of its main thread, and exchanges in its group as soon as round k is
+  activated and every member's thread is there; a main thread waits only for its own group's result.
+- ``eager_solo`` / ``eager_majority``: the first ``warmup_iters`` steps are DDP steps; round
+  ``r = step - warmup_iters`` is a partial allreduce over all ranks run by the progress threads,
+  activated by the first arrival (solo) or by the round's initiator, drawn exactly as the library's
+  engine draws it (majority); rounds with ``r % (tau + 1) == tau`` are blocking and fully fresh.
+
+With a zero-cost network and the bare compute time, the simulated time is the policy's *protocol
+bound* (:func:`protocol_bound`): the best its protocol permits on that delay trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
+
+import numpy as np
+import simpy
+
+from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.schedule import GroupSchedule
+
+__all__ = ["Network", "SimResult", "ZERO_NETWORK", "protocol_bound", "simulate", "SIMULATED_POLICIES"]
+
+SIMULATED_POLICIES: tuple[str, ...] = (
+    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """Alpha-beta cost of a ring allreduce of ``n`` bytes over ``p`` ranks: ``2 (p-1) alpha + 2 (p-1)/p n / bw``.
+
+    Args:
+        alpha_s: latency per message (seconds).
+        bandwidth_Bps: bytes per second a rank can send (injection bandwidth); ``inf``: free transfers.
+        activation_s: time from the first arrival to every progress thread seeing a round's activation.
+    """
+
+    alpha_s: float = 0.0
+    bandwidth_Bps: float = float("inf")
+    activation_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.alpha_s < 0 or self.bandwidth_Bps <= 0 or self.activation_s < 0:
+            raise ValueError(f"Network needs alpha_s >= 0, bandwidth_Bps > 0, activation_s >= 0, got {self}")
+
+    def allreduce_s(self, p: int, nbytes: float) -> float:
+        """Seconds one allreduce of ``nbytes`` over ``p`` ranks takes (0 for a single rank)."""
+        if p <= 1:
+            return 0.0
+        return 2 * (p - 1) * self.alpha_s + 2 * (p - 1) / p * nbytes / self.bandwidth_Bps
+
+
+ZERO_NETWORK = Network()
+"""Communication costs nothing: the network of the protocol bound."""
+
+
+@dataclasses.dataclass
+class SimResult:
+    """What a simulation found.
+
+    ``total_s`` is the time from the common start to the closing barrier (the slowest rank, final flush
+    included); ``ms_per_step`` is ``1e3 * total_s / steps``; ``finish_s`` is each rank's time after its
+    last step, before the flush; ``wait_s`` each rank's summed waiting in steps (not in the flush).
+    """
+
+    policy: str
+    world_size: int
+    steps: int
+    total_s: float
+    finish_s: list[float]
+    wait_s: list[float]
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.total_s / self.steps
+
+
+class _Rendezvous:
+    """Collectives by key: the k-th ``join`` of a key with ``n`` members returns an event that fires
+    ``cost`` after the last member joined. ``done`` gives the event without joining."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self._open: dict[Any, list[Any]] = {}
+
+    def done(self, key: Any) -> simpy.Event:
+        entry = self._open.setdefault(key, [None, self.env.event()])
+        return entry[1]
+
+    def join(self, key: Any, members: int, cost: float) -> simpy.Event:
+        entry = self._open.setdefault(key, [None, self.env.event()])
+        entry[0] = (members if entry[0] is None else entry[0]) - 1
+        if entry[0] == 0:
+            event = entry[1]
+            self.env.timeout(cost).callbacks.append(lambda _e: event.succeed())
+        return entry[1]
+
+
+class _Sim:
+    """One simulation: P main-thread processes (and progress threads for wagma and eager)."""
+
+    def __init__(self, options: Mapping[str, Any], compute: np.ndarray, net: Network, nbytes: float,
+                 first_step: int) -> None:
+        self.opt = dict(options)
+        self.name = str(self.opt.get("name"))
+        if self.name not in SIMULATED_POLICIES:
+            raise ValueError(f"cannot simulate policy {self.name!r}: expected one of {', '.join(SIMULATED_POLICIES)}")
+        self.compute, self.net, self.nbytes, self.first = compute, net, float(nbytes), int(first_step)
+        self.p, self.n = compute.shape
+        self.env = simpy.Environment()
+        self.coll = _Rendezvous(self.env)
+        self.wait = [0.0] * self.p
+        self.finish = [0.0] * self.p
+        self.arrived: list[dict[int, simpy.Event]] = [{} for _ in range(self.p)]  # rank -> round -> event
+        self.activated: dict[int, simpy.Event] = {}
+        self._triggered: set[int] = set()
+        self._setup()
+
+    # -- the policies' rules ---------------------------------------------------------------------------
+    def _setup(self) -> None:
+        o, p = self.opt, self.p
+        self.async_rounds = self.name == "wagma" or self.name.startswith("eager")
+        if self.name == "wagma":
+            self.tau = int(o.get("sync_period", 10))
+            sched = o.get("schedule", "auto")
+            self.schedule = (GroupSchedule.create(str(sched), p, int(o.get("group_size", 2))) if isinstance(sched, str)
+                             else GroupSchedule.from_partitions(sched))
+            self.warmup = 0
+        elif self.name.startswith("eager"):
+            self.tau = int(o.get("sync_period", 32))
+            self.warmup = int(o.get("warmup_iters", 2))
+            majority = o.get("mode", self.name.removeprefix("eager_")) == "majority"
+            # The library's own initiator draw (a method that needs only seed and world_size).
+            who = types.SimpleNamespace(seed=int(o.get("seed", 0)), world_size=p)
+            self.initiator: Callable[[int], int] | None = (
+                (lambda k: WaitAvoidingGroupAllreduce.initiator(who, k)) if majority else None)
+        else:
+            self.warmup = int(o.get("warmup_steps", 0))
+        lead = o.get("max_lead")
+        self.lead = int(lead) if lead is not None else getattr(self, "tau", 0)
+        if self.name.startswith("hierarchical"):
+            s = int(o.get("local_group_size", 2))
+            self.local_period, self.global_period = int(o.get("local_period", 4)), int(o.get("global_period", 16))
+            self.global_every = self.local_period if s == p else self.global_period
+            self.has_local = 1 < s < p
+            self.block = [tuple(range(r - r % s, r - r % s + s)) for r in range(p)]
+
+    def _ended_global(self) -> bool:
+        """Whether the last step was a global mean after the optimizer step, so finalize has nothing to do
+        (local SGD and hierarchical; WAGMA and eager always flush)."""
+        last = self.first + self.n - 1 - self.warmup
+        if last < 0:
+            return False
+        if self.name == "local_sgd":
+            return last % int(self.opt.get("period", 8)) == 0
+        return self.name.startswith("hierarchical") and last % self.global_every == 0
+
+    def _round(self, step: int) -> int:
+        """The engine round of ``step`` (negative during the eager warm-up)."""
+        return step - self.warmup if self.name.startswith("eager") else step
+
+    def _is_sync(self, k: int) -> bool:
+        return k % (self.tau + 1) == self.tau
+
+    def _group(self, rank: int, k: int) -> tuple[int, ...]:
+        return self.schedule.group_of(rank, k) if self.name == "wagma" else tuple(range(self.p))
+
+    def _arrival(self, rank: int, k: int) -> simpy.Event:
+        return self.arrived[rank].setdefault(k, self.env.event())
+
+    def _activation(self, k: int) -> simpy.Event:
+        return self.activated.setdefault(k, self.env.event())
+
+    def _global(self, key: Any) -> simpy.Event:
+        return self.coll.join(key, self.p, self.net.allreduce_s(self.p, self.nbytes))
+
+    # -- processes -------------------------------------------------------------------------------------
+    def _main(self, rank: int) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        for i in range(self.n):
+            yield env.timeout(float(self.compute[rank, i]))
+            step = self.first + i
+            arrive = env.now
+            yield from self._exchange(rank, step)
+            self.wait[rank] += env.now - arrive
+        self.finish[rank] = env.now
+        if self.name != "allreduce" and not self._ended_global():
+            yield self._global(("flush",))  # the final flush: a blocking global mean (or eager's residual flush)
+        yield self.coll.join(("barrier",), self.p, self.net.allreduce_s(self.p, 0.0))
+
+    def _exchange(self, rank: int, step: int) -> Generator[simpy.Event, Any, None]:
+        name = self.name
+        if name == "allreduce" or step < self.warmup:
+            yield self._global(("ddp", step))
+        elif name == "local_sgd":
+            if (step - self.warmup) % int(self.opt.get("period", 8)) == 0:
+                yield self._global(("avg", step))
+        elif name.startswith("hierarchical"):
+            s = step - self.warmup
+            if s % self.global_every == 0:
+                yield self._global(("avg", step))
+            elif self.has_local and s % self.local_period == 0:
+                group = self.block[rank]
+                yield self.coll.join(("local", step, group), len(group), self.net.allreduce_s(len(group), self.nbytes))
+        else:  # wagma, eager: the main thread publishes, may trigger, and waits for its round's result
+            k = self._round(step)
+            sync = self._is_sync(k)
+            self._arrival(rank, k).succeed()
+            if not sync and k not in self._triggered and (
+                    self.name == "wagma" or self.initiator is None or self.initiator(k) == rank):
+                self._triggered.add(k)
+                event = self._activation(k)
+                env_timeout = self.env.timeout(self.net.activation_s)
+                env_timeout.callbacks.append(lambda _e, ev=event: ev.succeed())
+            yield self.coll.done(("round", k, tuple(range(self.p)) if sync else self._group(rank, k)))
+
+    def _thread(self, rank: int) -> Generator[simpy.Event, Any, None]:
+        """A progress thread: rounds in order, each after its lead permit and its activation."""
+        for i in range(self.n):
+            k = self._round(self.first + i)
+            if k < 0:
+                continue
+            sync = self._is_sync(k)
+            needed = k if sync else k - self.lead
+            if needed >= max(0, self._round(self.first)):
+                yield self._arrival(rank, needed)
+            if not sync:
+                yield self._activation(k)
+            group = tuple(range(self.p)) if sync else self._group(rank, k)
+            yield self.coll.join(("round", k, group), len(group), self.net.allreduce_s(len(group), self.nbytes))
+
+    def run(self) -> SimResult:
+        for rank in range(self.p):
+            self.env.process(self._main(rank))
+            if self.async_rounds:
+                self.env.process(self._thread(rank))
+        self.env.run()
+        total = self.env.now
+        return SimResult(self.name, self.p, self.n, total, list(self.finish), list(self.wait))
+
+
+def simulate(
+    options: Mapping[str, Any],
+    compute_s: np.ndarray,
+    *,
+    network: Network = ZERO_NETWORK,
+    nbytes: float = 0.0,
+    first_step: int = 0,
+) -> SimResult:
+    """Simulate one policy on one trace.
+
+    Args:
+        options: the policy's ``averaging`` config (``name`` and its keys, as in ``configs/averaging/``).
+        compute_s: ``(P, N)`` seconds each rank spends before its step's exchange (compute + injected delay).
+        network: the cost model of collectives and of a round's activation.
+        nbytes: bytes each allreduce carries (model or gradient size).
+        first_step: the step index of column 0 (a trace measured after warm-up steps starts there, so
+            that sync rounds fall where the library puts them).
+
+    Raises:
+        ValueError: an unknown policy, or a trace that is not a non-negative ``(P, N)`` array with N >= 1.
+    """
+    trace = np.asarray(compute_s, dtype=np.float64)
+    if trace.ndim != 2 or trace.shape[1] < 1 or trace.shape[0] < 1 or (trace < 0).any() or not np.isfinite(trace).all():
+        raise ValueError(f"compute_s must be a finite non-negative (P, N) array with N >= 1, got shape {trace.shape}")
+    if first_step < 0:
+        raise ValueError(f"first_step must be >= 0, got {first_step}")
+    return _Sim(options, trace, network, nbytes, first_step).run()
+
+
+def protocol_bound(
+    options: Mapping[str, Any], compute_s: float, delays_s: np.ndarray, first_step: int = 0
+) -> SimResult:
+    """The best time ``options``' protocol permits on the ``(P, N)`` delay trace: zero-cost communication
+    and exactly ``compute_s`` of compute per step, so only the protocol's waits remain."""
+    delays = np.asarray(delays_s, dtype=np.float64)
+    return simulate(options, compute_s + delays, network=ZERO_NETWORK, first_step=first_step)

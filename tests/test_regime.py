@@ -1,0 +1,82 @@
+"""The compute-bound regime benchmark (benchmarks/regime.py): model sizing, the medians and ratios, and a
+tiny real run end to end on forked gloo ranks (the CI smoke test: a few seconds)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
+from benchmarks import regime  # noqa: E402
+from benchmarks.simulate import Network, simulate  # noqa: E402
+from wagma.models import MLP  # noqa: E402
+
+REQUIRED = ("scenario", "policy", "world_size", "params", "compute_ms", "ms_per_step", "ideal_ms", "bound_ms",
+            "x_ddp", "x_ideal", "x_bound", "simulated_ms")
+
+
+@pytest.mark.parametrize("params", [250_000, 2_500_000, 25_000_000])
+def test_hidden_width_sizes_the_mlp(params):
+    h = regime.hidden_width(params)
+    count = h * h + (regime.IN_DIM + regime.CLASSES + 2) * h + regime.CLASSES
+    assert abs(count - params) / params < 0.01
+    if params <= 2_500_000:  # build the real model where it is cheap
+        net = MLP((regime.IN_DIM,), regime.CLASSES, hidden=[h, h])
+        assert sum(p.numel() for p in net.parameters()) == count
+    with pytest.raises(ValueError, match="params must be >= 1000"):
+        regime.hidden_width(10)
+
+
+def test_summarize_takes_medians_then_ratios():
+    reps = [{"ms_per_step": m, "ideal_ms": 100.0, "bound_ms": b, "simulated_ms": m, "loop_ms_per_step": m,
+             "real_compute_ms": 1.0} for m, b in ((150.0, 120.0), (200.0, 110.0), (160.0, 130.0))]
+    out = regime.summarize(reps)
+    assert out["ms_per_step"] == 160.0 and out["bound_ms"] == 120.0 and out["reps"] == 3
+    assert out["x_ideal"] == pytest.approx(100.0 / 160.0)
+    assert out["x_bound"] == pytest.approx(120.0 / 160.0)
+
+
+def test_tiny_run_end_to_end(tmp_path):
+    """P=2, T=10 ms, 6 timed steps, three policies: every record is complete and consistent, the report is
+    written, and --append replaces a record of the same key instead of duplicating it."""
+    argv = ["--worlds", "2", "--scenarios", "random_k1", "--policies", "allreduce", "wagma", "eager_solo",
+            "--compute-ms", "10", "--steps", "6", "--warmup", "2", "--reps", "1", "--out", str(tmp_path)]
+    result = regime.main(argv)
+    recs = result["records"]
+    assert [r["policy"] for r in recs] == ["allreduce", "wagma", "eager_solo"]
+    for r in recs:
+        assert r["status"] == "ok", r.get("reason")
+        assert all(r.get(k) is not None for k in REQUIRED), r
+        # The ideal is below every protocol's bound, and the bound below what was measured.
+        assert r["ideal_ms"] <= r["bound_ms"] + 1e-9 <= r["ms_per_step"] + 1e-9
+        assert r["ms_per_step"] >= 10.0
+    assert recs[0]["x_ddp"] == 1.0
+    # The ideal and the bounds are closed forms of each run's recorded delay trace (T = 10 ms, 6 steps):
+    # DDP pays the slowest rank every step; WAGMA (no sync round in steps 2..7) only the final mean.
+    saved = json.loads((tmp_path / "regime.json").read_text())
+    for rep in saved["reps"]:
+        delays = np.array(rep["delays_ms"])
+        assert delays.shape == (2, 6) and (delays.max(axis=0) >= 10.0).all()  # random_k1: one rank sleeps d = T
+        assert rep["ideal_ms"] == pytest.approx(10.0 + delays.mean(), abs=1e-2)
+        want = {"allreduce": 10.0 + delays.max(axis=0).mean(), "wagma": 10.0 + delays.sum(axis=1).max() / 6}
+        if rep["policy"] in want:
+            assert rep["bound_ms"] == pytest.approx(want[rep["policy"]], abs=1e-2), rep["policy"]
+        if rep["policy"] == "allreduce":  # the stored trace and network re-simulate to the stored value
+            net = rep["network"]
+            again = simulate({"name": "allreduce"}, np.array(rep["trace_ms"]) / 1e3, first_step=2,
+                             nbytes=4.0 * rep["params"],
+                             network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]))
+            assert again.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
+    assert len(saved["records"]) == 3 and len(saved["reps"]) == 3 and saved["invocations"][0]["machine"]
+    assert (tmp_path / "regime.md").exists() and (tmp_path / "regime_ms_per_step.png").exists()
+    again = regime.main([*argv[:5], "allreduce", "--compute-ms", "10", "--steps", "4", "--warmup", "2",
+                         "--reps", "1", "--out", str(tmp_path), "--append", "--no-report"])
+    assert len(again["records"]) == 3 and len(again["invocations"]) == 2
+    assert next(r for r in again["records"] if r["policy"] == "allreduce")["invocation"] == 1
+    (tmp_path / "regime.md").unlink()
+    assert regime.main(["--out", str(tmp_path), "--report-only"]) == again
+    assert (tmp_path / "regime.md").exists()
+    with pytest.raises(FileNotFoundError, match="expected a regime.json"):
+        regime.main(["--out", str(tmp_path / "empty"), "--report-only"])

@@ -1,0 +1,155 @@
+"""The discrete-event simulator (benchmarks/simulate.py) against closed forms, and its protocol rules.
+
+No process is started: every test runs the SimPy model on a small hand-made or seeded trace.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
+from benchmarks import scale  # noqa: E402
+from benchmarks.simulate import Network, protocol_bound, simulate  # noqa: E402
+from wagma.engine import WaitAvoidingGroupAllreduce  # noqa: E402
+
+T = 0.1
+
+
+def _random_k_trace(p: int, n: int, k: int = 1, d: float = 0.1, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    delays = np.zeros((p, n))
+    for s in range(n):
+        delays[rng.choice(p, size=k, replace=False), s] = d
+    return delays
+
+
+def _blocking_recurrence(c: np.ndarray, blocking: list[bool], flush: bool) -> float:
+    """Time to the end when every rank runs freely except at blocking steps (all wait for the slowest)."""
+    t = np.zeros(c.shape[0])
+    for s in range(c.shape[1]):
+        t += c[:, s]
+        if blocking[s]:
+            t[:] = t.max()
+    return float(t.max())  # a final flush or barrier waits for the slowest rank either way
+
+
+@pytest.mark.parametrize("first_step", [0, 3])
+def test_bounds_match_closed_forms(first_step):
+    p, n = 8, 40
+    delays = _random_k_trace(p, n, k=2, seed=first_step)
+    c = T + delays
+    steps = range(first_step, first_step + n)
+    cases = {
+        "allreduce": ({"name": "allreduce"}, [True] * n),
+        "local_sgd": ({"name": "local_sgd", "period": 8}, [s % 8 == 0 for s in steps]),
+        "hierarchical (global part)": ({"name": "hierarchical", "local_group_size": 8, "local_period": 4,
+                                        "global_period": 16}, [s % 4 == 0 for s in steps]),
+        "wagma": ({"name": "wagma", "group_size": 2, "sync_period": 10}, [s % 11 == 10 for s in steps]),
+        "eager_solo": ({"name": "eager_solo", "mode": "solo", "sync_period": 32, "warmup_iters": 2},
+                       [s < 2 or (s - 2) % 33 == 32 for s in steps]),
+    }
+    for name, (options, blocking) in cases.items():
+        got = protocol_bound(options, T, delays, first_step=first_step)
+        want = _blocking_recurrence(c, blocking, flush=True)
+        assert got.total_s == pytest.approx(want, abs=1e-12), name
+    # DDP pays the slowest rank every step: T + E[max delay]; a wait-avoiding bound is never below the ideal.
+    ddp = protocol_bound({"name": "allreduce"}, T, delays, first_step=first_step)
+    assert ddp.ms_per_step == pytest.approx(1e3 * float((T + delays).max(axis=0).mean()))
+    wagma = protocol_bound({"name": "wagma", "group_size": 2, "sync_period": 10}, T, delays, first_step=first_step)
+    assert 1e3 * (T + delays.mean()) <= wagma.ms_per_step < ddp.ms_per_step
+
+
+def test_ddp_pays_the_network_every_step():
+    p, n = 4, 10
+    delays = _random_k_trace(p, n)
+    net = Network(alpha_s=1e-4, bandwidth_Bps=1e8)
+    got = simulate({"name": "allreduce"}, T + delays, network=net, nbytes=1e6)
+    per_step = net.allreduce_s(p, 1e6)
+    assert per_step == pytest.approx(2 * 3 * 1e-4 + 2 * 3 / 4 * 1e6 / 1e8)
+    want = float((T + delays).max(axis=0).sum()) + n * per_step + net.allreduce_s(p, 0.0)  # closing barrier
+    assert got.total_s == pytest.approx(want)
+
+
+@pytest.mark.parametrize("n, flushes", [(9, False), (10, True)])
+def test_local_sgd_flushes_unless_the_last_step_was_a_global_mean(n, flushes):
+    """K = 8: steps 0 and 8 average; after 9 steps (last = 8) finalize has nothing to do, after 10 it averages."""
+    p = 4
+    net = Network(alpha_s=1e-3, bandwidth_Bps=1e8)
+    got = simulate({"name": "local_sgd", "period": 8}, np.full((p, n), T), network=net, nbytes=1e6)
+    mean = net.allreduce_s(p, 1e6)
+    want = n * T + (2 + flushes) * mean + net.allreduce_s(p, 0.0)
+    assert got.total_s == pytest.approx(want)
+
+
+def _one_late_rank(p: int = 4, n: int = 5, late: int = 3, late_s: float = 10.0) -> np.ndarray:
+    c = np.full((p, n), 1.0)
+    c[late, 0] += late_s
+    return c
+
+
+def test_wagma_fast_ranks_do_not_wait_for_a_late_rank_in_their_group():
+    """Rank 3 is 10 s late at step 0: its progress thread exchanges for it, so ranks 0-2 finish their 5
+    steps after about 5 s; only the final flush waits for rank 3."""
+    net = Network(alpha_s=1e-3, bandwidth_Bps=1e9, activation_s=1e-3)
+    res = simulate({"name": "wagma", "group_size": 2, "sync_period": 10}, _one_late_rank(), network=net, nbytes=1e6)
+    assert max(res.finish_s[:3]) < 5.2
+    assert res.finish_s[3] == pytest.approx(15.0)  # its rounds were done by its thread: it never waits
+    assert res.total_s > 15.0
+    # The same trace under DDP: everybody waits at step 0.
+    ddp = simulate({"name": "allreduce"}, _one_late_rank(), network=net, nbytes=1e6)
+    assert min(ddp.finish_s) > 15.0
+
+
+def test_wagma_progress_thread_lead_is_bounded():
+    """With max_lead=1 the late rank's thread may not run more than one round ahead of its main thread, so a
+    fast rank grouped with it from round 2 on (butterfly, P=4, S=2: rounds alternate {0,1},{2,3} and
+    {0,2},{1,3}) waits for it."""
+    options = {"name": "wagma", "group_size": 2, "sync_period": 10, "max_lead": 1}
+    res = simulate(options, _one_late_rank())
+    assert res.finish_s[1] >= 10.0  # partner of 3 in rounds 1, 3 (blocked from round 2 on)
+    free = simulate(options | {"max_lead": 10}, _one_late_rank())
+    assert max(free.finish_s[:3]) == pytest.approx(5.0)
+
+
+def test_eager_majority_waits_for_the_initiator_and_solo_for_nobody():
+    p, n, warmup = 4, 3, 2
+    who = WaitAvoidingGroupAllreduce.initiator(type("S", (), {"seed": 7, "world_size": p})(), 0)
+    c = np.full((p, warmup + n), 1.0)
+    c[who, warmup] += 10.0  # the initiator of round 0 is late in round 0
+    base = {"sync_period": 32, "warmup_iters": warmup, "seed": 7}
+    majority = simulate(base | {"name": "eager_majority", "mode": "majority"}, c)
+    solo = simulate(base | {"name": "eager_solo", "mode": "solo"}, c)
+    others = [r for r in range(p) if r != who]
+    assert min(majority.finish_s[r] for r in others) >= warmup + 1.0 + 10.0
+    assert max(solo.finish_s[r] for r in others) == pytest.approx(warmup + n)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="cannot simulate policy 'gossip'"):
+        simulate({"name": "gossip"}, np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"\(P, N\) array"):
+        simulate({"name": "allreduce"}, np.ones(3))
+    with pytest.raises(ValueError, match="non-negative"):
+        simulate({"name": "allreduce"}, -np.ones((2, 2)))
+    with pytest.raises(ValueError, match="bandwidth_Bps > 0"):
+        Network(bandwidth_Bps=0.0)
+
+
+def test_paper_extrapolation_and_pending_validation(tmp_path):
+    """A small paper-setting run writes records with simulated_ms and no measured_ms, and says the
+    validation is pending when there is no regime.json."""
+    result = scale.main(["--worlds", "64", "--steps", "12", "--policies", "allreduce", "wagma",
+                         "--regime", str(tmp_path / "none.json"), "--out", str(tmp_path)])
+    recs = result["records"]
+    assert {r["policy"] for r in recs} == {"allreduce", "wagma"}
+    assert all(r["measured_ms"] is None and r["simulated_ms"] > 0 and r["world_size"] == 64 for r in recs)
+    assert result["validation"]["status"].startswith("pending")
+    wagma = next(r for r in recs if r["policy"] == "wagma" and r["scenario"] == "random_k2")
+    assert wagma["x_allreduce"] > 1.0
+    assert (tmp_path / "simulation.md").exists() and (tmp_path / "simulation_scale.png").exists()
+    # --validate-only keeps those records (no new simulation: a different --steps would change them).
+    kept = scale.main(["--validate-only", "--steps", "3", "--regime", str(tmp_path / "none.json"),
+                       "--out", str(tmp_path)])
+    assert kept["records"] == recs and kept["setting"]["steps"] == 12
