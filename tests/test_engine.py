@@ -389,7 +389,7 @@ def test_single_rank_world_returns_its_own_tensor():
 def _split_path_worker(rank, world, group):
     # Run the engine's NCCL path (one split_group per distinct partition of the schedule) on gloo:
     # split_group itself needs NCCL, so it is replaced by new_group calls that build the same groups.
-    import wagma.engine as engine_module
+    import wagma.engine_core as engine_module
 
     calls = []
 
