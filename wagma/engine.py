@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from wagma.engine_core import Done, EngineCore, is_sync
+from wagma.engine_core import Done, EngineCore, initiator_of, is_sync
 from wagma.schedule import GroupSchedule
 
 __all__ = ["RoundResult", "WaitAvoidingGroupAllreduce"]
@@ -79,13 +79,6 @@ class RoundResult:
     exchange_s: float
     activated_at: float
     triggered_at: float | None = None
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
 
 
 class WaitAvoidingGroupAllreduce:
@@ -199,7 +192,7 @@ class WaitAvoidingGroupAllreduce:
 
     def initiator(self, k: int) -> int:
         """The rank whose arrival triggers round ``k`` when ``trigger="initiator"`` (same on all ranks)."""
-        return _splitmix64((self.seed << 32) ^ k) % self.world_size
+        return initiator_of(self.seed, k, self.world_size)
 
     def group_of(self, k: int) -> tuple[int, ...]:
         """This rank's group in round ``k`` (all ranks on a sync round)."""

@@ -23,7 +23,7 @@ from wagma.schedule import GroupSchedule
 if TYPE_CHECKING:
     from wagma.engine import WaitAvoidingGroupAllreduce
 
-__all__ = ["Done", "EngineCore", "is_sync"]
+__all__ = ["Done", "EngineCore", "initiator_of", "is_sync"]
 
 
 @dataclasses.dataclass
@@ -38,6 +38,18 @@ class Done:
     exchange_s: float
     activated_at: float
     event: torch.cuda.Event | None
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def initiator_of(seed: int, k: int, world_size: int) -> int:
+    """The rank whose arrival triggers round ``k`` under ``trigger="initiator"`` (the same on every rank)."""
+    return _splitmix64((seed << 32) ^ k) % world_size
 
 
 def is_sync(k: int, sync_period: int) -> bool:
@@ -63,7 +75,7 @@ class EngineCore:
             "waiting for any rank to trigger round {k}" if eng.trigger == "any"
             else "waiting for round {k} to be triggered by its initiator, rank {i}"
         )
-        self.initiator = eng.initiator
+        self.seed = eng.seed
         self.all = tuple(range(self.world_size))
         self.start = start
         self.calls = start
@@ -180,7 +192,7 @@ class EngineCore:
                 while not self.stop and self.arrived < needed:
                     self.cond.wait()
                 if not sync:
-                    self.phase = self.trigger_phase.format(k=k, i=self.initiator(k))
+                    self.phase = self.trigger_phase.format(k=k, i=initiator_of(self.seed, k, self.world_size))
                     while not self.stop and self.error is None and self.activated < k:
                         self.cond.wait()
                 # A trigger the main thread is sending for an earlier round goes out before this round's
