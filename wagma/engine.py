@@ -65,7 +65,8 @@ class RoundResult:
         wait_s: time the main thread waited for the result inside this call.
         exchange_s: time the thread spent in the collective.
         activated_at: ``time.time()`` when this rank's thread saw the round's activation.
-        triggered_at: ``time.time()`` when this rank won the trigger of the round, else ``None``.
+        triggered_at: ``time.time()`` when this rank triggered the round (it arrived before it had seen
+            the round start; ranks arriving at about the same time may all trigger it), else ``None``.
     """
 
     round: int

@@ -101,7 +101,11 @@ class EngineCore:
             self.on_activated, self.next_wait, self.on_watch_error,
         )
         # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
-        self.groups, self.global_pg = _communicators(self.schedule, self.rank, self.timeout)
+        try:
+            self.groups, self.global_pg = _communicators(self.schedule, self.rank, self.timeout)
+        except BaseException:
+            self.channel.abandon()
+            raise
         self.thread = threading.Thread(target=self.run, name=f"wagma-progress-{prefix.strip('/')}", daemon=True)
         self.thread.start()
         self.channel.start()

@@ -270,6 +270,10 @@ class ActivationChannel:
             pass  # the store is gone or frozen: nothing left to clean up that anyone could see
         self._caller.close()
 
+    def abandon(self) -> None:
+        """Release the channel's threads without touching the store (the engine failed to start)."""
+        self._caller.close()
+
     def _delete_all(self, store: dist.Store, next_round: int) -> None:
         floor = int(store.get("floor")) if store.check(["floor"]) else self._start
         for j in range(floor, next_round):
