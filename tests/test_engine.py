@@ -109,6 +109,12 @@ def check_sums_without_delays(world: int, group: int, device: str = "cpu") -> No
     _check_records(out, world, group, sync_period, 0, exact=True)
 
 
+def test_sync_period_zero_makes_every_round_a_fresh_global_round():
+    out = run_workers(_rounds_worker, 3, 3, 6, 0, 0, 0, 0.0)
+    _check_records(out, 3, 3, 0, 0, exact=True)
+    assert all(is_sync for records in out for _, is_sync, *_ in records)
+
+
 def _straggler_worker(rank, world, rounds, sync_period, delay_s, seed):
     sched = GroupSchedule.create("auto", world, 2)
     shared = random.Random(seed)  # same draws on every rank

@@ -159,6 +159,8 @@ class EngineCore:
             self.cond.notify_all()
 
     def next_wait(self, k: int) -> int | None:
+        if self.sync_period == 0:  # every round is a sync round: no round is ever activated
+            return None
         with self.cond:
             while is_sync(k, self.sync_period) or self.activated >= k:  # no key, or started here already
                 k += 1
