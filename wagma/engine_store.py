@@ -209,7 +209,9 @@ class ActivationChannel:
                 self._on_activated(k)
                 k += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the engine
-            self._on_error(exc)
+            err = RuntimeError(f"waiting for round {k}'s activation in the c10d store at {self.address} failed: {exc}")
+            err.__cause__ = exc
+            self._on_error(err)
 
     # ------------------------------------------------------------------------------- diagnosis
     def _progress_keys(self) -> list[str]:
