@@ -245,6 +245,7 @@ def _keys_worker(rank, world, rounds, sync_period):
     with WaitAvoidingGroupAllreduce(
         sched, torch.zeros(1), sync_period=sync_period, max_lead=min(sync_period, 3), timeout=TIMEOUT, name="keys"
     ) as eng:
+        watcher = eng._core.channel._watcher
         dist.barrier()
         base = store.num_keys()
         for k in range(rounds):
@@ -252,9 +253,10 @@ def _keys_worker(rank, world, rounds, sync_period):
             if k % 25 == 24:
                 counts.append(store.num_keys() - base)
     dist.barrier()  # every rank has closed
+    watcher.join(timeout=2.0)  # the last close wakes every rank's watcher
     mine = dist.PrefixStore("wagma/keys/", store)
     left = [key for key in _engine_keys(world, rounds) if mine.check([key])]
-    return counts, left
+    return counts, left, watcher.is_alive()
 
 
 @pytest.mark.parametrize("sync_period", [4, 1000])
@@ -262,10 +264,10 @@ def test_store_keys_stay_bounded_and_none_is_left_after_close(sync_period):
     # 300 rounds: with sync_period=1000 no sync round comes; the old engine kept every round's key until one.
     world, rounds = 4, 300
     out = run_workers(_keys_worker, world, rounds, sync_period)
-    for counts, left in out:
+    for counts, left, watching in out:
         assert left == [], f"keys left after every rank closed: {left}"
-    # Live keys: the rounds in flight plus the collection stride, whatever the sync period (was ~300 here).
-    for counts, _ in out:
+        assert not watching, "a watcher thread still waits on the store after every rank closed"
+        # Live keys: the rounds in flight plus the collection stride, whatever the sync period (was ~300 here).
         assert max(counts) <= 30, counts
 
 

@@ -261,8 +261,10 @@ class ActivationChannel:
     def close(self, next_round: int) -> None:
         """Stop watching; the last rank to close deletes the engine's keys. Bounded; store errors are dropped.
 
-        The watcher may stay blocked in its store wait for up to a minute; it holds no key and ends then.
-        ``next_round``: the round this rank would have run next (no ``act`` key exists at or above it).
+        The last rank to close also wakes every rank's watcher (they wait for round ``next_round`` or, after a
+        sync round, the one after it), so all watchers end at once. Until then a closed rank's watcher stays
+        blocked in its store wait (it holds no key). ``next_round``: the round this rank would have run next
+        (no ``act`` key exists at or above it).
         """
         try:
             closed = self._caller.call("the close count", lambda s: s.add("closed", 1), self._diagnose_s)
@@ -280,5 +282,8 @@ class ActivationChannel:
         floor = int(store.get("floor")) if store.check(["floor"]) else self._start
         for j in range(floor, next_round):
             store.delete_key(f"act/{j}")
-        for key in [*self._progress_keys(), "floor", "closed"]:
+        wake = [f"act/{next_round}", f"act/{next_round + 1}"]  # every rank has closed: nobody runs these
+        for key in wake:
+            store.set(key, "closed")
+        for key in [*wake, *self._progress_keys(), "floor", "closed"]:
             store.delete_key(key)
