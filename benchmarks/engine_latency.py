@@ -3,9 +3,10 @@
     python benchmarks/engine_latency.py [--world 4] [--group 2] [--rounds 500] [--numel 1024]
                                         [--device cpu|cuda] [--out FILE]
 
-Each round, the first rank to arrive wins the trigger and records when (``triggered_at``); every other
-rank's progress thread records when it saw the activation (``activated_at``). Activation latency is
-``activated_at - triggered_at`` over all (round, non-winning rank) pairs; the clocks are the same machine's.
+Each round, every rank that arrives before it has seen the round start triggers it and records when
+(``triggered_at``; ranks arriving together may all trigger); every other rank's progress thread records
+when it saw the activation (``activated_at``). Activation latency is ``activated_at`` minus the earliest
+``triggered_at`` of the round, over all (round, non-triggering rank) pairs; the clocks are the same machine's.
 Round time is the wall time of one call on a rank (no compute between calls), over all ranks and rounds.
 
 ``--device cuda`` gives rank r CUDA tensors on GPU ``r % device_count()`` (gloo, so one GPU can serve
@@ -76,9 +77,9 @@ def measure(
             round_times.append(per_rank[r][k][2])
             if not per_rank[r][k][1]:
                 async_times.append(per_rank[r][k][2])
-        if len(winners) == 1:
-            t = per_rank[winners[0]][k][4]
-            latencies += [per_rank[r][k][3] - t for r in range(world) if r != winners[0]]
+        if winners:
+            t = min(per_rank[r][k][4] for r in winners)
+            latencies += [per_rank[r][k][3] - t for r in range(world) if r not in winners]
     return {
         "world_size": world,
         "group_size": group,

@@ -9,9 +9,17 @@ a block whose elements differ.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +107,12 @@ def check_sums_without_delays(world: int, group: int, device: str = "cpu") -> No
     rounds, sync_period = 12, 4
     out = run_workers(_rounds_worker, world, group, rounds, sync_period, 0, 0, 0.0, device)
     _check_records(out, world, group, sync_period, 0, exact=True)
+
+
+def test_sync_period_zero_makes_every_round_a_fresh_global_round():
+    out = run_workers(_rounds_worker, 3, 3, 6, 0, 0, 0, 0.0)
+    _check_records(out, 3, 3, 0, 0, exact=True)
+    assert all(is_sync for records in out for _, is_sync, *_ in records)
 
 
 def _straggler_worker(rank, world, rounds, sync_period, delay_s, seed):
@@ -214,30 +228,47 @@ def test_initiator_sequence_is_shared_and_only_initiators_trigger():
                 assert initiators[k] == rank and k % 6 != 5
 
 
-def _keys_worker(rank, world, rounds):
+def _engine_keys(world: int, rounds: int) -> list[str]:
+    """Every key name the engine uses or used (old names too), for ``rounds`` rounds."""
+    return (
+        [f"act/{j}" for j in range(rounds + 2)]
+        + [f"in/{j}/{r}" for j in range(rounds + 2) for r in range(world)]
+        + [f"at/{r}" for r in range(world)]
+        + ["floor", "closed"]
+    )
+
+
+def _keys_worker(rank, world, rounds, sync_period):
     sched = GroupSchedule.create("auto", world, 2)
     store = dist.distributed_c10d._get_default_store()
     counts = []
-    with WaitAvoidingGroupAllreduce(sched, torch.zeros(1), sync_period=4, timeout=TIMEOUT, name="keys") as eng:
+    with WaitAvoidingGroupAllreduce(
+        sched, torch.zeros(1), sync_period=sync_period, max_lead=min(sync_period, 3), timeout=TIMEOUT, name="keys"
+    ) as eng:
+        watcher = eng._core.channel._watcher
+        dist.barrier()
+        base = store.num_keys()
         for k in range(rounds):
             eng(torch.ones(1))
-            if k % 50 == 49:
-                counts.append(store.num_keys())
-    dist.barrier()
+            if k % 25 == 24:
+                counts.append(store.num_keys() - base)
+    dist.barrier()  # every rank has closed
+    watcher.join(timeout=2.0)  # the last close wakes every rank's watcher
     mine = dist.PrefixStore("wagma/keys/", store)
-    left = [f"act/{j}" for j in range(rounds) if mine.check([f"act/{j}"])]
-    left += [f"in/{j}/{r}" for j in range(rounds) for r in range(world) if mine.check([f"in/{j}/{r}"])]
-    return counts, left
+    left = [key for key in _engine_keys(world, rounds) if mine.check([key])]
+    return counts, left, watcher.is_alive()
 
 
-def test_store_keys_are_deleted_once_used():
-    rounds = 300  # the last round, 299, is a sync round
-    out = run_workers(_keys_worker, 4, rounds)
-    for counts, left in out:
-        assert left == [], left
-    # While running, a handful of keys per round are in flight; without deletion 300 rounds leave ~1,500.
-    counts = out[0][0]
-    assert max(counts) - min(counts) <= 4 * 5 + 5, counts
+@pytest.mark.parametrize("sync_period", [4, 1000])
+def test_store_keys_stay_bounded_and_none_is_left_after_close(sync_period):
+    # 300 rounds: with sync_period=1000 no sync round comes; the old engine kept every round's key until one.
+    world, rounds = 4, 300
+    out = run_workers(_keys_worker, world, rounds, sync_period)
+    for counts, left, watching in out:
+        assert left == [], f"keys left after every rank closed: {left}"
+        assert not watching, "a watcher thread still waits on the store after every rank closed"
+        # Live keys: the rounds in flight plus the collection stride, whatever the sync period (was ~300 here).
+        assert max(counts) <= 30, counts
 
 
 # --------------------------------------------------------------------------------------- failures
@@ -389,7 +420,7 @@ def test_single_rank_world_returns_its_own_tensor():
 def _split_path_worker(rank, world, group):
     # Run the engine's NCCL path (one split_group per distinct partition of the schedule) on gloo:
     # split_group itself needs NCCL, so it is replaced by new_group calls that build the same groups.
-    import wagma.engine as engine_module
+    import wagma.engine_core as engine_module
 
     calls = []
 
@@ -422,3 +453,184 @@ def test_split_group_path_makes_one_split_per_distinct_partition(world, group):
             partitions.append(p)
     for _, calls in out:
         assert calls == partitions + [[tuple(range(world))]]  # then one over all ranks, for sync rounds
+
+
+# ------------------------------------------------------------------------------- frozen and dead ranks
+SHORT = datetime.timedelta(seconds=2)
+
+
+def _freeze_worker(rank, world, how, victim, die_at, own_store):
+    """Rank ``victim`` stops (SIGSTOP) or dies (SIGKILL) at call ``die_at``; the others report their error.
+
+    With ``own_store`` the engine's store is hosted by rank 0 (the usual torchrun layout), so a frozen
+    rank 0 also freezes the store. Rank ``first survivor`` kills a stopped victim once every survivor has
+    its error, so the world ends.
+    """
+    default = dist.distributed_c10d._get_default_store()
+    default.set(f"pid/{rank}", str(os.getpid()))
+    store = None
+    if own_store:
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=TIMEOUT, wait_for_workers=False)
+            default.set("own_port", str(store.port))
+        else:
+            store = dist.TCPStore("127.0.0.1", int(default.get("own_port")), world, False, timeout=TIMEOUT)
+    sched = GroupSchedule.create("auto", world, 2)
+    # max_lead=0: the victim's thread enters no round its main thread has not reached, so it was last seen
+    # in round die_at - 1 whatever the timing.
+    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(8), sync_period=3, max_lead=0, timeout=SHORT, store=store)
+    t_dead = time.monotonic()
+    try:
+        for k in range(100):
+            if k == die_at:
+                t_dead = time.monotonic()
+                if rank == victim:
+                    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+            eng(torch.ones(8))
+        out = ["no error", k, 0.0]
+    except (RuntimeError, TimeoutError) as exc:
+        out = [f"{type(exc).__name__}: {exc}", k, time.monotonic() - t_dead]
+    t0 = time.monotonic()
+    eng.close()
+    out.append(time.monotonic() - t0)
+    survivors = [r for r in range(world) if r != victim]
+    default.set(f"raised/{rank}", "1")
+    if rank == survivors[0] and how == "stop":
+        default.wait([f"raised/{r}" for r in survivors], datetime.timedelta(seconds=30))
+        os.kill(int(default.get(f"pid/{victim}")), signal.SIGKILL)
+    return out
+
+
+def _check_survivors(outs, victim, die_at, store_frozen=False):
+    assert not outs[victim].ok and outs[victim].exitcode == -signal.SIGKILL
+    for o in outs:
+        if o.rank == victim:
+            continue
+        assert o.ok, o.error
+        msg, k, waited, close_s = o.value
+        assert msg != "no error", o.rank
+        assert waited < 2 * SHORT.total_seconds() + 1.5, (o.rank, waited, msg)
+        assert close_s < 2.0, (o.rank, close_s)
+        assert f"round {k}" in msg, msg
+        if store_frozen:
+            assert "store" in msg and "could not be read" in msg, msg
+        else:
+            assert f"rank {victim} last seen in round {die_at - 1}" in msg, (o.rank, msg)
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_frozen_or_dead_rank_is_named_by_every_survivor(how):
+    victim, die_at = 3, 5
+    outs = run_workers_outcomes(_freeze_worker, 4, how, victim, die_at, False, timeout_s=60)
+    _check_survivors(outs, victim, die_at)
+
+
+def test_frozen_store_host_makes_every_survivor_raise_within_the_timeout():
+    # Rank 0 hosts the engine's store and freezes: no store call may hang a survivor.
+    victim, die_at = 0, 5
+    outs = run_workers_outcomes(_freeze_worker, 4, "stop", victim, die_at, True, timeout_s=60)
+    _check_survivors(outs, victim, die_at, store_frozen=True)
+
+
+# ------------------------------------------------------------------------------------ close and drop
+def _close_from_thread_worker(rank, world):
+    sched = GroupSchedule.create("auto", world, 2)
+    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=4, max_lead=0, timeout=TIMEOUT)
+    eng(torch.ones(2))
+    if rank == 1:
+        time.sleep(2.0)  # rank 0's round 1 waits for this rank meanwhile
+        eng(torch.ones(2))
+        eng.close()
+        return None
+    closer = threading.Timer(0.5, eng.close)
+    t0 = time.monotonic()
+    closer.start()
+    try:
+        eng(torch.ones(2))
+        out = ("no error", time.monotonic() - t0)
+    except RuntimeError as exc:
+        out = (str(exc), time.monotonic() - t0)
+    closer.join()
+    return out
+
+
+def test_close_from_another_thread_wakes_a_waiting_caller():
+    msg, woke_after = run_workers(_close_from_thread_worker, 2)[0]
+    assert "closed" in msg and "round 1" in msg, msg
+    assert woke_after < 1.5, woke_after  # close() came at 0.5 s; the round could only finish at 2 s
+
+
+def _drop_worker(rank, world):
+    sched = GroupSchedule.create("auto", world, 2)
+    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=4, timeout=TIMEOUT, name="dropped")
+    for _ in range(3):
+        eng(torch.ones(2))
+    thread, ref = eng._thread, weakref.ref(eng)
+    del eng
+    gc.collect()
+    thread.join(timeout=5.0)
+    return ref() is None, thread.is_alive()
+
+
+def test_engine_dropped_without_close_is_finalized():
+    for collected, alive in run_workers(_drop_worker, 2):
+        assert collected, "the engine was not collected: something still references it"
+        assert not alive, "the progress thread of a dropped engine still runs"
+
+
+_EXIT_SCRIPT = """
+import datetime, os, sys, threading, time
+import torch, torch.distributed as dist
+from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))  # as with env://
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+eng = WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", 2, 2), torch.zeros(4), sync_period=4, max_lead=0,
+                                 timeout=datetime.timedelta(seconds=2))
+for _ in range(3):
+    eng(torch.ones(4))
+if rank == 0:
+    # Round 3 starts here and its exchange waits for rank 1, which never comes; leave meanwhile.
+    threading.Thread(target=lambda: eng(torch.ones(4)), daemon=True).start()
+    time.sleep(0.5)
+    print("leaving with a collective in flight", flush=True)
+    sys.exit(0)
+try:
+    store.wait(["never"], datetime.timedelta(seconds=60))  # ends when rank 0, the store host, is gone
+finally:
+    os._exit(0)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_process_exiting_mid_collective_without_close_exits_cleanly(tmp_path):
+    # Two worlds of two fresh interpreters at once: without the finalizer the store-hosting rank aborted in
+    # about 3 runs of 4 (SIGABRT, "terminate called without an active exception"), its progress thread
+    # still inside the collective; two worlds make a pass by luck unlikely.
+    script = tmp_path / "leave.py"
+    script.write_text(_EXIT_SCRIPT)
+    paths = [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    ports = [_free_port() for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for port in ports for r in range(2)
+    ]
+    try:
+        outs = [procs[i].communicate(timeout=90)[0] for i in (0, 2)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for i, out in zip((0, 2), outs):
+        assert "leaving with a collective in flight" in out, out
+        assert procs[i].returncode == 0, (procs[i].returncode, out[-2000:])

@@ -1,0 +1,298 @@
+"""The progress thread of :class:`wagma.engine.WaitAvoidingGroupAllreduce` and the state it shares.
+
+The engine's protocol is stated in :mod:`wagma.engine`. :class:`EngineCore` holds everything the
+main thread and the progress thread share, and runs the progress thread; it holds no reference to
+the engine, so an engine dropped without ``close()`` is collected and its finalizer
+(:meth:`EngineCore.shutdown`) stops the threads and releases the communicators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from wagma.engine_store import ActivationChannel
+from wagma.schedule import GroupSchedule
+
+if TYPE_CHECKING:
+    from wagma.engine import WaitAvoidingGroupAllreduce
+
+__all__ = ["Done", "EngineCore", "initiator_of", "is_sync"]
+
+
+@dataclasses.dataclass
+class Done:
+    """One finished round, kept for the main thread until it consumes it."""
+
+    round: int
+    is_sync: bool
+    group: tuple[int, ...]
+    sum: torch.Tensor
+    version: int
+    exchange_s: float
+    activated_at: float
+    event: torch.cuda.Event | None
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def initiator_of(seed: int, k: int, world_size: int) -> int:
+    """The rank whose arrival triggers round ``k`` under ``trigger="initiator"`` (the same on every rank)."""
+    return _splitmix64((seed << 32) ^ k) % world_size
+
+
+def is_sync(k: int, sync_period: int) -> bool:
+    """Whether round ``k`` is a blocking global round for this sync period."""
+    return k % (sync_period + 1) == sync_period
+
+
+class EngineCore:
+    """The state the main thread and the progress thread share, and the progress thread itself.
+
+    It holds no reference to its engine, so that an engine dropped without ``close()`` is collected and
+    its finalizer (:meth:`shutdown`) stops the thread. Fields below ``cond`` are guarded by it.
+    """
+
+    def __init__(
+        self, eng: WaitAvoidingGroupAllreduce, initial: torch.Tensor, store: dist.Store, prefix: str, start: int
+    ) -> None:
+        self.rank, self.world_size, self.schedule = eng.rank, eng.world_size, eng.schedule
+        self.sync_period, self.max_lead, self.accumulate = eng.sync_period, eng.max_lead, eng.accumulate
+        self.timeout, self.device = eng.timeout, eng.device
+        self.cuda = self.device.type == "cuda"
+        self.trigger_phase = (
+            "waiting for any rank to trigger round {k}" if eng.trigger == "any"
+            else "waiting for round {k} to be triggered by its initiator, rank {i}"
+        )
+        self.seed = eng.seed
+        self.all = tuple(range(self.world_size))
+        self.start = start
+        self.calls = start
+        self.cond = threading.Condition()
+        self.snapshot = initial.detach().clone()  # replace: immutable published tensor; accumulate: pending
+        self.snapshot_version = start - 1  # `initial` counts as the call before the first
+        self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.snapshot_event = self.record_event()
+        self.arrived = start - 1  # newest call the main thread has published
+        self.results: dict[int, Done] = {}
+        self.thread_round = start  # the round the thread works on
+        self.activated = start - 1  # newest round known to have started (seen by the watcher, or triggered here)
+        self.watching = start  # the round the watcher waits for: no act key below it is needed here
+        self.triggering: int | None = None  # a round whose trigger the main thread is sending
+        self.phase = "starting"
+        self.error: BaseException | None = None
+        self.stop = False
+        self.shut = False
+        # The first progress record is written before the communicators: their creation is collective, so
+        # every rank's record exists by the time any thread reads them.
+        self.channel = ActivationChannel(
+            store, prefix, self.rank, self.world_size, start, self.timeout,
+            self.on_activated, self.next_wait, self.on_watch_error,
+        )
+        # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
+        try:
+            self.groups, self.global_pg = _communicators(self.schedule, self.rank, self.timeout)
+        except BaseException:
+            self.channel.abandon()
+            raise
+        self.thread = threading.Thread(target=self.run, name=f"wagma-progress-{prefix.strip('/')}", daemon=True)
+        self.thread.start()
+        self.channel.start()
+
+    def group_of(self, k: int) -> tuple[int, ...]:
+        return self.all if is_sync(k, self.sync_period) else self.schedule.group_of(self.rank, k)
+
+    # ------------------------------------------------------------------------------------ main side
+    def publish(self, tensor: torch.Tensor, k: int) -> None:
+        if self.accumulate:
+            with self.cond:
+                if self.snapshot_event is not None:
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(self.snapshot_event)
+                    self.snapshot.record_stream(stream)  # it may come from the thread's stream
+                self.snapshot.add_(tensor.detach())
+                self.snapshot_version = k
+                self.snapshot_event = self.record_event()
+                self.arrived = k
+                self.cond.notify_all()
+        else:
+            snap = tensor.detach().clone()  # immutable once published: the thread reads it without a lock
+            event = self.record_event()
+            with self.cond:
+                self.snapshot, self.snapshot_version, self.snapshot_event = snap, k, event
+                self.arrived = k
+                self.cond.notify_all()
+
+    def shutdown(self) -> None:
+        """Stop the threads, release the communicators and the store keys (close() and the finalizer)."""
+        with self.cond:
+            if self.shut:
+                return
+            self.shut = self.stop = True
+            self.cond.notify_all()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.timeout.total_seconds() + 5.0)  # a collective ends within its timeout
+        if not self.thread.is_alive():  # a thread stuck in a collective keeps its communicators
+            from wagma.averaging.groups import destroy_groups  # noqa: PLC0415 - wagma.averaging imports the engine
+
+            destroy_groups([*self.groups.values(), self.global_pg])
+        self.channel.close(self.calls)
+        self.results.clear()
+        self.groups.clear()
+        self.global_pg = None
+
+    # ---------------------------------------------------------------------------------- watcher side
+    def on_activated(self, k: int) -> None:
+        with self.cond:
+            self.activated = max(self.activated, k)
+            self.cond.notify_all()
+
+    def next_wait(self, k: int) -> int | None:
+        if self.sync_period == 0:  # every round is a sync round: no round is ever activated
+            return None
+        with self.cond:
+            while is_sync(k, self.sync_period) or self.activated >= k:  # no key, or started here already
+                k += 1
+            self.watching = k
+            return None if self.stop else k
+
+    def on_watch_error(self, exc: BaseException) -> None:
+        with self.cond:
+            if self.error is None and not self.stop:
+                self.error = exc
+            self.cond.notify_all()
+
+    # -------------------------------------------------------------------------------- progress thread
+    def run(self) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(self.side_stream):
+                    self.loop()
+            else:
+                self.loop()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, re-raised there
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+
+    def loop(self) -> None:
+        k = self.start
+        while True:
+            sync = is_sync(k, self.sync_period)
+            needed = k if sync else k - self.max_lead
+            with self.cond:
+                self.thread_round = k
+                self.phase = f"waiting for this rank's main thread to reach round {needed}"
+                while not self.stop and self.arrived < needed:
+                    self.cond.wait()
+                if not sync:
+                    self.phase = self.trigger_phase.format(k=k, i=initiator_of(self.seed, k, self.world_size))
+                    while not self.stop and self.error is None and self.activated < k:
+                        self.cond.wait()
+                # A trigger the main thread is sending for an earlier round goes out before this round's
+                # record, on the same connection: no rank can delete that round's key before it is written.
+                while self.triggering is not None and self.triggering < k:
+                    self.cond.wait()
+                if self.stop or self.error is not None:
+                    return
+                activated_at = time.time()
+                group = self.group_of(k)
+                self.phase = f"exchanging with group {group}"
+                if self.accumulate:
+                    send, event = self.swap_pending()
+                    version = self.snapshot_version
+                else:
+                    send, version, event = self.snapshot, self.snapshot_version, self.snapshot_event
+                gc_floor, published = min(k, self.watching), self.arrived
+            self.channel.record(k, gc_floor, published)
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+                send.record_stream(torch.cuda.current_stream(self.device))
+            if not self.accumulate:
+                send = send.clone()  # the snapshot may be contributed again next round: reduce a copy
+            t0 = time.perf_counter()
+            pg = self.global_pg if sync else self.groups[group]
+            if pg is not None:
+                try:
+                    dist.all_reduce(send, group=pg)
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"round {k}: {self.channel.who_is_missing(k, group)}. The exchange failed with: {exc}"
+                    ) from exc
+            exchange_s = time.perf_counter() - t0
+            with self.cond:
+                self.results[k] = Done(k, sync, group, send, version, exchange_s, activated_at, self.record_event())
+                self.cond.notify_all()
+            self.channel.collect(k)
+            k += 1
+
+    # -------------------------------------------------------------------------------------- helpers
+    def swap_pending(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Take the pending contribution and leave zeros in its place; caller holds the lock."""
+        out, event = self.snapshot, self.snapshot_event  # the consumer waits on `event` before reading
+        self.snapshot = torch.zeros_like(out)
+        self.snapshot_event = self.record_event()
+        return out, event
+
+    def record_event(self) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+
+def _can_split() -> bool:
+    """Whether sub-communicators can be split from the default group (NCCL bound to a device).
+
+    The answer is the same on every rank of a job, so all ranks take the same path.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    return (
+        hasattr(dist, "split_group")
+        and dist.get_backend() == "nccl"
+        and getattr(default, "bound_device_id", None) is not None
+    )
+
+
+def _communicators(
+    schedule: GroupSchedule, rank: int, timeout: datetime.timedelta
+) -> tuple[dict[tuple[int, ...], dist.ProcessGroup | None], dist.ProcessGroup | None]:
+    """This rank's communicator for each of its groups in the schedule, and one over all ranks.
+
+    With NCCL bound to a device, each round's partition is one ``split_group`` call (one
+    ``ncclCommSplit`` for all its groups); otherwise every distinct group is a ``new_group`` (gloo).
+    """
+    world = schedule.world_size
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    if world == 1:
+        return {(0,): None}, None
+    if _can_split():
+        seen: set[tuple[tuple[int, ...], ...]] = set()
+        for r in range(schedule.period):
+            partition = tuple(schedule.groups(r))
+            if partition in seen:
+                continue
+            seen.add(partition)
+            pg = dist.split_group(split_ranks=[list(g) for g in partition], timeout=timeout)
+            mine = schedule.group_of(rank, r)
+            groups.setdefault(mine, pg if len(mine) > 1 else None)
+        return groups, dist.split_group(split_ranks=[list(range(world))], timeout=timeout)
+    for members in schedule.distinct_groups():
+        pg = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
+        if rank in members:
+            groups[members] = pg
+    return groups, dist.new_group(list(range(world)), timeout=timeout)
+

@@ -1,0 +1,289 @@
+"""The engine's activation channel over the c10d store: one key per round, progress records, cleanup.
+
+What bounds c10d store calls (measured on torch 2.13 with a ``TCPStore`` whose host process is
+SIGSTOPped; ``tests/test_engine.py`` keeps the engine honest about it):
+
+- ``set`` and ``multi_set`` do not wait for a reply: they return at once even when the host is frozen.
+- Every request/response call (``get``, ``compare_set``, ``add``, ``check``, ``multi_get``,
+  ``delete_key``, ``num_keys``) blocks without bound: the store's timeout (``set_timeout``) is not
+  applied to the reply. ``wait(keys, t)`` gives up polling after ``t`` but then blocks without bound
+  on the reply to its cancellation.
+
+So the main thread only ever calls ``set``; the watcher thread's blocking ``wait`` is watched by the
+deadlines of those who wait on it; and every other call goes through :class:`StoreCaller`, which runs
+it on a thread of its own and gives up after a deadline.
+
+Keys, under the engine's prefix:
+
+- ``act/k``: round k's activation. A rank that reaches round k before it has seen the round start
+  ``set`` s it (its own thread starts at once, without waiting for the echo); every rank's watcher
+  thread waits for it. One key per round, whatever the world size.
+- ``at/r``: rank r's progress record ``"k g m"``: its thread entered round k's exchange; no round
+  below g will ever be waited for again on rank r; its main thread had published call m. Written
+  once per round with a ``set``; read only to clean up and to explain a failure.
+- ``floor``: the ``act`` keys below it are deleted. Rank 0's thread deletes ``act/j`` for all j below
+  every rank's g every few rounds, off its critical path, so at most the rounds in flight plus a
+  few keep a key, whatever the sync period.
+- ``closed``: how many ranks have closed; the last to close deletes everything that is left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["ActivationChannel", "StoreCaller"]
+
+# How long one blocking activation wait lasts before the watcher looks at its stop flag again. Each expiry
+# costs c10d two warning lines, so it is long; close() does not wait for the watcher (see ActivationChannel).
+_IDLE_WAIT = datetime.timedelta(seconds=60)
+# Rank 0 deletes used activation keys every this many rounds.
+_COLLECT_EVERY = 8
+
+
+class StoreCaller:
+    """Runs request/response store calls on a thread of its own, so that every caller has a deadline.
+
+    A call that does not answer in time raises ``TimeoutError`` naming the call and the store; the
+    thread stays blocked in it (nothing can interrupt a c10d call), and later calls queue behind it and
+    time out the same way. Args: ``store``, a client of its own (clone); ``name``, of the thread.
+    """
+
+    def __init__(self, store: dist.Store, name: str) -> None:
+        self._store = store
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._busy: tuple[str, float] | None = None  # (what, since) of the call in progress
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            what, fn, box, done = item
+            self._busy = (what, time.monotonic())
+            try:
+                box.append((True, fn(self._store)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            self._busy = None
+            done.set()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is in progress or queued."""
+        return self._busy is not None or not self._queue.empty()
+
+    def call(self, what: str, fn: Callable[[dist.Store], Any], timeout_s: float) -> Any:
+        """Run ``fn(store)`` and return its value; raise ``TimeoutError`` if it takes over ``timeout_s``."""
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._queue.put((what, fn, box, done))
+        if not done.wait(timeout_s):
+            busy = self._busy
+            stuck = f"; it has been in {busy[0]} for {time.monotonic() - busy[1]:.1f} s" if busy else ""
+            raise TimeoutError(
+                f"the c10d store did not answer {what} within {timeout_s:.1f} s{stuck}: the process hosting "
+                f"the store may be frozen or dead"
+            )
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def submit(self, what: str, fn: Callable[[dist.Store], Any]) -> None:
+        """Run ``fn(store)`` later, without waiting for it (its errors are dropped)."""
+        self._queue.put((what, fn, [], threading.Event()))
+
+    def close(self) -> None:
+        """Let the thread end after what is queued (at once if idle; never if a call hangs)."""
+        self._queue.put(None)
+
+
+def _clone(store: dist.Store) -> dist.Store:
+    """A store client of its own: one connection serializes its calls, and the watcher blocks in wait()."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return store
+
+
+def _address(store: dist.Store) -> str:
+    """Where the store lives, as far as the store object tells."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host is not None else type(store).__name__
+
+
+class ActivationChannel:
+    """Round activation and progress records of one engine on one rank (protocol: module docstring).
+
+    Args:
+        store: the c10d store every rank reaches; the channel uses clones of it.
+        prefix: the engine's namespace, the same on every rank.
+        rank, world_size: this rank and the job's size.
+        start_round: the first round.
+        timeout: the engine's timeout; bounds every request/response call.
+        on_activated: called by the watcher thread with each round it sees activated, in order.
+        next_wait: the round the watcher should wait for next, given the one it would wait for (it skips
+            rounds that need no activation or were already started locally); ``None``: stop.
+        on_error: called by the watcher thread with the exception that ended it.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        start_round: int,
+        timeout: datetime.timedelta,
+        on_activated: Callable[[int], None],
+        next_wait: Callable[[int], int | None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self.rank, self.world_size, self.address = rank, world_size, _address(store)
+        self._diagnose_s = min(1.0, timeout.total_seconds() / 4)
+        self._timeout_s = timeout.total_seconds()
+        self._start = start_round
+        self._sets = dist.PrefixStore(prefix, _clone(store))  # set() only: never blocks
+        self._waits = dist.PrefixStore(prefix, _clone(store))  # the watcher's blocking waits
+        self._caller = StoreCaller(dist.PrefixStore(prefix, _clone(store)), f"wagma-store-{prefix.strip('/')}")
+        self._floor = start_round  # rank 0's collector: act keys below it are deleted
+        self.record(start_round - 1, start_round, start_round - 1)
+        self._on_activated, self._next_wait, self._on_error = on_activated, next_wait, on_error
+        self._watcher = threading.Thread(
+            target=self._watch, name=f"wagma-watch-{prefix.strip('/')}", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start the watcher thread (after every rank has written its first progress record)."""
+        self._watcher.start()
+
+    # ------------------------------------------------------------------------ per round, O(1) each
+    def trigger(self, k: int) -> None:
+        """Start round ``k`` for every rank (a ``set``: returns at once, even if the store is frozen)."""
+        self._sets.set(f"act/{k}", str(self.rank))
+
+    def record(self, entered: int, gc_floor: int, published: int) -> None:
+        """This rank's progress record (a ``set``). ``gc_floor``: no ``act`` key below it is needed here."""
+        self._sets.set(f"at/{self.rank}", f"{entered} {gc_floor} {published}")
+
+    def collect(self, k: int) -> None:
+        """Rank 0, every few rounds: delete the ``act`` keys no rank needs any more (in the background)."""
+        if self.rank != 0 or k % _COLLECT_EVERY or self._caller.busy:
+            return
+        self._caller.submit("collect", self._collect)
+
+    def _collect(self, store: dist.Store) -> None:
+        low = min(int(v.split()[1]) for v in store.multi_get(self._progress_keys()))
+        for j in range(self._floor, low):
+            store.delete_key(f"act/{j}")
+        if low > self._floor:
+            self._floor = low
+            store.set("floor", str(low))
+
+    def _watch(self) -> None:
+        k: int | None = self._start
+        try:
+            while True:
+                k = self._next_wait(k)
+                if k is None:
+                    return
+                t0 = time.monotonic()
+                try:
+                    self._waits.wait([f"act/{k}"], _IDLE_WAIT)
+                except dist.DistStoreError:
+                    # An idle timeout is not an error (nobody may have arrived yet); a store that broke fails fast.
+                    if time.monotonic() - t0 < _IDLE_WAIT.total_seconds() * 0.9:
+                        raise
+                    continue
+                self._on_activated(k)
+                k += 1
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine
+            err = RuntimeError(f"waiting for round {k}'s activation in the c10d store at {self.address} failed: {exc}")
+            err.__cause__ = exc
+            self._on_error(err)
+
+    # ------------------------------------------------------------------------------- diagnosis
+    def _progress_keys(self) -> list[str]:
+        return [f"at/{r}" for r in range(self.world_size)]
+
+    def progress(self) -> dict[int, tuple[int, int]]:
+        """Every rank's (round its thread entered, call its main thread published); bounded by a deadline."""
+        values = self._caller.call(
+            "a read of the progress records", lambda s: s.multi_get(self._progress_keys()), self._diagnose_s
+        )
+        out = {}
+        for r, v in enumerate(values):
+            entered, _, published = (int(x) for x in v.split())
+            out[r] = (entered, published)
+        return out
+
+    def who_is_missing(self, k: int, group: tuple[int, ...]) -> str:
+        """Explain why round ``k`` in ``group`` did not complete: which ranks had not arrived, and where they are.
+
+        Reads every rank's progress record (one store call, bounded by a short deadline).
+        """
+        try:
+            seen = self.progress()
+        except (TimeoutError, RuntimeError) as exc:
+            return (
+                f"who did not arrive is unknown, because the c10d store at {self.address} could not be read "
+                f"either ({exc})"
+            )
+
+        def where(ranks: list[int]) -> str:
+            return ", ".join(f"rank {r} last seen in round {seen[r][0]} (its main thread at call {seen[r][1]})"
+                             for r in ranks)
+
+        missing = [r for r in group if r != self.rank and seen[r][0] < k]
+        if missing:
+            text = f"rank(s) {missing} of group {group} did not arrive: {where(missing)}"
+        else:
+            text = (f"every member of group {group} had reached round {k}, so one of them failed during the "
+                    f"exchange")
+        low = min(e for e, _ in seen.values())
+        behind = [r for r, (e, _) in seen.items() if e == low and e < k and r not in missing]
+        if behind:
+            text += f"; furthest behind: rank(s) {behind}: {where(behind)}"
+        return text
+
+    # ----------------------------------------------------------------------------------- closing
+    def close(self, next_round: int) -> None:
+        """Stop watching; the last rank to close deletes the engine's keys. Bounded; store errors are dropped.
+
+        The last rank to close also wakes every rank's watcher (they wait for round ``next_round`` or, after a
+        sync round, the one after it), so all watchers end at once. Until then a closed rank's watcher stays
+        blocked in its store wait (it holds no key). ``next_round``: the round this rank would have run next
+        (no ``act`` key exists at or above it).
+        """
+        try:
+            closed = self._caller.call("the close count", lambda s: s.add("closed", 1), self._diagnose_s)
+            if closed == self.world_size:
+                self._caller.call("the cleanup", lambda s: self._delete_all(s, next_round), self._timeout_s)
+        except (TimeoutError, RuntimeError):
+            pass  # the store is gone or frozen: nothing left to clean up that anyone could see
+        self._caller.close()
+
+    def abandon(self) -> None:
+        """Release the channel's threads without touching the store (the engine failed to start)."""
+        self._caller.close()
+
+    def _delete_all(self, store: dist.Store, next_round: int) -> None:
+        floor = int(store.get("floor")) if store.check(["floor"]) else self._start
+        for j in range(floor, next_round):
+            store.delete_key(f"act/{j}")
+        wake = [f"act/{next_round}", f"act/{next_round + 1}"]  # every rank has closed: nobody runs these
+        for key in wake:
+            store.set(key, "closed")
+        for key in [*wake, *self._progress_keys(), "floor", "closed"]:
+            store.delete_key(key)
