@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from wagma.averaging.base import AveragerBase, AveragerStats, FlatBuffers, ParamsLike, Reduction, collect_parameters
+from wagma.averaging.base import AveragerBase, AveragerStats, Reduction
+from wagma.averaging.tensors import FlatBuffers, ParameterBinding, ParamsLike, collect_named
 
 __all__ = ["MomentumLevels", "ReductionMomentum", "reduction_momentum_update_"]
 
@@ -88,6 +89,10 @@ class ReductionMomentum(ModelAverager):
     model: that reduction only sets the anchors to ``x̄`` with zero velocity. Momentum acts on
     parameters only; averaged buffers keep the plain average.
 
+    Parameters are bound by identity at the first call (see :class:`AveragerBase`): later calls may list
+    them in any order and the anchors and velocities still pair with the same parameters; another set
+    raises ``ValueError`` (use :meth:`bind`, which also starts the momentum state afresh).
+
     ``step``, ``stats``, ``last_reduction``, ``process_group`` and ``close`` are the wrapped averager's;
     closing the wrapper closes it.
 
@@ -130,6 +135,7 @@ class ReductionMomentum(ModelAverager):
         if apply_to == "all":
             self._levels["local"] = _LevelState()
         self._flat: FlatBuffers | None = None
+        self._binding: ParameterBinding | None = None
 
     # -- the wrapped averager's view --------------------------------------------------------------------
 
@@ -169,7 +175,10 @@ class ReductionMomentum(ModelAverager):
         Returns:
             The kind of reduction the wrapped averager ran (``None``, ``"local"`` or ``"global"``).
         """
-        tensors = collect_parameters(params)
+        tensors, names = collect_named(params)
+        if self._binding is None:
+            self._binding = ParameterBinding(tensors, names)
+        tensors = self._binding.arrange(tensors, names, where="ReductionMomentum.average_parameters")
         kind = self.averager.average_parameters(tensors, buffers)
         if kind not in self._levels and all(level.established for level in self._levels.values()):
             return kind  # nothing to update (a global reduction always has a level)
@@ -204,6 +213,16 @@ class ReductionMomentum(ModelAverager):
     def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
         """The wrapped averager's blocking global mean (no momentum; anchors are left as they are)."""
         self.averager.synchronize(params, buffers)
+
+    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+        """Rebind the wrapped averager and the momentum to these tensors; the momentum state starts afresh.
+
+        Every rank must call it at the same step.
+        """
+        self.averager.bind(params, buffers)
+        self._binding = ParameterBinding(*collect_named(params))
+        self._flat = None
+        self._levels = {name: _LevelState() for name in self._levels}
 
     def _check_layout(self, name: str, level: _LevelState, flat: FlatBuffers) -> None:
         layout = flat.layout()
