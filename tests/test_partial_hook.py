@@ -31,7 +31,7 @@ def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
 
 
-def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu"):
+def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", momentum=0.0):
     """Train with DDP + the partial hook (or plain DDP when mode is None); record local gradients."""
     dev = rank_device(device, rank)
     model = _model().to(dev)
@@ -53,7 +53,7 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu"):
 
         p.register_hook(record)
     initial = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     shared = random.Random(seed + 99)
     checks = []
     for x, y in _batches(rank, iters):
@@ -65,8 +65,8 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu"):
         checks.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu())
     extra = {}
     if state is not None:
-        state.flush(opt)
-        extra = state.stats_dict()
+        extra["flushed"] = state.flush(opt)
+        extra.update(state.stats_dict())
         extra["initiators"] = [state.engine.initiator(k) for k in range(20)]
         state.close()
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -183,3 +183,39 @@ def test_state_dict_round_trip_continues_like_an_uninterrupted_run():
     for (a, ra), (b, rb) in zip(straight, resumed):
         assert ra == rb == 10
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- issue 12 -----------------------------------------------------------------------------------------------
+
+
+def test_flush_with_empty_residuals_does_not_step():
+    # Every round fully fresh (max_lead=0, no delays): nothing is left to flush. With momentum, a step on
+    # zero gradients would still move the parameters away from plain DDP's.
+    world, iters = 3, 8
+    partial = run_workers(_train, world, iters, "solo", 0.0, 0, 0, "cpu", 0.9)
+    plain = run_workers(_train, world, iters, None, 0.0, 0, 0, "cpu", 0.9)
+    assert [o[4]["flushed"] for o in partial] == [False] * world
+    for rank in range(world):
+        torch.testing.assert_close(partial[rank][1], plain[rank][1], rtol=1e-12, atol=1e-12)
+
+
+def _fp16_worker(rank, world):
+    model = nn.Linear(1, 1, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ddp = DDP(model)
+    state = PartialAllreduceState(model.parameters(), sync_period=3, max_lead=0, timeout=TIMEOUT)
+    ddp.register_comm_hook(state, partial_allreduce_hook)
+    grads = []
+    for _ in range(5):  # 2 warm-up iterations, then partial rounds
+        model.weight.grad = None
+        ddp(torch.full((1, 1), 30000.0, dtype=torch.float16)).sum().backward()
+        grads.append(model.weight.grad.item())
+    state.close()
+    return grads
+
+
+def test_fp16_gradient_sums_do_not_overflow():
+    # Each rank's gradient is 30000; a float16 sum over 3 ranks (90000) overflows before the division.
+    for grads in run_workers(_fp16_worker, 3):
+        assert grads == [30000.0] * 5, grads

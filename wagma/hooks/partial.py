@@ -82,6 +82,9 @@ class PartialAllreduceState:
         if len(kinds) != 1:
             raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
         (self.dtype, self.device), = kinds
+        # Residuals and round sums of half-precision gradients are kept in float32: a sum over P ranks (and
+        # over carried rounds) would overflow float16 before the division by P.
+        self.sum_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
         self._offsets: dict[int, tuple[int, int]] = {}
         total = 0
         for p in self.params:
@@ -94,8 +97,8 @@ class PartialAllreduceState:
         self.group: dist.ProcessGroup | None = new_timeout_group(None, self.timeout)
         self.world_size = dist.get_world_size()
         self.engine: WaitAvoidingGroupAllreduce | None = None
-        self._start_engine(torch.zeros(total, dtype=self.dtype, device=self.device))
-        self._staging = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
+        self._staging = torch.zeros(total, dtype=self.sum_dtype, device=self.device)
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
 
     def _start_engine(self, residual: torch.Tensor) -> None:
@@ -161,24 +164,34 @@ class PartialAllreduceState:
         self.stats.record_contribution(res.staleness)  # 0 when this rank's fresh gradient made it in
 
     # ------------------------------------------------------------------------------------ end of run
-    def flush(self, optimizer: torch.optim.Optimizer) -> None:
+    def flush(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply every rank's leftover residual: one blocking, fully fresh round, then ``optimizer.step()``.
 
         Collective: call it on every rank after the last training step (and before evaluation or a
         checkpoint that must hold every computed gradient). Writes the averaged residual into the
-        parameters' ``.grad``.
+        parameters' ``.grad`` and steps, unless every rank's residual was empty: then neither the
+        gradients nor the parameters are touched (a step with zero gradients would still move them
+        through momentum or weight decay).
+
+        Returns:
+            Whether the optimizer stepped (the same answer on every rank).
         """
         if self.engine is None or self.group is None:
             raise RuntimeError("this PartialAllreduceState is closed; flush() needs its engine")
         residual = self.engine.take()
+        # One collective carries the residual and a count of the ranks whose residual is not empty.
+        payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
         start = time.perf_counter()
-        dist.all_reduce(residual, group=self.group)
+        dist.all_reduce(payload, group=self.group)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
-        residual.div_(self.world_size)
+        if payload[-1].item() == 0:
+            return False
+        residual = payload[:-1].div_(self.world_size)
         for p in self.params:
             offset, n = self._offsets[id(p)]
-            p.grad = residual[offset : offset + n].view_as(p).clone()
+            p.grad = residual[offset : offset + n].view_as(p).to(self.dtype, copy=True)
         optimizer.step()
+        return True
 
     def fresh_fraction(self) -> float | None:
         """Fraction of partial rounds into which this rank's fresh gradient went (None before the first)."""
@@ -201,7 +214,7 @@ class PartialAllreduceState:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"iteration", "rounds", "stats", "residual"}``: the residual is copied, not taken."""
-        residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.dtype)
+        residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.sum_dtype)
         return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -212,7 +225,7 @@ class PartialAllreduceState:
         missing = {"iteration", "rounds", "stats", "residual"} - set(state)
         if missing:
             raise ValueError(f"state: expected the keys of state_dict(), missing {sorted(missing)}")
-        residual = state["residual"].to(device=self.device, dtype=self.dtype)
+        residual = state["residual"].to(device=self.device, dtype=self.sum_dtype)
         if residual.numel() != self.numel:
             raise ValueError(f"state['residual']: expected {self.numel} elements, found {residual.numel()}")
         self.iteration = check_int("iteration", state["iteration"], 0)
