@@ -338,3 +338,31 @@ def test_one_reduction_per_round_whatever_the_number_of_dtype_buffers():
         assert (stats["local_reductions"], stats["global_reductions"]) == (2, 2), stats
         assert stats["bytes_sent"] == 4 * (3 * 4 + 2 * 8)
         assert stats["fresh_contributions"] + stats["stale_contributions"] == 4
+
+
+def test_exit_without_close_during_an_exchange_ends_cleanly():
+    from exit_without_close import run_world
+
+    for rc, text in run_world("wagma"):
+        assert rc == 0 and "leaves without close()" in text, (rc, text)  # rc -6 / 134: SIGABRT
+
+
+def _dropped_worker(rank, world):
+    import gc
+
+    w = torch.ones(3) * rank
+    avg = WagmaAverager(2, 3, params=[w], timeout=TIMEOUT)
+    avg.average_parameters([w])
+    avg.self_cycle = avg  # a reference cycle: only the garbage collector can drop it
+    threads = [e._thread for e in avg._engines]
+    groups = list(avg._owned_groups)
+    del avg
+    gc.collect()
+    for t in threads:
+        t.join(timeout=10.0)
+    return [t.is_alive() for t in threads], [g in dist.distributed_c10d._world.pg_map for g in groups]
+
+
+def test_a_dropped_averager_stops_its_threads_and_releases_its_groups():
+    for alive, groups in run_workers(_dropped_worker, 2):
+        assert alive == [False] and groups == [False], (alive, groups)

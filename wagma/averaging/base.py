@@ -50,6 +50,7 @@ from wagma.averaging.tensors import (
 __all__ = [
     "AveragerBase",
     "AveragerStats",
+    "OwnedResources",
     "FlatBuffers",
     "ParamsLike",
     "Reduction",
@@ -69,8 +70,8 @@ def check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-class _Resources:
-    """What an averager must release, held apart from it so that a finalizer can release it.
+class OwnedResources:
+    """What an averager (or hook state) must release, held apart from it so that a finalizer can release it.
 
     ``closers`` (threads, engines) run first, newest first, then ``groups`` are destroyed. A finalizer
     must not reference the averager itself, or the averager could never be collected.
@@ -209,7 +210,7 @@ class AveragerBase(ModelAverager):
             raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
         self.timeout = as_timeout(timeout)
         require_initialized(type(self).__name__)
-        self._resources = _Resources()
+        self._resources = OwnedResources()
         self._finalizer = weakref.finalize(self, self._resources.release)
         #: Groups this averager created (the same list its finalizer releases: extend it in place).
         self._owned_groups: list[dist.ProcessGroup] = self._resources.groups

@@ -19,14 +19,15 @@ No ``from __future__ import annotations`` here: DDP checks the hook's annotation
 
 import datetime
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerStats, check_int, collect_parameters
-from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, destroy_groups, new_timeout_group
+from wagma.averaging.base import AveragerStats, OwnedResources, check_int, collect_parameters
+from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
 from wagma.engine import WaitAvoidingGroupAllreduce
 from wagma.schedule import GroupSchedule
 
@@ -95,6 +96,11 @@ class PartialAllreduceState:
         self.rounds = 0
         self.iteration = 0
         self.group: dist.ProcessGroup | None = new_timeout_group(None, self.timeout)
+        # Released by close(), or by the finalizer when the state is dropped or alive at interpreter exit
+        # (a progress thread inside a collective at exit would otherwise abort the process).
+        self._resources = OwnedResources()
+        self._resources.groups.append(self.group)
+        self._finalizer = weakref.finalize(self, self._resources.release)
         self.world_size = dist.get_world_size()
         self.engine: WaitAvoidingGroupAllreduce | None = None
         self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
@@ -110,6 +116,7 @@ class PartialAllreduceState:
             trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
             start_round=max(0, self.iteration - self.warmup_iters),
         )
+        self._resources.closers[:] = [self.engine]
 
     # --------------------------------------------------------------------------------------- the hook
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -234,20 +241,26 @@ class PartialAllreduceState:
         self._start_engine(residual)
 
     def close(self) -> None:
-        """Stop the engine's thread and release the groups; idempotent."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        destroy_groups([self.group])
+        """Stop the engine's thread and release the groups; idempotent. A context manager does the same."""
+        self.engine = None
         self.group = None
+        self._finalizer()
+
+    def __enter__(self) -> "PartialAllreduceState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(engine=None, group=None, _waiting=[])
+        state.update(engine=None, group=None, _waiting=[], _resources=None, _finalizer=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._resources = OwnedResources()  # nothing to release: the engine and group were dropped
+        self._finalizer = weakref.finalize(self, self._resources.release)
 
 
 def partial_allreduce_hook(
