@@ -571,6 +571,35 @@ def _destroy_worker(rank, world):
     return group in dist.distributed_c10d._world.pg_map
 
 
+def _creation_worker(rank, world):
+    from unittest import mock
+
+    from wagma.averaging.groups import new_timeout_group
+
+    real = dist.new_group
+    constructed = []
+
+    def slow_on_rank1(*args, **kwargs):  # rank 1's constructor finishes late, as on a loaded machine
+        group = real(*args, **kwargs)
+        if rank == 1:
+            time.sleep(0.5)
+        constructed.append(time.time())
+        return group
+
+    with mock.patch.object(dist, "new_group", slow_on_rank1):
+        new_timeout_group(list(range(world)), datetime.timedelta(seconds=10))
+    return constructed[0], time.time()
+
+
+def test_new_groups_return_only_once_every_rank_created_them():
+    # Issue 12: a rank that returned from creating a group and then destroyed it (or exited) while a
+    # slower rank was still inside gloo's connectFullMesh made that rank fail with "Connection closed by
+    # peer". No rank may return before every rank's constructor has.
+    out = run_workers(_creation_worker, 3)
+    last_constructed = max(c for c, _ in out)
+    assert all(returned >= last_constructed for _, returned in out), out
+
+
 def test_destroy_groups_destroys_once_and_ignores_the_rest():
     from wagma.averaging.groups import destroy_groups
 
