@@ -226,3 +226,67 @@ def test_exit_without_close_during_an_exchange_ends_cleanly():
 
     for rc, text in run_world("partial"):
         assert rc == 0 and "leaves without close()" in text, (rc, text)  # rc -6 / 134: SIGABRT
+
+
+class _Branchy(nn.Module):
+    """Three heads; each iteration uses a data-dependent subset, so some parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 3), nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        out = self.a(x)
+        if which == 1:
+            out = out + self.b(x)
+        if which == 2:
+            out = out + self.c(x)
+        return out
+
+
+def _unused_worker(rank, world, iters, sleep_s):
+    model = _Branchy().double()
+    ddp = DDP(model, find_unused_parameters=True)
+    state = PartialAllreduceState(model.parameters(), sync_period=5, timeout=TIMEOUT)
+    ddp.register_comm_hook(state, partial_allreduce_hook)
+    params = list(model.parameters())
+    local = [torch.zeros_like(p) for p in params]
+    for p, acc in zip(params, local):
+
+        def record(g, acc=acc):  # returns None: the gradient itself is left alone
+            acc.add_(g)
+
+        p.register_hook(record)
+    initial = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    shared, data = random.Random(5), torch.Generator().manual_seed(rank)
+    backward_s = []
+    for _ in range(iters):
+        slow = shared.randrange(world)
+        # Half the iterations leave a head unused on every rank, the others on some ranks only.
+        which = shared.randrange(3) if shared.random() < 0.5 else rank % 3
+        if slow == rank:
+            time.sleep(sleep_s)
+        opt.zero_grad()
+        start = time.perf_counter()
+        ddp(torch.randn(4, 5, generator=data, dtype=torch.float64), which).sum().backward()
+        backward_s.append((slow, time.perf_counter() - start))
+        opt.step()
+    state.flush(opt)
+    stale = state.stats.stale_contributions
+    state.close()
+    total = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(total)
+    change = torch.cat([(p.detach() - p0).reshape(-1) for p, p0 in zip(params, initial)])
+    return change, total, torch.cat([p.detach().reshape(-1) for p in params]), stale, backward_s
+
+
+def test_find_unused_parameters_conserves_every_gradient():
+    world, iters, lr = 3, 20, 0.1
+    out = run_workers(_unused_worker, world, iters, 0.03, timeout_s=120)
+    change, total, final, _, _ = out[0]
+    # Sum of applied round results x P == sum of all gradients computed (SGD without momentum).
+    torch.testing.assert_close(change, -lr * total / world, rtol=1e-9, atol=1e-12)
+    assert all(torch.equal(final, o[2]) for o in out)
+    assert sum(o[3] for o in out) > 0  # some gradient really was late and carried

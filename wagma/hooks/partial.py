@@ -165,10 +165,34 @@ class PartialAllreduceState:
                 out[at : at + n].copy_(average[offset : offset + n])
             future.set_result(out)
         self._waiting = []
+        self._after_ddp_finalize(average)
         self.iteration += 1
         self.rounds += 1
         self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
         self.stats.record_contribution(res.staleness)  # 0 when this rank's fresh gradient made it in
+
+    def _after_ddp_finalize(self, average: torch.Tensor) -> None:
+        """Make every parameter's ``.grad`` this round's result once DDP has finished the backward pass.
+
+        With ``find_unused_parameters=True`` DDP leaves the ``.grad`` of a parameter that no rank used in
+        this iteration untouched, although the round's result for it may hold gradients carried from
+        earlier rounds: they would be lost. DDP queues its finalizer right after this (last) bucket's
+        hook, so a callback queued now runs before it; that callback queues the writer, which then runs
+        after DDP's finalizer.
+        """
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(lambda: self._write_grads(average)))
+
+    def _write_grads(self, average: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                offset, n = self._offsets[id(p)]
+                value = average[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    if bool(value.ne(0).any()):
+                        p.grad = value.to(self.dtype, copy=True)
+                else:
+                    p.grad.copy_(value)
 
     # ------------------------------------------------------------------------------------ end of run
     def flush(self, optimizer: torch.optim.Optimizer) -> bool:
