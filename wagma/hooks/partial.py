@@ -20,7 +20,7 @@ No ``from __future__ import annotations`` here: DDP checks the hook's annotation
 import datetime
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from wagma.averaging.base import AveragerStats, OwnedResources, check_int, collect_parameters
 from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
 from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook"]
@@ -106,6 +107,7 @@ class PartialAllreduceState:
         self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
         self._staging = torch.zeros(total, dtype=self.sum_dtype, device=self.device)
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
+        self._warmup_views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _start_engine(self, residual: torch.Tensor) -> None:
         if self.engine is not None:
@@ -139,7 +141,12 @@ class PartialAllreduceState:
         buffer = bucket.buffer().div_(self.world_size)
         start = time.perf_counter()
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        base = buffer.storage_offset()
+        self._warmup_views += [(p, buffer[g.storage_offset() - base :][: p.numel()]) for p, g in
+                               zip(bucket.parameters(), bucket.gradients())]
         if bucket.is_last():
+            views, self._warmup_views = self._warmup_views, []
+            self._after_ddp_finalize(lambda: views)
             self.iteration += 1
         stats = self.stats
         nbytes = buffer.nbytes
@@ -165,34 +172,48 @@ class PartialAllreduceState:
                 out[at : at + n].copy_(average[offset : offset + n])
             future.set_result(out)
         self._waiting = []
-        self._after_ddp_finalize(average)
+        self._after_ddp_finalize(
+            lambda: [(p, average[off : off + n]) for p in self.params for off, n in [self._offsets[id(p)]]]
+        )
         self.iteration += 1
         self.rounds += 1
         self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
         self.stats.record_contribution(res.staleness)  # 0 when this rank's fresh gradient made it in
 
-    def _after_ddp_finalize(self, average: torch.Tensor) -> None:
-        """Make every parameter's ``.grad`` this round's result once DDP has finished the backward pass.
+    def _after_ddp_finalize(self, values: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Make each parameter's ``.grad`` its (flat) value in ``values()`` once DDP has finished the pass.
 
-        With ``find_unused_parameters=True`` DDP leaves the ``.grad`` of a parameter that no rank used in
-        this iteration untouched, although the round's result for it may hold gradients carried from
-        earlier rounds: they would be lost. DDP queues its finalizer right after this (last) bucket's
-        hook, so a callback queued now runs before it; that callback queues the writer, which then runs
-        after DDP's finalizer.
+        With ``find_unused_parameters=True`` DDP leaves the ``.grad`` of a parameter it thinks no rank used
+        untouched, although this iteration's result for it may hold gradients carried from earlier rounds
+        (or, with :meth:`process_group_for_ddp`, the other ranks' gradients): they would be lost. DDP
+        queues its finalizer right after the last bucket's hook, so a callback queued now runs before it;
+        that callback queues the writer, which then runs after DDP's finalizer.
         """
         engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(lambda: self._write_grads(average)))
+        engine.queue_callback(lambda: engine.queue_callback(lambda: self._write_grads(values())))
 
-    def _write_grads(self, average: torch.Tensor) -> None:
+    def _write_grads(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
-            for p in self.params:
-                offset, n = self._offsets[id(p)]
-                value = average[offset : offset + n].view_as(p)
+            for p, flat in values:
+                value = flat.view_as(p)
                 if p.grad is None:
                     if bool(value.ne(0).any()):
                         p.grad = value.to(self.dtype, copy=True)
                 else:
                     p.grad.copy_(value)
+
+    def process_group_for_ddp(self) -> LocalUsedMapGroup:
+        """A process group to build DDP with, so that ``find_unused_parameters=True`` is not a barrier.
+
+        ``DDP(model, process_group=state.process_group_for_ddp(), find_unused_parameters=True)``: DDP's
+        per-iteration allreduce of the used-parameter map is answered locally (see
+        :class:`~wagma.hooks.ddp_group.LocalUsedMapGroup`), so a rank does not wait for a slow one at the
+        end of its backward pass; this state writes every parameter's ``.grad`` itself. DDP's initial
+        broadcast and buffer broadcasts run on this state's group. Use the group with this hook only.
+        """
+        if self.group is None:
+            raise RuntimeError("this PartialAllreduceState is closed or unpickled: it has no group for DDP")
+        return LocalUsedMapGroup(self.group)
 
     # ------------------------------------------------------------------------------------ end of run
     def flush(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -278,7 +299,7 @@ class PartialAllreduceState:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(engine=None, group=None, _waiting=[], _resources=None, _finalizer=None)
+        state.update(engine=None, group=None, _waiting=[], _warmup_views=[], _resources=None, _finalizer=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
