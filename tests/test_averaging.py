@@ -447,7 +447,7 @@ def test_state_dict_round_trip_mid_run_continues_exactly_world4():
     for r in out:
         assert r["equal"]
         assert r["keys"] == ["averager", "optimizer"]  # AveragingOptimizer carries the averager's state
-        assert r["averager_keys"] == ["averager", "levels"]
+        assert r["averager_keys"] == ["averager", "levels", "params"]  # params: the binding, by name
         assert r["inner_step"] == 4 and r["restored_step"] == 4 and r["has_momentum"]
         a, b = r["stats"]
         for key in ("global_reductions", "local_reductions", "bytes_sent"):
@@ -687,3 +687,36 @@ def test_a_different_set_of_tensors_raises_naming_what_differs_world2():
     assert "PeriodicAverager.synchronize" in errors["synchronize"] and "5 bound tensor(s) missing" in errors["synchronize"]
     assert "ReductionMomentum.average_parameters" in errors["momentum"] and "'3.bias' (1,) float32" in errors["momentum"]
     assert errors["steps"] == (3, 2)
+
+
+def _momentum_resume_worker(rank: int, world: int, split: int | None) -> list[torch.Tensor]:
+    """Reduction momentum over 8 steps; at ``split`` a fresh model and averager load a checkpoint and the
+    resumed optimizer lists the parameters in reverse order (by name, as torch optimizers keep them)."""
+    model = _tiny_model()
+    opt = torch.optim.SGD(model.named_parameters(), lr=0.1)
+
+    def build() -> ReductionMomentum:
+        return ReductionMomentum(PeriodicAverager(period=2, timeout=TIMEOUT_S), momentum=0.5)
+
+    avg = build()
+    for step in range(8):
+        if step == split:
+            saved = {"model": model.state_dict(), "avg": avg.state_dict()}
+            avg.close()
+            model = _tiny_model()
+            model.load_state_dict(saved["model"])
+            opt = torch.optim.SGD(list(model.named_parameters())[::-1], lr=0.1)
+            avg = build()
+            avg.load_state_dict(saved["avg"])
+        _local_step(model, opt, rank, step)
+        avg.average_parameters(opt.param_groups)
+    avg.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_momentum_state_pairs_with_parameters_by_name_after_a_resume_world2():
+    straight = run_workers(_momentum_resume_worker, 2, None, collective_timeout_s=TIMEOUT_S)
+    resumed = run_workers(_momentum_resume_worker, 2, 3, collective_timeout_s=TIMEOUT_S)
+    for a, b in zip(straight, resumed):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), (x, y)

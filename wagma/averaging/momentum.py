@@ -136,6 +136,7 @@ class ReductionMomentum(ModelAverager):
             self._levels["local"] = _LevelState()
         self._flat: FlatBuffers | None = None
         self._binding: ParameterBinding | None = None
+        self._saved_signature: list[Any] | None = None  # from load_state_dict, until the next bind
 
     # -- the wrapped averager's view --------------------------------------------------------------------
 
@@ -177,7 +178,10 @@ class ReductionMomentum(ModelAverager):
         """
         tensors, names = collect_named(params)
         if self._binding is None:
-            self._binding = ParameterBinding(tensors, names)
+            saved, self._saved_signature = self._saved_signature, None
+            self._binding = (
+                ParameterBinding(tensors, names) if saved is None else ParameterBinding.like(tensors, names, saved)
+            )
         tensors = self._binding.arrange(tensors, names, where="ReductionMomentum.average_parameters")
         kind = self.averager.average_parameters(tensors, buffers)
         if kind not in self._levels and all(level.established for level in self._levels.values()):
@@ -243,7 +247,11 @@ class ReductionMomentum(ModelAverager):
     # -- state and lifetime ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"averager": wrapped state, "levels": {level: {"anchor", "velocity", "established"}}}`` (copies)."""
+        """``{"averager", "levels": {level: {"anchor", "velocity", "established"}}, "params"}`` (copies).
+
+        ``"params"`` is the binding's (name, shape, dtype) per parameter, in the order the flat state
+        follows, so that a resumed run can pair the state with its parameters by name.
+        """
 
         def copy(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
             return None if tensors is None else [t.detach().clone() for t in tensors]
@@ -254,6 +262,7 @@ class ReductionMomentum(ModelAverager):
                 name: {"anchor": copy(s.anchor), "velocity": copy(s.velocity), "established": s.established}
                 for name, s in self._levels.items()
             },
+            "params": self._binding.signature() if self._binding is not None else self._saved_signature,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -262,8 +271,10 @@ class ReductionMomentum(ModelAverager):
         Raises:
             ValueError: if keys are missing or the checkpoint has other momentum levels.
         """
-        if set(state_dict) != {"averager", "levels"}:
-            raise ValueError(f"state_dict: expected the keys ['averager', 'levels'], found {sorted(state_dict)}")
+        if not {"averager", "levels"} <= set(state_dict) <= {"averager", "levels", "params"}:
+            raise ValueError(
+                f"state_dict: expected the keys ['averager', 'levels', 'params'], found {sorted(state_dict)}"
+            )
         levels = state_dict["levels"]
         if set(levels) != set(self._levels):
             raise ValueError(
@@ -271,6 +282,9 @@ class ReductionMomentum(ModelAverager):
                 f"found {sorted(levels)}"
             )
         self.averager.load_state_dict(state_dict["averager"])
+        # The next call binds the parameters in the order the saved flat state follows.
+        self._binding, self._flat = None, None
+        self._saved_signature = state_dict.get("params")
         for name, saved in levels.items():
             self._levels[name] = _LevelState(
                 anchor=None if saved["anchor"] is None else [t.detach().clone() for t in saved["anchor"]],

@@ -195,6 +195,37 @@ class ParameterBinding:
             "(and buffers) every call, or call bind() on every rank to average another set."
         )
 
+    @classmethod
+    def like(
+        cls, tensors: Sequence[torch.Tensor], names: Sequence[str | None], signature: Sequence[Sequence[Any]]
+    ) -> ParameterBinding:
+        """Bind ``tensors`` in the order a checkpoint's :meth:`signature` recorded.
+
+        With names on both sides (the same set), the tensors are ordered by the saved names, so a resumed
+        run whose optimizer lists them in another order still pairs saved per-buffer state with the right
+        parameters. Without names the call's order is kept, and must match the saved shapes and dtypes.
+
+        Raises:
+            ValueError: if the tensors cannot be matched to the signature (names, shapes or dtypes differ).
+        """
+        saved = [tuple(entry) for entry in signature]
+        saved_names = [entry[0] for entry in saved]
+        if None not in saved_names and None not in names and sorted(saved_names) == sorted(names):  # type: ignore[type-var]
+            by_name = dict(zip(names, tensors))
+            binding = cls([by_name[n] for n in saved_names], saved_names)
+        else:
+            binding = cls(tensors, names)
+        found = [(tuple(t.shape), str(t.dtype)) for t in binding.tensors]
+        expected = [(tuple(shape), dtype) for _, shape, dtype in saved]
+        if found != expected:
+            raise ValueError(
+                f"params: expected tensors matching the checkpoint ({len(expected)} tensors, shapes and dtypes "
+                f"{_listing([f'{s} {d}' for s, d in expected])}), found {len(found)}: "
+                f"{_listing([f'{s} {d}' for s, d in found])}; pass the model the checkpoint was saved from, "
+                "as named_parameters() so the order can be matched by name"
+            )
+        return binding
+
     def signature(self) -> list[tuple[str | None, tuple[int, ...], str]]:
         """(name, shape, dtype) per tensor in bound order: what a checkpoint of per-buffer state records."""
         return [(n, tuple(t.shape), str(t.dtype)) for t, n in zip(self.tensors, self.names)]
