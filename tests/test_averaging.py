@@ -260,11 +260,13 @@ def _closed_form_inputs(rank: int, world: int) -> dict:
         results["parameters"] = [p.tolist() for p in model.parameters()]
 
         tensors = [torch.ones(4) * rank, torch.ones(2, 2, dtype=torch.float64) * rank]
+        avg.bind(tensors)  # another set of tensors: bound on purpose, on every rank
         avg.average_parameters(tensors)
         results["list"] = [t.tolist() for t in tensors]
 
         opt = torch.optim.SGD([{"params": [nn.Parameter(torch.ones(3) * rank)]},
                                {"params": [nn.Parameter(torch.ones(1) * 2 * rank)], "lr": 0.5}], lr=0.1)
+        avg.bind(opt.param_groups)
         avg.average_parameters(opt.param_groups)
         results["param_groups"] = [g["params"][0].tolist() for g in opt.param_groups]
 
@@ -273,6 +275,7 @@ def _closed_form_inputs(rank: int, world: int) -> dict:
             for p in sync_model.parameters():
                 p.fill_(float(rank * 3))
         step_before = avg.step
+        avg.bind(sync_model.parameters())
         avg.synchronize(sync_model.parameters())
         results["synchronize"] = [p.tolist() for p in sync_model.parameters()]
         results["step_unchanged"] = avg.step == step_before
@@ -444,7 +447,7 @@ def test_state_dict_round_trip_mid_run_continues_exactly_world4():
     for r in out:
         assert r["equal"]
         assert r["keys"] == ["averager", "optimizer"]  # AveragingOptimizer carries the averager's state
-        assert r["averager_keys"] == ["averager", "levels"]
+        assert r["averager_keys"] == ["averager", "levels", "params"]  # params: the binding, by name
         assert r["inner_step"] == 4 and r["restored_step"] == 4 and r["has_momentum"]
         a, b = r["stats"]
         for key in ("global_reductions", "local_reductions", "bytes_sent"):
@@ -568,8 +571,152 @@ def _destroy_worker(rank, world):
     return group in dist.distributed_c10d._world.pg_map
 
 
+def _creation_worker(rank, world):
+    from unittest import mock
+
+    from wagma.averaging.groups import new_timeout_group
+
+    real = dist.new_group
+    constructed = []
+
+    def slow_on_rank1(*args, **kwargs):  # rank 1's constructor finishes late, as on a loaded machine
+        group = real(*args, **kwargs)
+        if rank == 1:
+            time.sleep(0.5)
+        constructed.append(time.time())
+        return group
+
+    with mock.patch.object(dist, "new_group", slow_on_rank1):
+        new_timeout_group(list(range(world)), datetime.timedelta(seconds=10))
+    return constructed[0], time.time()
+
+
+def test_new_groups_return_only_once_every_rank_created_them():
+    # Issue 12: a rank that returned from creating a group and then destroyed it (or exited) while a
+    # slower rank was still inside gloo's connectFullMesh made that rank fail with "Connection closed by
+    # peer". No rank may return before every rank's constructor has.
+    out = run_workers(_creation_worker, 3)
+    last_constructed = max(c for c, _ in out)
+    assert all(returned >= last_constructed for _, returned in out), out
+
+
 def test_destroy_groups_destroys_once_and_ignores_the_rest():
     from wagma.averaging.groups import destroy_groups
 
     destroy_groups([None])  # no default group: nothing to do
     assert run_workers(_destroy_worker, 2) == [False, False]
+
+
+# -- issue 12: parameters bound by identity --------------------------------------------------------------------
+
+
+def _order_worker(rank: int, world: int, shuffle: bool) -> dict:
+    """Every averager on three same-sized tensors; with ``shuffle`` each rank lists them in its own order."""
+    out = {}
+    builders = {
+        "periodic": lambda: PeriodicAverager(period=1, timeout=TIMEOUT_S),
+        "hierarchical": lambda: HierarchicalAverager(2, local_period=1, global_period=3, timeout=TIMEOUT_S),
+        "momentum": lambda: ReductionMomentum(
+            HierarchicalAverager(2, local_period=1, global_period=2, timeout=TIMEOUT_S), momentum=0.5,
+            apply_to="all"),
+    }
+    for name, build in builders.items():
+        tensors = [torch.full((2,), float(10 * i + rank)) for i in range(3)]
+        perm = torch.randperm(3, generator=torch.Generator().manual_seed(rank)).tolist()
+        with build() as avg:
+            for step in range(5):
+                for i, t in enumerate(tensors):
+                    t.add_(float(rank * (i + 1)))  # a local step
+                order = [tensors[(i + step) % 3] for i in perm] if shuffle and step else tensors
+                avg.average_parameters(order)
+        out[name] = [t.clone() for t in tensors]
+    return out
+
+
+def test_every_averager_binds_parameters_by_identity_world4():
+    natural = run_workers(_order_worker, 4, False, collective_timeout_s=TIMEOUT_S)
+    shuffled = run_workers(_order_worker, 4, True, collective_timeout_s=TIMEOUT_S)
+    for a, b in zip(natural, shuffled):
+        for name in a:
+            for x, y in zip(a[name], b[name]):
+                assert torch.equal(x, y), (name, x, y)
+
+
+def _binding_errors(rank: int, world: int) -> dict:
+    model = _tiny_model(with_bn=True)
+    opt = torch.optim.SGD(model.named_parameters(), lr=0.1)  # param_groups carry "param_names"
+    avg = PeriodicAverager(period=1, timeout=TIMEOUT_S)
+    momentum = ReductionMomentum(PeriodicAverager(period=1, timeout=TIMEOUT_S), momentum=0.5)
+    avg.average_parameters(opt.param_groups, model.named_buffers())
+    momentum.average_parameters(opt.param_groups)
+    params = list(model.parameters())
+    extra = nn.Parameter(torch.ones(5, dtype=torch.float64))
+    errors = {
+        "without buffers": lambda: avg.average_parameters(model.parameters()),
+        "one missing, one new": lambda: avg.average_parameters(params[1:] + [extra], model.buffers()),
+        "synchronize": lambda: avg.synchronize(params[:1], model.buffers()),
+        "momentum": lambda: momentum.average_parameters(params[:-1]),
+    }
+    from wagma.testing import error_messages
+
+    messages = error_messages(errors)
+    # The same tensors in another order are fine; bind() changes the set on purpose.
+    avg.average_parameters(params[::-1], list(model.buffers())[::-1])
+    avg.bind(params[:1])
+    avg.average_parameters(params[:1])
+    # AveragingOptimizer.add_param_group rebinds its averager.
+    aopt = AveragingOptimizer(torch.optim.SGD(params[:2], lr=0.1), PeriodicAverager(1, timeout=TIMEOUT_S))
+    aopt.step()
+    aopt.add_param_group({"params": params[2:]})
+    aopt.step()
+    messages["steps"] = (avg.step, aopt.averager.step)
+    for a in (avg, momentum, aopt.averager):
+        a.close()
+    return messages
+
+
+def test_a_different_set_of_tensors_raises_naming_what_differs_world2():
+    errors = run_workers(_binding_errors, 2, collective_timeout_s=TIMEOUT_S)[0]
+    # 6 parameters and BatchNorm's 2 floating-point buffers, named from param_names and named_buffers().
+    assert errors["without buffers"].startswith("ValueError: PeriodicAverager.average_parameters: expected the "
+                                                "same 8 tensors the averager was bound to")
+    assert "2 bound tensor(s) missing: '1.running_mean' (3,) float32, '1.running_var' (3,) float32" in errors[
+        "without buffers"]
+    assert "1 bound tensor(s) missing: '0.weight' (3, 4) float32" in errors["one missing, one new"]
+    assert "1 tensor(s) never bound: #5 (5,) float64" in errors["one missing, one new"]
+    assert "PeriodicAverager.synchronize" in errors["synchronize"] and "5 bound tensor(s) missing" in errors["synchronize"]
+    assert "ReductionMomentum.average_parameters" in errors["momentum"] and "'3.bias' (1,) float32" in errors["momentum"]
+    assert errors["steps"] == (3, 2)
+
+
+def _momentum_resume_worker(rank: int, world: int, split: int | None) -> list[torch.Tensor]:
+    """Reduction momentum over 8 steps; at ``split`` a fresh model and averager load a checkpoint and the
+    resumed optimizer lists the parameters in reverse order (by name, as torch optimizers keep them)."""
+    model = _tiny_model()
+    opt = torch.optim.SGD(model.named_parameters(), lr=0.1)
+
+    def build() -> ReductionMomentum:
+        return ReductionMomentum(PeriodicAverager(period=2, timeout=TIMEOUT_S), momentum=0.5)
+
+    avg = build()
+    for step in range(8):
+        if step == split:
+            saved = {"model": model.state_dict(), "avg": avg.state_dict()}
+            avg.close()
+            model = _tiny_model()
+            model.load_state_dict(saved["model"])
+            opt = torch.optim.SGD(list(model.named_parameters())[::-1], lr=0.1)
+            avg = build()
+            avg.load_state_dict(saved["avg"])
+        _local_step(model, opt, rank, step)
+        avg.average_parameters(opt.param_groups)
+    avg.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_momentum_state_pairs_with_parameters_by_name_after_a_resume_world2():
+    straight = run_workers(_momentum_resume_worker, 2, None, collective_timeout_s=TIMEOUT_S)
+    resumed = run_workers(_momentum_resume_worker, 2, 3, collective_timeout_s=TIMEOUT_S)
+    for a, b in zip(straight, resumed):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), (x, y)

@@ -170,3 +170,28 @@ def test_register_adds_a_name_and_refuses_duplicates():
         hooks.register("", my_hook, dict)
     with pytest.raises(ValueError, match=r"hook and state_factory: expected callables"):
         hooks.register("x", None, dict)  # type: ignore[arg-type]
+
+
+def _group_state_lifetime(rank: int, world: int) -> tuple[bool, bool, bool, bool]:
+    import gc
+
+    pg_map = dist.distributed_c10d._world.pg_map
+    with GroupAllreduceState(2, timeout=TIMEOUT_S) as state:
+        group = state.subgroup
+        alive_inside = group in pg_map
+    closed = group not in pg_map and not state.groups_created
+    dropped = GroupAllreduceState(2, timeout=TIMEOUT_S)
+    group = dropped.subgroup
+    dropped.cycle = dropped  # a reference cycle: only the garbage collector can drop it
+    del dropped
+    gc.collect()
+    try:
+        group_allreduce_hook(state, None)  # type: ignore[arg-type]
+        raises = False
+    except RuntimeError as err:
+        raises = "closed" in str(err)
+    return alive_inside, closed, group not in pg_map, raises
+
+
+def test_group_state_is_a_context_manager_and_released_when_dropped_world4():
+    assert run_workers(_group_state_lifetime, 4, collective_timeout_s=TIMEOUT_S) == [(True, True, True, True)] * 4

@@ -31,7 +31,7 @@ def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
 
 
-def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu"):
+def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", momentum=0.0):
     """Train with DDP + the partial hook (or plain DDP when mode is None); record local gradients."""
     dev = rank_device(device, rank)
     model = _model().to(dev)
@@ -53,7 +53,7 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu"):
 
         p.register_hook(record)
     initial = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     shared = random.Random(seed + 99)
     checks = []
     for x, y in _batches(rank, iters):
@@ -65,8 +65,8 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu"):
         checks.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu())
     extra = {}
     if state is not None:
-        state.flush(opt)
-        extra = state.stats_dict()
+        extra["flushed"] = state.flush(opt)
+        extra.update(state.stats_dict())
         extra["initiators"] = [state.engine.initiator(k) for k in range(20)]
         state.close()
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -183,3 +183,124 @@ def test_state_dict_round_trip_continues_like_an_uninterrupted_run():
     for (a, ra), (b, rb) in zip(straight, resumed):
         assert ra == rb == 10
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- issue 12 -----------------------------------------------------------------------------------------------
+
+
+def test_flush_with_empty_residuals_does_not_step():
+    # Every round fully fresh (max_lead=0, no delays): nothing is left to flush. With momentum, a step on
+    # zero gradients would still move the parameters away from plain DDP's.
+    world, iters = 3, 8
+    partial = run_workers(_train, world, iters, "solo", 0.0, 0, 0, "cpu", 0.9)
+    plain = run_workers(_train, world, iters, None, 0.0, 0, 0, "cpu", 0.9)
+    assert [o[4]["flushed"] for o in partial] == [False] * world
+    for rank in range(world):
+        torch.testing.assert_close(partial[rank][1], plain[rank][1], rtol=1e-12, atol=1e-12)
+
+
+def _fp16_worker(rank, world):
+    model = nn.Linear(1, 1, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ddp = DDP(model)
+    state = PartialAllreduceState(model.parameters(), sync_period=3, max_lead=0, timeout=TIMEOUT)
+    ddp.register_comm_hook(state, partial_allreduce_hook)
+    grads = []
+    for _ in range(5):  # 2 warm-up iterations, then partial rounds
+        model.weight.grad = None
+        ddp(torch.full((1, 1), 30000.0, dtype=torch.float16)).sum().backward()
+        grads.append(model.weight.grad.item())
+    state.close()
+    return grads
+
+
+def test_fp16_gradient_sums_do_not_overflow():
+    # Each rank's gradient is 30000; a float16 sum over 3 ranks (90000) overflows before the division.
+    for grads in run_workers(_fp16_worker, 3):
+        assert grads == [30000.0] * 5, grads
+
+
+def test_exit_without_close_during_an_exchange_ends_cleanly():
+    from exit_without_close import run_world
+
+    for rc, text in run_world("partial"):
+        assert rc == 0 and "leaves without close()" in text, (rc, text)  # rc -6 / 134: SIGABRT
+
+
+class _Branchy(nn.Module):
+    """Three heads; each iteration uses a data-dependent subset, so some parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 3), nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        out = self.a(x)
+        if which == 1:
+            out = out + self.b(x)
+        if which == 2:
+            out = out + self.c(x)
+        return out
+
+
+def _unused_worker(rank, world, iters, sleep_s, local_map=False):
+    model = _Branchy().double()
+    state = PartialAllreduceState(model.parameters(), sync_period=5, timeout=TIMEOUT)
+    group = state.process_group_for_ddp() if local_map else None
+    ddp = DDP(model, process_group=group, find_unused_parameters=True)
+    ddp.register_comm_hook(state, partial_allreduce_hook)
+    params = list(model.parameters())
+    local = [torch.zeros_like(p) for p in params]
+    for p, acc in zip(params, local):
+
+        def record(g, acc=acc):  # returns None: the gradient itself is left alone
+            acc.add_(g)
+
+        p.register_hook(record)
+    initial = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    shared, data = random.Random(5), torch.Generator().manual_seed(rank)
+    backward_s = []
+    for _ in range(iters):
+        slow = shared.randrange(world)
+        # Half the iterations leave a head unused on every rank, the others on some ranks only.
+        which = shared.randrange(3) if shared.random() < 0.5 else rank % 3
+        if slow == rank:
+            time.sleep(sleep_s)
+        opt.zero_grad()
+        start = time.perf_counter()
+        ddp(torch.randn(4, 5, generator=data, dtype=torch.float64), which).sum().backward()
+        backward_s.append((slow, time.perf_counter() - start))
+        opt.step()
+    state.flush(opt)
+    stale = state.stats.stale_contributions
+    state.close()
+    total = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(total)
+    change = torch.cat([(p.detach() - p0).reshape(-1) for p, p0 in zip(params, initial)])
+    return change, total, torch.cat([p.detach().reshape(-1) for p in params]), stale, backward_s
+
+
+def test_find_unused_parameters_conserves_every_gradient():
+    world, iters, lr = 3, 20, 0.1
+    out = run_workers(_unused_worker, world, iters, 0.03, timeout_s=120)
+    change, total, final, _, _ = out[0]
+    # Sum of applied round results x P == sum of all gradients computed (SGD without momentum).
+    torch.testing.assert_close(change, -lr * total / world, rtol=1e-9, atol=1e-12)
+    assert all(torch.equal(final, o[2]) for o in out)
+    assert sum(o[3] for o in out) > 0  # some gradient really was late and carried
+
+
+def test_find_unused_parameters_with_the_state_group_is_not_a_barrier():
+    world, iters, lr, sleep_s = 3, 20, 0.1, 0.3
+    out = run_workers(_unused_worker, world, iters, sleep_s, True, timeout_s=120)
+    change, total, final, _, _ = out[0]
+    torch.testing.assert_close(change, -lr * total / world, rtol=1e-9, atol=1e-12)
+    assert all(torch.equal(final, o[2]) for o in out)
+    # Partial rounds (after 2 warm-up iterations, except every 6th: a blocking sync round): a rank's
+    # backward pass does not wait for the rank that sleeps in that iteration.
+    for rank, o in enumerate(out):
+        waits = [t for i, (slow, t) in enumerate(o[4]) if i >= 2 and (i - 2) % 6 != 5 and slow != rank]
+        assert waits and max(waits) < sleep_s / 2, (rank, waits)

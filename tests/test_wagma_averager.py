@@ -262,3 +262,107 @@ def test_bad_arguments_raise_value_errors():
     assert "average_then_step" in errors["order"]
     assert "max_lead" in errors["lead"]
     assert "schedule" in errors["schedule"]
+
+
+# -- issue 12: parameters bound by identity, fp16 sums, one reduction per round --------------------------------
+
+
+def _order_worker(rank, world, order):
+    """Rounds on a Linear whose call order is natural, reversed on odd ranks, or via a reordered optimizer."""
+    model = _tagged(rank)
+    params = list(model.parameters())  # weight (2, 3), bias (2,): the same flat size in either order
+    avg = WagmaAverager(2, 3, params=model.named_parameters(), max_lead=0, timeout=TIMEOUT)
+    opt = torch.optim.SGD([{"params": params[::-1] if order == "optimizer" else params}], lr=0.5)
+    aopt = AveragingOptimizer(opt, avg)
+    for step in range(6):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, float(rank * (i + 2) + step))
+        if order == "optimizer":
+            aopt.step()
+        else:  # average, then step: the averager's order, as AveragingOptimizer runs it
+            avg.average_parameters(params[::-1] if order == "reversed" and rank % 2 else params)
+            opt.step()
+    errors = error_messages({
+        "missing": lambda: avg.average_parameters([model.weight]),
+        "new": lambda: avg.average_parameters(params + [nn.Parameter(torch.ones(4, 4))]),
+    })
+    avg.close()
+    return [p.detach().clone() for p in params], errors
+
+
+def test_parameters_are_bound_by_identity_not_position():
+    world = 4
+    natural = run_workers(_order_worker, world, "natural")
+    for order in ("reversed", "optimizer"):
+        other = run_workers(_order_worker, world, order)
+        for (a, _), (b, _) in zip(natural, other):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), (order, x, y)
+    errors = natural[0][1]
+    assert "1 bound tensor(s) missing: 'bias' (2,) float32" in errors["missing"]
+    assert "1 tensor(s) never bound: #2 (4, 4) float32" in errors["new"]
+    assert "call bind() on every rank" in errors["new"]
+
+
+def _fp16_worker(rank, world):
+    w = torch.full((5,), 40000.0 if rank == 0 else 30000.0, dtype=torch.float16)
+    out = []
+    with WagmaAverager(2, 1, params=[w], max_lead=0, timeout=TIMEOUT) as avg:
+        for _ in range(2):  # round 0: async (w + w + o) / 3; round 1: sync mean
+            avg.average_parameters([w])
+            out.append(w.clone())
+    return out
+
+
+def test_fp16_group_sums_do_not_overflow():
+    out = run_workers(_fp16_worker, 2)
+    # Round 0 sums 110000 > float16's 65504 before dividing by 3: it must be summed in float32.
+    r0 = [(40000.0 * 2 + 30000.0) / 3, (30000.0 * 2 + 40000.0) / 3]
+    for rank, (a, b) in enumerate(out):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), (a, b)
+        torch.testing.assert_close(a.float(), torch.full((5,), r0[rank]).half().float())
+        torch.testing.assert_close(b.float(), torch.full((5,), sum(r0) / 2).half().float(), rtol=1e-3, atol=0)
+
+
+def _mixed_dtype_worker(rank, world):
+    w32 = torch.full((3,), float(rank))
+    w64 = torch.full((2,), float(rank), dtype=torch.float64)
+    with WagmaAverager(2, 1, params=[w32, w64], max_lead=0, timeout=TIMEOUT) as avg:
+        for _ in range(4):
+            avg.average_parameters([w32, w64])
+        return avg.stats.as_dict()
+
+
+def test_one_reduction_per_round_whatever_the_number_of_dtype_buffers():
+    for stats in run_workers(_mixed_dtype_worker, 2):
+        assert (stats["local_reductions"], stats["global_reductions"]) == (2, 2), stats
+        assert stats["bytes_sent"] == 4 * (3 * 4 + 2 * 8)
+        assert stats["fresh_contributions"] + stats["stale_contributions"] == 4
+
+
+def test_exit_without_close_during_an_exchange_ends_cleanly():
+    from exit_without_close import run_world
+
+    for rc, text in run_world("wagma"):
+        assert rc == 0 and "leaves without close()" in text, (rc, text)  # rc -6 / 134: SIGABRT
+
+
+def _dropped_worker(rank, world):
+    import gc
+
+    w = torch.ones(3) * rank
+    avg = WagmaAverager(2, 3, params=[w], timeout=TIMEOUT)
+    avg.average_parameters([w])
+    avg.self_cycle = avg  # a reference cycle: only the garbage collector can drop it
+    threads = [e._thread for e in avg._engines]
+    groups = list(avg._owned_groups)
+    del avg
+    gc.collect()
+    for t in threads:
+        t.join(timeout=10.0)
+    return [t.is_alive() for t in threads], [g in dist.distributed_c10d._world.pg_map for g in groups]
+
+
+def test_a_dropped_averager_stops_its_threads_and_releases_its_groups():
+    for alive, groups in run_workers(_dropped_worker, 2):
+        assert alive == [False] and groups == [False], (alive, groups)

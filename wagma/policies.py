@@ -115,7 +115,8 @@ class ModelAveragingPolicy(Policy):
 
     Subclasses say which averager (:meth:`build_averager`, called from :meth:`wrap`, i.e. on every rank in
     the same order, because averagers create their process groups when built). Each step the policy calls
-    ``averager.average_parameters(model.parameters(), model.buffers())`` once: in ``before_step`` when the
+    ``averager.average_parameters(model.named_parameters(), model.named_buffers())`` (names make a binding
+    error name the parameters) once: in ``before_step`` when the
     averager's ``order`` is ``"average_then_step"`` (the gradient computed at w_t is applied to the
     average of w_t), else in ``after_step``. ``finalize`` calls ``averager.synchronize(...)`` unless the
     last step already ended with a global mean.
@@ -156,7 +157,7 @@ class ModelAveragingPolicy(Policy):
 
     def _average(self) -> None:
         assert self.averager is not None and self._net is not None, "wrap() the model first"
-        self.averager.average_parameters(self._net.parameters(), self._net.buffers())
+        self.averager.average_parameters(self._net.named_parameters(), self._net.named_buffers())
 
     def before_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         if self.average_before_step:
@@ -172,7 +173,7 @@ class ModelAveragingPolicy(Policy):
         assert self.averager is not None and self._net is not None, "wrap() the model first"
         ended_global = not self.average_before_step and getattr(self.averager, "last_reduction", None) == "global"
         if not ended_global:
-            self.averager.synchronize(self._net.parameters(), self._net.buffers())
+            self.averager.synchronize(self._net.named_parameters(), self._net.named_buffers())
 
     def state_dict(self) -> dict[str, Any]:
         assert self.averager is not None, "wrap() the model first"
@@ -320,15 +321,15 @@ class WagmaPolicy(ModelAveragingPolicy):
             self.schedule if isinstance(self.schedule, str) else GroupSchedule(self.schedule, name="custom")
         )
         return WagmaAverager(  # type: ignore[no-any-return]
-            self.group_size, self.sync_period, params=list(net.parameters()),
-            buffers=list(net.buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
+            self.group_size, self.sync_period, params=list(net.named_parameters()),
+            buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
             timeout=_timeout(self.timeout_s),
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         assert self.averager is not None and self._net is not None, "wrap() the model first"
-        self.averager.synchronize(self._net.parameters(), self._net.buffers())
+        self.averager.synchronize(self._net.named_parameters(), self._net.named_buffers())
 
 
 class EagerPolicy(Policy):

@@ -1,6 +1,7 @@
 """Synchronous model-averaging policies and their shared base (DESIGN §2.5).
 
-- :class:`AveragerBase` -- base of every averager: flattening, counters, state, ``synchronize``.
+- :class:`AveragerBase` -- base of every averager: binding, flattening, counters, state, ``synchronize``.
+- :class:`ParameterBinding` -- the tensors an averager works on, bound by identity (any call order).
 - :class:`PeriodicAverager` -- K-AVG: a global mean every ``period`` steps.
 - :class:`HierarchicalAverager` -- local means in fixed groups, global means less often.
 - :class:`ReductionMomentum` -- momentum on the progress between reductions, around either of them.
@@ -18,6 +19,7 @@ from wagma.averaging.base import (
     collect_parameters,
 )
 from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.averaging.tensors import ParameterBinding, collect_named
 from wagma.averaging.hierarchical import HierarchicalAverager
 from wagma.averaging.momentum import MomentumLevels, ReductionMomentum, reduction_momentum_update_
 from wagma.averaging.optimizer import AveragingOptimizer
@@ -33,12 +35,14 @@ __all__ = [
     "FlatBuffers",
     "HierarchicalAverager",
     "MomentumLevels",
+    "ParameterBinding",
     "ParamsLike",
     "PeriodicAverager",
     "Reduction",
     "ReductionMomentum",
     "WagmaAverager",
     "collect_buffers",
+    "collect_named",
     "collect_parameters",
     "reduction_momentum_update_",
 ]

@@ -3,10 +3,10 @@
 Every averager in :mod:`wagma.averaging` (and the wait-avoiding ``WagmaAverager``) subclasses
 :class:`AveragerBase`. The base owns the parts that do not depend on the averaging policy:
 
-- turning ``model.parameters()``, a list of tensors or ``optimizer.param_groups`` (plus, optionally, the
-  floating-point buffers of a module) into one list of tensors to average;
-- :class:`FlatBuffers`, which packs that list into one contiguous buffer per (dtype, device), so a
-  reduction is one collective per buffer instead of one per tensor;
+- binding the tensors to average by identity (:class:`~wagma.averaging.tensors.ParameterBinding`): the
+  first call (or :meth:`AveragerBase.bind`) fixes the set and its order; later calls may list the same
+  tensors in any order, another set raises ``ValueError``;
+- packing them into :class:`~wagma.averaging.tensors.FlatBuffers` (one collective per buffer, not per tensor);
 - :class:`AveragerStats`, the counters every averager reports (reductions, bytes, waiting, staleness);
 - the blocking mean over a process group (:meth:`AveragerBase.allreduce_mean`), the step counter,
   ``state_dict``/``load_state_dict``, ``close`` and the final :meth:`AveragerBase.synchronize`.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+import weakref
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -36,25 +37,31 @@ from wagma.averaging.groups import (
     new_timeout_group,
     require_initialized,
 )
+from wagma.averaging.tensors import (
+    FlatBuffers,
+    ParameterBinding,
+    ParamsLike,
+    collect_buffers,
+    collect_named,
+    collect_named_buffers,
+    collect_parameters,
+)
 
 __all__ = [
     "AveragerBase",
     "AveragerStats",
+    "OwnedResources",
     "FlatBuffers",
     "ParamsLike",
     "Reduction",
     "check_int",
     "collect_buffers",
+    "collect_named",
     "collect_parameters",
 ]
 
 #: Kind of reduction an averager ran at a step: among a subset of ranks, or among all of them.
 Reduction = Literal["local", "global"]
-
-#: What ``average_parameters`` accepts: ``model.parameters()``, a list of tensors, or
-#: ``optimizer.param_groups`` (dicts with a ``"params"`` list).
-ParamsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
-
 
 def check_int(name: str, value: object, minimum: int) -> int:
     """Return ``value`` if it is an integer no less than ``minimum``; raise ``ValueError`` otherwise."""
@@ -63,149 +70,30 @@ def check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def collect_parameters(params: ParamsLike) -> list[torch.Tensor]:
-    """Flatten ``params`` into a list of distinct floating-point tensors, in order.
+class OwnedResources:
+    """What an averager (or hook state) must release, held apart from it so that a finalizer can release it.
 
-    Unlike ``torch.distributed.algorithms.model_averaging.utils.get_params_to_average``, parameters are
-    kept whether or not they have a ``.grad``: a parameter that got no gradient this step still differs
-    between ranks and must be averaged.
-
-    Args:
-        params: ``model.parameters()``, a list of tensors, or ``optimizer.param_groups``.
-
-    Raises:
-        ValueError: for a bare tensor or module, an item that is neither a tensor nor a param-group dict,
-            or a tensor that is not floating point.
-    """
-    if isinstance(params, (torch.Tensor, torch.nn.Module, dict)):
-        raise ValueError(
-            "params: expected an iterable of tensors (model.parameters()) or of param-group dicts "
-            f"(optimizer.param_groups), found a {type(params).__name__}"
-        )
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-
-    def add(tensor: object) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"params: expected tensors, found a {type(tensor).__name__}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"params: expected floating-point tensors, found dtype {tensor.dtype}")
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out.append(tensor)
-
-    for item in params:
-        if isinstance(item, dict):
-            if "params" not in item:
-                raise ValueError(f"params: expected param-group dicts with a 'params' key, found keys {sorted(item)}")
-            group = item["params"]
-            for tensor in [group] if isinstance(group, torch.Tensor) else group:
-                add(tensor)
-        else:
-            add(item)
-    return out
-
-
-def collect_buffers(buffers: Iterable[torch.Tensor], exclude: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
-    """Return the distinct floating-point tensors of ``buffers`` not in ``exclude``, in order.
-
-    Integer buffers (BatchNorm's ``num_batches_tracked``) are skipped: they count, they do not average.
-    """
-    if isinstance(buffers, (torch.Tensor, torch.nn.Module)):
-        raise ValueError(
-            f"buffers: expected an iterable of tensors (module.buffers()), found a {type(buffers).__name__}"
-        )
-    seen = {id(t) for t in exclude}
-    out: list[torch.Tensor] = []
-    for tensor in buffers:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"buffers: expected tensors, found a {type(tensor).__name__}")
-        if tensor.is_floating_point() and id(tensor) not in seen:
-            seen.add(id(tensor))
-            out.append(tensor)
-    return out
-
-
-class FlatBuffers:
-    """Contiguous copies of a list of tensors: one flat buffer per (dtype, device), in first-seen order.
-
-    ``pack()`` copies the tensors into the buffers and returns them; the caller reduces the buffers in
-    place; ``unpack()`` copies the buffers back into the tensors (in place, so optimizer state and module
-    references stay valid). Tensors keep their dtypes: nothing is up-cast, and after ``unpack()`` each
-    buffer holds exactly what was written into the tensors.
-
-    An instance is tied to one list of tensor objects; :meth:`reuse_or_build` returns the cached instance
-    while the list is unchanged (same objects, shapes, dtypes and devices, in the same order).
-
-    Args:
-        tensors: the tensors to flatten (any layout; non-contiguous tensors are copied element-wise).
+    ``closers`` (threads, engines) run first, newest first, then ``groups`` are destroyed. A finalizer
+    must not reference the averager itself, or the averager could never be collected.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors: list[torch.Tensor] = list(tensors)
-        index: dict[tuple[torch.dtype, torch.device], int] = {}
-        sizes: list[int] = []
-        self._slots: list[tuple[int, int, int]] = []
-        for tensor in self.tensors:
-            key = (tensor.dtype, tensor.device)
-            if key not in index:
-                index[key] = len(sizes)
-                sizes.append(0)
-            b = index[key]
-            self._slots.append((b, sizes[b], tensor.numel()))
-            sizes[b] += tensor.numel()
-        #: (dtype, device) of each buffer.
-        self.keys: list[tuple[torch.dtype, torch.device]] = list(index)
-        #: The flat buffers, one per key.
-        self.buffers: list[torch.Tensor] = [
-            torch.empty(n, dtype=dtype, device=device) for (dtype, device), n in zip(self.keys, sizes)
-        ]
-        self._signature = self._signature_of(self.tensors)
+    def __init__(self) -> None:
+        self.closers: list[Any] = []  # objects with close(), e.g. progress engines
+        self.groups: list[dist.ProcessGroup] = []
 
-    @staticmethod
-    def _signature_of(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, torch.Size, torch.dtype, torch.device], ...]:
-        # Ids are stable because the instance keeps references to its tensors.
-        return tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
-
-    @classmethod
-    def reuse_or_build(cls, cached: FlatBuffers | None, tensors: Sequence[torch.Tensor]) -> FlatBuffers:
-        """Return ``cached`` if it was built for exactly ``tensors``, else a new instance for them."""
-        if cached is not None and cached.matches(tensors):
-            return cached
-        return cls(tensors)
-
-    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether this instance was built for exactly these tensor objects, shapes, dtypes and devices."""
-        return len(tensors) == len(self.tensors) and self._signature == self._signature_of(tensors)
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes of all buffers together (what one reduction of them sends per rank)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def layout(self) -> list[tuple[torch.dtype, torch.device, int]]:
-        """(dtype, device, numel) of each buffer: what state kept per buffer must match."""
-        return [(b.dtype, b.device, b.numel()) for b in self.buffers]
-
-    def pack(self) -> list[torch.Tensor]:
-        """Copy the tensors into the flat buffers; return the buffers."""
-        with torch.no_grad():
-            for tensor, (b, offset, numel) in zip(self.tensors, self._slots):
-                self.buffers[b][offset : offset + numel].view(tensor.shape).copy_(tensor)
-        return self.buffers
-
-    def unpack(self) -> None:
-        """Copy the flat buffers back into the tensors, in place."""
-        with torch.no_grad():
-            for tensor, (b, offset, numel) in zip(self.tensors, self._slots):
-                tensor.copy_(self.buffers[b][offset : offset + numel].view(tensor.shape))
-
-    def __len__(self) -> int:
-        return len(self.buffers)
-
-    def __repr__(self) -> str:
-        parts = ", ".join(f"{dtype}@{device}:{b.numel()}" for (dtype, device), b in zip(self.keys, self.buffers))
-        return f"FlatBuffers({len(self.tensors)} tensors -> [{parts}])"
+    def release(self) -> None:
+        """Close every closer and destroy every group; idempotent."""
+        closers, self.closers[:] = list(self.closers), []
+        errors = []
+        for closer in reversed(closers):
+            try:
+                closer.close()
+            except Exception as exc:  # noqa: BLE001 - release the rest, then report the first error
+                errors.append(exc)
+        groups, self.groups[:] = list(self.groups), []
+        destroy_groups(groups)
+        if errors:
+            raise errors[0]
 
 
 @dataclasses.dataclass
@@ -279,6 +167,14 @@ class AveragerBase(ModelAverager):
     ``self.step``, records the kind of reduction that ran in ``self.last_reduction`` (``None``,
     ``"local"`` or ``"global"``), then increments ``self.step``.
 
+    Binding: the first call (for :class:`~wagma.averaging.WagmaAverager`, the constructor) binds the averager
+    to the tensors it was given, by identity (:class:`~wagma.averaging.tensors.ParameterBinding`). Later
+    calls may list the same tensors in any order (``optimizer.param_groups`` instead of
+    ``model.parameters()``, a resumed run's optimizer): they are averaged in the bound order, so entry i of
+    every flat buffer is always the same parameter. A call with another set raises ``ValueError`` naming the
+    missing and the new tensors (by name when passed as ``named_parameters()`` or with ``param_names``);
+    :meth:`bind` changes the set on purpose (on every rank).
+
     What is averaged: every parameter passed (whether or not it has a ``.grad``) and, when
     ``average_buffers`` is true, the floating-point tensors passed as ``buffers`` (e.g.
     ``module.buffers()``: BatchNorm running statistics; integer buffers are skipped). Buffers passed while
@@ -291,6 +187,11 @@ class AveragerBase(ModelAverager):
     need in their constructor (use :meth:`_new_group` so :meth:`close` releases them). A given
     ``process_group`` is used as is (its timeout is the one it was created with); a rank outside it
     counts steps and averages nothing.
+
+    Lifetime: :meth:`close` (or leaving a ``with`` block) releases the groups (and a subclass's threads);
+    an averager dropped or alive at interpreter exit without ``close()`` is released by a
+    ``weakref.finalize`` finalizer, which holds the resources but not the averager, so reference cycles
+    through the averager do not keep it from running.
 
     Args:
         process_group: group of the global reductions; ``None`` creates one over all ranks.
@@ -309,7 +210,10 @@ class AveragerBase(ModelAverager):
             raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
         self.timeout = as_timeout(timeout)
         require_initialized(type(self).__name__)
-        self._owned_groups: list[dist.ProcessGroup] = []
+        self._resources = OwnedResources()
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        #: Groups this averager created (the same list its finalizer releases: extend it in place).
+        self._owned_groups: list[dist.ProcessGroup] = self._resources.groups
         group = self._new_group(None) if process_group is None else process_group
         super().__init__(group)
         #: Whether this rank takes part in the averager's reductions.
@@ -320,6 +224,7 @@ class AveragerBase(ModelAverager):
         self.stats = AveragerStats()
         self.last_reduction: Reduction | None = None
         self._flat: FlatBuffers | None = None
+        self._binding: ParameterBinding | None = None
         self._closed = False
 
     # -- the policy ------------------------------------------------------------------------------------
@@ -363,18 +268,44 @@ class AveragerBase(ModelAverager):
         """
         self._check_open()
         if self.is_member:
-            self.allreduce_mean(self.tensors_to_average(params, buffers), self.process_group, "global")
+            tensors = self.tensors_to_average(params, buffers, where="synchronize")
+            self.allreduce_mean(tensors, self.process_group, "global")
 
     # -- building blocks for subclasses ------------------------------------------------------------------
 
     def tensors_to_average(
-        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None
+        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None, *, where: str = "average_parameters"
     ) -> list[torch.Tensor]:
-        """The parameters, then (if ``average_buffers``) the floating-point buffers, as one list."""
-        tensors = collect_parameters(params)
+        """The bound parameters, then (if ``average_buffers``) floating-point buffers, in the bound order.
+
+        The first call binds the averager to what it is given (see :meth:`bind`); later calls must pass the
+        same tensor objects, in any order.
+
+        Raises:
+            ValueError: if the tensors are not the bound ones (the message names what differs).
+        """
+        tensors, names = self._collect(params, buffers)
+        if self._binding is None:
+            self._binding = ParameterBinding(tensors, names)
+        return self._binding.arrange(tensors, names, where=f"{type(self).__name__}.{where}")
+
+    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+        """Bind the averager to these tensors (and their order) from now on, replacing an earlier binding.
+
+        Every rank must bind the same parameters at the same step (e.g. after ``add_param_group``).
+        """
+        self._check_open()
+        self._binding = ParameterBinding(*self._collect(params, buffers))
+        self._flat = None
+
+    def _collect(
+        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[str | None]]:
+        tensors, names = collect_named(params)
         if self.average_buffers and buffers is not None:
-            tensors += collect_buffers(buffers, exclude=tensors)
-        return tensors
+            more, more_names = collect_named_buffers(buffers, exclude=tensors)
+            tensors, names = tensors + more, names + more_names
+        return tensors, names
 
     def flat_buffers(self, tensors: Sequence[torch.Tensor]) -> FlatBuffers:
         """The averager's :class:`FlatBuffers` for ``tensors``, rebuilt only when the list changed."""
@@ -454,8 +385,7 @@ class AveragerBase(ModelAverager):
             return
         self._closed = True
         self._flat = None
-        groups, self._owned_groups = self._owned_groups, []
-        destroy_groups(groups)
+        self._finalizer()
 
     def __enter__(self) -> AveragerBase:
         return self

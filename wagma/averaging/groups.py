@@ -10,6 +10,7 @@ group carries an explicit timeout so a hung or dead peer ends in an error instea
 from __future__ import annotations
 
 import datetime
+import itertools
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -82,8 +83,39 @@ def new_timeout_group(ranks: Sequence[int] | None, timeout: datetime.timedelta) 
 
     Collective over the default group: every rank calls it with the same arguments, in the same order.
     Ranks outside ``ranks`` get ``GroupMember.NON_GROUP_MEMBER`` back.
+
+    Returns only once every rank has finished creating the group. Gloo connects a new group's members
+    inside its constructor, and a member that returned first could otherwise destroy the group (or exit)
+    while a slower member is still connecting: that member's constructor then fails with "Connection
+    closed by peer" (seen under load in about one world in seven). The wait is a store barrier, not a
+    collective on the new group.
+
+    Raises:
+        TimeoutError: if some rank did not finish creating the group within ``timeout``.
     """
-    return dist.new_group(ranks=None if ranks is None else list(ranks), timeout=timeout)
+    group = dist.new_group(ranks=None if ranks is None else list(ranks), timeout=timeout)
+    _wait_until_all_created(next(_created), timeout)
+    return group
+
+
+_created = itertools.count()  # the same sequence on every rank: group creation is collective and ordered
+
+
+def _wait_until_all_created(index: int, timeout: datetime.timedelta) -> None:
+    """Store barrier over the default group: every rank has returned from creating group ``index``."""
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    key = f"wagma/groups/{index}"
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", "1")  # the last rank to arrive releases the others
+    try:
+        store.wait([f"{key}/all"], timeout)
+    except dist.DistStoreError as err:
+        raise TimeoutError(
+            f"new_timeout_group: expected all {world} ranks to create process group #{index} within "
+            f"{timeout.total_seconds():.0f} s, found {int(store.add(key, 0))} done; every rank must create "
+            "the same groups in the same order (a rank that is slow, hung or gone stops the others)"
+        ) from err
 
 
 def contiguous_subgroups(

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from wagma.averaging.base import AveragerBase, AveragerStats, FlatBuffers, ParamsLike, Reduction, collect_parameters
+from wagma.averaging.base import AveragerBase, AveragerStats, Reduction
+from wagma.averaging.tensors import FlatBuffers, ParameterBinding, ParamsLike, collect_named
 
 __all__ = ["MomentumLevels", "ReductionMomentum", "reduction_momentum_update_"]
 
@@ -88,6 +89,10 @@ class ReductionMomentum(ModelAverager):
     model: that reduction only sets the anchors to ``x̄`` with zero velocity. Momentum acts on
     parameters only; averaged buffers keep the plain average.
 
+    Parameters are bound by identity at the first call (see :class:`AveragerBase`): later calls may list
+    them in any order and the anchors and velocities still pair with the same parameters; another set
+    raises ``ValueError`` (use :meth:`bind`, which also starts the momentum state afresh).
+
     ``step``, ``stats``, ``last_reduction``, ``process_group`` and ``close`` are the wrapped averager's;
     closing the wrapper closes it.
 
@@ -130,6 +135,8 @@ class ReductionMomentum(ModelAverager):
         if apply_to == "all":
             self._levels["local"] = _LevelState()
         self._flat: FlatBuffers | None = None
+        self._binding: ParameterBinding | None = None
+        self._saved_signature: list[Any] | None = None  # from load_state_dict, until the next bind
 
     # -- the wrapped averager's view --------------------------------------------------------------------
 
@@ -169,7 +176,13 @@ class ReductionMomentum(ModelAverager):
         Returns:
             The kind of reduction the wrapped averager ran (``None``, ``"local"`` or ``"global"``).
         """
-        tensors = collect_parameters(params)
+        tensors, names = collect_named(params)
+        if self._binding is None:
+            saved, self._saved_signature = self._saved_signature, None
+            self._binding = (
+                ParameterBinding(tensors, names) if saved is None else ParameterBinding.like(tensors, names, saved)
+            )
+        tensors = self._binding.arrange(tensors, names, where="ReductionMomentum.average_parameters")
         kind = self.averager.average_parameters(tensors, buffers)
         if kind not in self._levels and all(level.established for level in self._levels.values()):
             return kind  # nothing to update (a global reduction always has a level)
@@ -205,6 +218,16 @@ class ReductionMomentum(ModelAverager):
         """The wrapped averager's blocking global mean (no momentum; anchors are left as they are)."""
         self.averager.synchronize(params, buffers)
 
+    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+        """Rebind the wrapped averager and the momentum to these tensors; the momentum state starts afresh.
+
+        Every rank must call it at the same step.
+        """
+        self.averager.bind(params, buffers)
+        self._binding = ParameterBinding(*collect_named(params))
+        self._flat = None
+        self._levels = {name: _LevelState() for name in self._levels}
+
     def _check_layout(self, name: str, level: _LevelState, flat: FlatBuffers) -> None:
         layout = flat.layout()
         assert level.anchor is not None
@@ -224,7 +247,11 @@ class ReductionMomentum(ModelAverager):
     # -- state and lifetime ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"averager": wrapped state, "levels": {level: {"anchor", "velocity", "established"}}}`` (copies)."""
+        """``{"averager", "levels": {level: {"anchor", "velocity", "established"}}, "params"}`` (copies).
+
+        ``"params"`` is the binding's (name, shape, dtype) per parameter, in the order the flat state
+        follows, so that a resumed run can pair the state with its parameters by name.
+        """
 
         def copy(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
             return None if tensors is None else [t.detach().clone() for t in tensors]
@@ -235,6 +262,7 @@ class ReductionMomentum(ModelAverager):
                 name: {"anchor": copy(s.anchor), "velocity": copy(s.velocity), "established": s.established}
                 for name, s in self._levels.items()
             },
+            "params": self._binding.signature() if self._binding is not None else self._saved_signature,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -243,8 +271,10 @@ class ReductionMomentum(ModelAverager):
         Raises:
             ValueError: if keys are missing or the checkpoint has other momentum levels.
         """
-        if set(state_dict) != {"averager", "levels"}:
-            raise ValueError(f"state_dict: expected the keys ['averager', 'levels'], found {sorted(state_dict)}")
+        if not {"averager", "levels"} <= set(state_dict) <= {"averager", "levels", "params"}:
+            raise ValueError(
+                f"state_dict: expected the keys ['averager', 'levels', 'params'], found {sorted(state_dict)}"
+            )
         levels = state_dict["levels"]
         if set(levels) != set(self._levels):
             raise ValueError(
@@ -252,6 +282,9 @@ class ReductionMomentum(ModelAverager):
                 f"found {sorted(levels)}"
             )
         self.averager.load_state_dict(state_dict["averager"])
+        # The next call binds the parameters in the order the saved flat state follows.
+        self._binding, self._flat = None, None
+        self._saved_signature = state_dict.get("params")
         for name, saved in levels.items():
             self._levels[name] = _LevelState(
                 anchor=None if saved["anchor"] is None else [t.detach().clone() for t in saved["anchor"]],

@@ -83,8 +83,16 @@ class AveragingOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group to the wrapped optimizer (it is averaged from the next step on)."""
+        """Add a parameter group to the wrapped optimizer; it is averaged from the next step on.
+
+        The averager is rebound to the new set of parameters (its ``bind``), so every rank must add the
+        same group at the same step (for a :class:`~wagma.averaging.WagmaAverager` this is collective: its
+        engines restart).
+        """
         self.optimizer.add_param_group(param_group)
+        bind = getattr(self.averager, "bind", None)
+        if callable(bind):
+            bind(self.param_groups, self.module.buffers() if self.module is not None else None)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"optimizer": the optimizer's state_dict, "averager": the averager's state_dict}``."""

@@ -102,46 +102,68 @@ class WagmaAverager(AveragerBase):
         self._tensors = self.tensors_to_average(params, buffers)
         if not self._tensors:
             raise ValueError("params: expected at least one tensor to average, found none")
-        self._engines: list[WaitAvoidingGroupAllreduce] = []
+        self._engines: list[WaitAvoidingGroupAllreduce] = []  # one per flat buffer, also in the finalizer's list
         self._start_engines(0)
 
     def _start_engines(self, start_round: int) -> None:
-        """One engine per flat (dtype, device) buffer, each publishing the current model."""
-        for engine in self._engines:
-            engine.close()
-        self._engines = [
+        """One engine per flat (dtype, device) buffer, each publishing the current model.
+
+        Half-precision buffers (float16, bfloat16) run their engine in float32: a group sum of S models
+        would overflow float16 (or lose bfloat16's few bits) before the division.
+        """
+        self._close_engines()
+        self._engines[:] = [
             WaitAvoidingGroupAllreduce(
-                self.schedule, buffer, sync_period=self.sync_period, max_lead=self.max_lead,
+                self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
                 timeout=self.timeout, start_round=start_round,
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]
+        self._resources.closers[:] = list(self._engines)
+
+    def _close_engines(self) -> None:
+        engines, self._engines[:] = list(self._engines), []
+        self._resources.closers[:] = []
+        for engine in engines:
+            engine.close()
 
     def _average_step(self, tensors: list[torch.Tensor]) -> Reduction | None:
         flat = self.flat_buffers(tensors)
-        if len(flat.buffers) != len(self._engines):
-            raise ValueError(
-                f"average_parameters: expected the {len(self._engines)} dtype/device buffer(s) of the model "
-                f"passed at construction, found {len(flat.buffers)}; pass the same parameters every step"
+        if len(flat.buffers) != len(self._engines):  # unreachable while tensors come bound; kept as a guard
+            raise RuntimeError(
+                f"WagmaAverager: expected the {len(self._engines)} dtype/device buffer(s) of the bound model, "
+                f"found {len(flat.buffers)}; call bind() on every rank to change the parameters"
             )
-        kind: Reduction = "local"
         results = []
         for buffer, engine in zip(flat.pack(), self._engines):
-            res = engine(buffer)
+            wide = _wide(buffer)
+            res = engine(wide)
             results.append(res)
             size = len(res.group)
-            if res.is_sync:
-                kind = "global"
-                buffer.copy_(res.sum).div_(size)
-            elif self.mixing == "mean" and res.fresh:
-                buffer.copy_(res.sum).div_(size)
+            if res.is_sync or (self.mixing == "mean" and res.fresh):
+                wide.copy_(res.sum).div_(size)
             else:
-                wagma_combine_(buffer, res.sum, float(size + 1))
-            self.stats.record_reduction("global" if res.is_sync else "local", buffer.nbytes, res.wait_s)
-        # One contribution per round, whatever the number of buffers: the first engine's view of it.
-        self.stats.record_contribution(results[0].staleness)
+                wagma_combine_(wide, res.sum, float(size + 1))
+            if wide is not buffer:
+                buffer.copy_(wide)
+        # One round is one reduction, however many dtype buffers carry it; all engines run the same round.
+        first = results[0]
+        kind: Reduction = "global" if first.is_sync else "local"
+        self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
+        self.stats.record_contribution(first.staleness)
         flat.unpack()
         return kind
+
+    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+        """Average another set of tensors from now on: rebind and restart the engines at this step.
+
+        Collective: every rank calls it at the same step (it creates communicators), with the model
+        identical across ranks or at least as each rank wants to publish it.
+        """
+        super().bind(params, buffers)
+        assert self._binding is not None
+        self._tensors = self._binding.tensors
+        self._start_engines(self.step)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the step and counters (``state_dict()`` is the base's: the round to continue from is the
@@ -155,11 +177,17 @@ class WagmaAverager(AveragerBase):
         self._start_engines(self.step)
 
     def close(self) -> None:
-        """Stop the progress threads and release the communicators; idempotent."""
-        for engine in self._engines:
-            engine.close()
-        self._engines = []
+        """Stop the progress threads and release the communicators; idempotent.
+
+        Without ``close()``, the base's finalizer does the same when the averager is dropped or the
+        interpreter exits.
+        """
         super().close()
+
+
+def _wide(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` itself, or a float32 copy of a half-precision one (what its engine sums)."""
+    return buffer.float() if buffer.dtype in (torch.float16, torch.bfloat16) else buffer
 
 
 def _build_schedule(

@@ -10,11 +10,13 @@ annotations are the real ``dist.GradBucket`` and ``Future[Tensor]`` objects, and
 """
 
 import datetime
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from wagma.averaging.base import OwnedResources
 from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
 
 __all__ = [
@@ -78,6 +80,8 @@ class GroupAllreduceState:
     The ranks of the default group are cut into blocks ``[0, S)``, ``[S, 2S)``, ...; the constructor
     creates every block's group on every rank, in the same order (group creation is collective). Pickling
     drops the groups; after unpickling call :meth:`create_groups` on every rank before using the state.
+    :meth:`close` (or leaving a ``with`` block) destroys this rank's group; a dropped state does the same
+    through a ``weakref.finalize`` finalizer.
 
     Args:
         group_size: ranks per group; must divide the number of ranks.
@@ -92,6 +96,8 @@ class GroupAllreduceState:
         self.subgroup: dist.ProcessGroup | None = None
         self.blocks: list[list[int]] = []
         self.groups_created = False
+        self._resources = OwnedResources()
+        self._finalizer = weakref.finalize(self, self._resources.release)
         self.create_groups()
 
     def create_groups(self) -> None:
@@ -107,15 +113,32 @@ class GroupAllreduceState:
                 f"group_size: expected a divisor of the number of ranks ({world}), found {self.group_size}"
             )
         self.subgroup, self.blocks = contiguous_subgroups(self.group_size, list(range(world)), self.timeout)
+        if self.subgroup is not None:
+            self._resources.groups.append(self.subgroup)
         self.groups_created = True
 
+    def close(self) -> None:
+        """Destroy this rank's group; idempotent. The hook then raises until :meth:`create_groups`."""
+        self.subgroup = None
+        self.groups_created = False
+        self._finalizer()
+
+    def __enter__(self) -> "GroupAllreduceState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("subgroup", "groups_created")}
+        dropped = ("subgroup", "groups_created", "_resources", "_finalizer")
+        return {k: v for k, v in self.__dict__.items() if k not in dropped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.subgroup = None
         self.groups_created = False
+        self._resources = OwnedResources()
+        self._finalizer = weakref.finalize(self, self._resources.release)
 
 
 def group_allreduce_hook(state: GroupAllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -131,8 +154,8 @@ def group_allreduce_hook(state: GroupAllreduceState, bucket: dist.GradBucket) ->
     """
     if not state.groups_created:
         raise RuntimeError(
-            "GroupAllreduceState has no process groups (it was unpickled): call state.create_groups() on every "
-            "rank before training"
+            "GroupAllreduceState has no process groups (it was unpickled or closed): call state.create_groups() "
+            "on every rank before training"
         )
     if state.subgroup is None:  # a group of one: the mean is the gradient itself
         return _completed(bucket.buffer())

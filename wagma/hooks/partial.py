@@ -19,15 +19,17 @@ No ``from __future__ import annotations`` here: DDP checks the hook's annotation
 
 import datetime
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerStats, check_int, collect_parameters
-from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, destroy_groups, new_timeout_group
+from wagma.averaging.base import AveragerStats, OwnedResources, check_int, collect_parameters
+from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
 from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook"]
@@ -82,6 +84,9 @@ class PartialAllreduceState:
         if len(kinds) != 1:
             raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
         (self.dtype, self.device), = kinds
+        # Residuals and round sums of half-precision gradients are kept in float32: a sum over P ranks (and
+        # over carried rounds) would overflow float16 before the division by P.
+        self.sum_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
         self._offsets: dict[int, tuple[int, int]] = {}
         total = 0
         for p in self.params:
@@ -92,11 +97,17 @@ class PartialAllreduceState:
         self.rounds = 0
         self.iteration = 0
         self.group: dist.ProcessGroup | None = new_timeout_group(None, self.timeout)
+        # Released by close(), or by the finalizer when the state is dropped or alive at interpreter exit
+        # (a progress thread inside a collective at exit would otherwise abort the process).
+        self._resources = OwnedResources()
+        self._resources.groups.append(self.group)
+        self._finalizer = weakref.finalize(self, self._resources.release)
         self.world_size = dist.get_world_size()
         self.engine: WaitAvoidingGroupAllreduce | None = None
-        self._start_engine(torch.zeros(total, dtype=self.dtype, device=self.device))
-        self._staging = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
+        self._staging = torch.zeros(total, dtype=self.sum_dtype, device=self.device)
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
+        self._warmup_views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _start_engine(self, residual: torch.Tensor) -> None:
         if self.engine is not None:
@@ -107,6 +118,7 @@ class PartialAllreduceState:
             trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
             start_round=max(0, self.iteration - self.warmup_iters),
         )
+        self._resources.closers[:] = [self.engine]
 
     # --------------------------------------------------------------------------------------- the hook
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -129,7 +141,12 @@ class PartialAllreduceState:
         buffer = bucket.buffer().div_(self.world_size)
         start = time.perf_counter()
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        base = buffer.storage_offset()
+        self._warmup_views += [(p, buffer[g.storage_offset() - base :][: p.numel()]) for p, g in
+                               zip(bucket.parameters(), bucket.gradients())]
         if bucket.is_last():
+            views, self._warmup_views = self._warmup_views, []
+            self._after_ddp_finalize(lambda: views)
             self.iteration += 1
         stats = self.stats
         nbytes = buffer.nbytes
@@ -155,30 +172,78 @@ class PartialAllreduceState:
                 out[at : at + n].copy_(average[offset : offset + n])
             future.set_result(out)
         self._waiting = []
+        self._after_ddp_finalize(
+            lambda: [(p, average[off : off + n]) for p in self.params for off, n in [self._offsets[id(p)]]]
+        )
         self.iteration += 1
         self.rounds += 1
         self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
         self.stats.record_contribution(res.staleness)  # 0 when this rank's fresh gradient made it in
 
+    def _after_ddp_finalize(self, values: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Make each parameter's ``.grad`` its (flat) value in ``values()`` once DDP has finished the pass.
+
+        With ``find_unused_parameters=True`` DDP leaves the ``.grad`` of a parameter it thinks no rank used
+        untouched, although this iteration's result for it may hold gradients carried from earlier rounds
+        (or, with :meth:`process_group_for_ddp`, the other ranks' gradients): they would be lost. DDP
+        queues its finalizer right after the last bucket's hook, so a callback queued now runs before it;
+        that callback queues the writer, which then runs after DDP's finalizer.
+        """
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(lambda: self._write_grads(values())))
+
+    def _write_grads(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for p, flat in values:
+                value = flat.view_as(p)
+                if p.grad is None:
+                    if bool(value.ne(0).any()):
+                        p.grad = value.to(self.dtype, copy=True)
+                else:
+                    p.grad.copy_(value)
+
+    def process_group_for_ddp(self) -> LocalUsedMapGroup:
+        """A process group to build DDP with, so that ``find_unused_parameters=True`` is not a barrier.
+
+        ``DDP(model, process_group=state.process_group_for_ddp(), find_unused_parameters=True)``: DDP's
+        per-iteration allreduce of the used-parameter map is answered locally (see
+        :class:`~wagma.hooks.ddp_group.LocalUsedMapGroup`), so a rank does not wait for a slow one at the
+        end of its backward pass; this state writes every parameter's ``.grad`` itself. DDP's initial
+        broadcast and buffer broadcasts run on this state's group. Use the group with this hook only.
+        """
+        if self.group is None:
+            raise RuntimeError("this PartialAllreduceState is closed or unpickled: it has no group for DDP")
+        return LocalUsedMapGroup(self.group)
+
     # ------------------------------------------------------------------------------------ end of run
-    def flush(self, optimizer: torch.optim.Optimizer) -> None:
+    def flush(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply every rank's leftover residual: one blocking, fully fresh round, then ``optimizer.step()``.
 
         Collective: call it on every rank after the last training step (and before evaluation or a
         checkpoint that must hold every computed gradient). Writes the averaged residual into the
-        parameters' ``.grad``.
+        parameters' ``.grad`` and steps, unless every rank's residual was empty: then neither the
+        gradients nor the parameters are touched (a step with zero gradients would still move them
+        through momentum or weight decay).
+
+        Returns:
+            Whether the optimizer stepped (the same answer on every rank).
         """
         if self.engine is None or self.group is None:
             raise RuntimeError("this PartialAllreduceState is closed; flush() needs its engine")
         residual = self.engine.take()
+        # One collective carries the residual and a count of the ranks whose residual is not empty.
+        payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
         start = time.perf_counter()
-        dist.all_reduce(residual, group=self.group)
+        dist.all_reduce(payload, group=self.group)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
-        residual.div_(self.world_size)
+        if payload[-1].item() == 0:
+            return False
+        residual = payload[:-1].div_(self.world_size)
         for p in self.params:
             offset, n = self._offsets[id(p)]
-            p.grad = residual[offset : offset + n].view_as(p).clone()
+            p.grad = residual[offset : offset + n].view_as(p).to(self.dtype, copy=True)
         optimizer.step()
+        return True
 
     def fresh_fraction(self) -> float | None:
         """Fraction of partial rounds into which this rank's fresh gradient went (None before the first)."""
@@ -201,7 +266,7 @@ class PartialAllreduceState:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"iteration", "rounds", "stats", "residual"}``: the residual is copied, not taken."""
-        residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.dtype)
+        residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.sum_dtype)
         return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -212,7 +277,7 @@ class PartialAllreduceState:
         missing = {"iteration", "rounds", "stats", "residual"} - set(state)
         if missing:
             raise ValueError(f"state: expected the keys of state_dict(), missing {sorted(missing)}")
-        residual = state["residual"].to(device=self.device, dtype=self.dtype)
+        residual = state["residual"].to(device=self.device, dtype=self.sum_dtype)
         if residual.numel() != self.numel:
             raise ValueError(f"state['residual']: expected {self.numel} elements, found {residual.numel()}")
         self.iteration = check_int("iteration", state["iteration"], 0)
@@ -221,20 +286,26 @@ class PartialAllreduceState:
         self._start_engine(residual)
 
     def close(self) -> None:
-        """Stop the engine's thread and release the groups; idempotent."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        destroy_groups([self.group])
+        """Stop the engine's thread and release the groups; idempotent. A context manager does the same."""
+        self.engine = None
         self.group = None
+        self._finalizer()
+
+    def __enter__(self) -> "PartialAllreduceState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(engine=None, group=None, _waiting=[])
+        state.update(engine=None, group=None, _waiting=[], _warmup_views=[], _resources=None, _finalizer=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._resources = OwnedResources()  # nothing to release: the engine and group were dropped
+        self._finalizer = weakref.finalize(self, self._resources.release)
 
 
 def partial_allreduce_hook(
