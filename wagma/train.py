@@ -244,7 +244,7 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """What a checkpoint records of its run and a resume must match (``averaging`` may be allowed to change)."""
     plain = {group: group_options(cfg, group) for group in ("model", "optim", "averaging", "data")}
     plain |= {"batch_size": int(cfg.batch_size), "seed": int(cfg.seed)}
-    return json.loads(json.dumps(plain))  # as meta.json gives it back: lists, not tuples
+    return json.loads(json.dumps(plain, sort_keys=True))  # as meta.json gives it back: lists, sorted keys
 
 
 def _restore(
