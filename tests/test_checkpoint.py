@@ -31,7 +31,8 @@ def _worker(rank: int, world_size: int, cfg: DictConfig, fault: tuple | None = N
 
     ``fault = (kind, fault_rank, step)``: ``"kill_shard"`` SIGKILLs the rank as it is about to move its
     written shard into place, ``"kill_commit"`` as it is about to rename the checkpoint directory
-    (meta.json written), ``"enospc"`` makes its fsync of a checkpoint file fail with ENOSPC.
+    (meta.json written), ``"enospc"`` makes its fsync of its shard fail with ENOSPC, ``"enospc_meta"``
+    its fsync of meta.json (rank 0's commit).
     """
     if fault is not None and fault[1] == rank:
         kind, _, step = fault
@@ -47,7 +48,8 @@ def _worker(rank: int, world_size: int, cfg: DictConfig, fault: tuple | None = N
             return real_replace(src, dst, **kwargs)
 
         def fsync(fd):
-            if kind == "enospc" and tag in os.readlink(f"/proc/self/fd/{fd}"):
+            name = os.readlink(f"/proc/self/fd/{fd}")
+            if tag in name and (kind == "enospc" or (kind == "enospc_meta" and name.endswith("meta.json.tmp"))):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real_fsync(fd)
 
@@ -91,11 +93,12 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_resumable(tmp
     assert complete_steps(tmp_path) == [4, 6] and list(checkpoint_dir(tmp_path).glob(".*")) == []
 
 
-def test_a_write_failing_with_enospc_on_one_rank_fails_every_rank_and_keeps_the_previous(tmp_path):
+@pytest.mark.parametrize("kind,victim,who", [("enospc", 2, "rank 2 could not write its shard"), ("enospc_meta", 0, "rank 0 could not commit")])
+def test_a_write_failing_with_enospc_on_one_rank_fails_every_rank_and_keeps_the_previous(tmp_path, kind, victim, who):
     cfg = _cfg(tmp_path, "steps=6", "checkpoint_every=2")
-    errors = _errors(run_workers_outcomes(_worker, 3, cfg, ("enospc", 2, 4), timeout_s=60))
+    errors = _errors(run_workers_outcomes(_worker, 3, cfg, (kind, victim, 4), timeout_s=60))
     for error in errors:
-        assert error.startswith("wagma.checkpoint.CheckpointError: checkpoint of step 4 not saved: rank 2 could not")
+        assert error.startswith(f"wagma.checkpoint.CheckpointError: checkpoint of step 4 not saved: {who}")
         assert "No space left on device" in error and "the previous complete checkpoint (step 2) is untouched" in error
     assert complete_steps(tmp_path) == [2] and list(checkpoint_dir(tmp_path).glob(".*")) == []
     assert all(load_checkpoint(tmp_path, 2, r)["step"] == 2 for r in range(3))
