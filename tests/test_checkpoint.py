@@ -234,3 +234,16 @@ def test_resume_picks_the_newest_complete_checkpoint_and_ignores_partial_ones(sa
 def test_resume_with_no_checkpoint_starts_from_step_zero(tmp_path):
     summaries = run_workers(_worker, 2, _cfg(tmp_path, "steps=2", "checkpoint_every=0", "resume=true"))
     assert summaries[0]["resumed_from"] is None and complete_steps(tmp_path) == [2]
+
+
+def _save_twice_worker(rank: int, world_size: int, run_dir: Path) -> list[int]:
+    for version in (1, 2, 3):
+        checkpoint.save_checkpoint(run_dir, 5 if version > 1 else 3, {"version": version, "rank": rank}, keep=2)
+    return complete_steps(run_dir)
+
+
+def test_saving_a_step_again_replaces_it_and_keeps_the_older_one(tmp_path):
+    assert run_workers(_save_twice_worker, 2, tmp_path) == [[3, 5], [3, 5]]
+    assert [load_checkpoint(tmp_path, 5, r) for r in range(2)] == [{"version": 3, "rank": 0}, {"version": 3, "rank": 1}]
+    assert load_checkpoint(tmp_path, 3, 1) == {"version": 1, "rank": 1}
+    assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == ["step_00000003", "step_00000005"]

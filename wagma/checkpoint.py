@@ -179,15 +179,19 @@ def _commit(
             "shards": {f"rank{r}.pt": report for r, report in enumerate(reports)},
         }
         final, aside = _step_dir(root, step), root / f".replaced_step_{step:08d}"
+        moved_aside = False
         try:
             _fsync_write(partial / META, (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
-            if final.exists():  # the same step saved again: swap, so a complete one is visible at any time
+            if final.exists():  # the same step saved again; a rename cannot replace a non-empty directory
                 shutil.rmtree(aside, ignore_errors=True)
                 os.replace(final, aside)
+                moved_aside = True
             os.replace(partial, final)
             _fsync_dir(root)
         except OSError as exc:
             errors.append(f"rank 0 could not commit {partial / META}: {exc}")
+            if moved_aside and not final.exists():
+                os.replace(aside, final)  # put the earlier checkpoint of this step back
         shutil.rmtree(aside, ignore_errors=True)
     if errors:
         shutil.rmtree(partial, ignore_errors=True)  # every rank is done with it; free what it holds
@@ -199,6 +203,7 @@ def _commit(
     for old in root.iterdir():
         complete, partial_match = _STEP_DIR.fullmatch(old.name), _PARTIAL_DIR.fullmatch(old.name)
         if complete and int(complete.group(1)) < step and int(complete.group(1)) not in kept:
+            (old / META).unlink(missing_ok=True)  # first: a deletion cut short leaves no "complete" remains
             shutil.rmtree(old, ignore_errors=True)
         elif partial_match and int(partial_match.group(1)) < step:  # a save that died: every rank is past it
             shutil.rmtree(old, ignore_errors=True)
