@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -32,8 +33,11 @@ def _worker(rank: int, world_size: int, cfg: DictConfig, fault: tuple | None = N
     ``fault = (kind, fault_rank, step)``: ``"kill_shard"`` SIGKILLs the rank as it is about to move its
     written shard into place, ``"kill_commit"`` as it is about to rename the checkpoint directory
     (meta.json written), ``"enospc"`` makes its fsync of its shard fail with ENOSPC, ``"enospc_meta"``
-    its fsync of meta.json (rank 0's commit).
+    its fsync of meta.json (rank 0's commit). ``("exit_after", None, step)`` ends every rank after that
+    step, like a SIGKILL (no cleanup, no final checkpoint).
     """
+    if fault is not None and fault[0] == "exit_after":
+        return train(cfg, step_callback=lambda done, _: os._exit(9) if done == fault[2] else None)
     if fault is not None and fault[1] == rank:
         kind, _, step = fault
         tag = f"step_{step:08d}"
@@ -131,6 +135,25 @@ def test_a_really_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoin
     filler.unlink()
     summaries = run_workers(_worker, 2, _cfg(run_dir, "steps=4", "checkpoint_every=2", "resume=true"))
     assert summaries[0]["resumed_from"] == 2 and complete_steps(run_dir) == [2, 4]
+
+
+@pytest.mark.parametrize(
+    "world_size,overrides",
+    [
+        (3, ("averaging=allreduce",)),
+        (4, ("averaging=local_sgd", "averaging.warmup_steps=16", "averaging.period=2")),  # resumed in the warm-up
+    ],
+)
+def test_a_resumed_ddp_run_at_three_or_more_ranks_is_bitwise_the_uninterrupted_one(tmp_path, world_size, overrides):
+    # DDP rebuilds its buckets after its first iteration; gloo's sum order depends on the layout at P >= 3.
+    common = ("model=cnn", "steps=20", "checkpoint_every=10", *overrides)
+    run_workers(_worker, world_size, _cfg(tmp_path / "straight", *common), timeout_s=120)
+    outcomes = run_workers_outcomes(_worker, world_size, _cfg(tmp_path / "broken", *common), ("exit_after", None, 13))
+    assert all(o.exitcode == 9 for o in outcomes) and latest_step(tmp_path / "broken") == 10
+    summaries = run_workers(_worker, world_size, _cfg(tmp_path / "broken", *common, "resume=true"), timeout_s=120)
+    assert summaries[0]["resumed_from"] == 10
+    a, b = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("straight", "broken"))
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 # --- resuming: verification and mismatches -------------------------------------------------------------

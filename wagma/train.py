@@ -64,6 +64,7 @@ from wagma.gpu_metrics import GpuMetrics
 from wagma.imbalance import Imbalance, build_imbalance
 from wagma.metrics import MetricsWriter, write_summary
 from wagma.models import build_model
+from wagma.policies import ModelAveragingPolicy
 from wagma.policy import AllreducePolicy, Policy, build_policy
 
 __all__ = ["StepCallback", "evaluate", "train"]
@@ -166,7 +167,7 @@ def _train(
             if resumed is not None:
                 resume_from, state, changed = resumed
                 totals, start_step = _restore(state, net, optimizer, batches, policy, changed, rank, run_dir)
-                if isinstance(policy, AllreducePolicy):
+                if isinstance(policy, (AllreducePolicy, ModelAveragingPolicy)):  # stateless comm hooks only
                     _rebuild_ddp_buckets(model, x_test[:1])
             elif rank == 0:
                 log.warning("resume=true but %s holds no complete checkpoint; starting from step 0", run_dir)
@@ -283,6 +284,11 @@ def _rebuild_ddp_buckets(model: nn.Module, example: torch.Tensor) -> None:
     differed in the last bits from the uninterrupted run (P = 2 hid this: a + b = b + a). One backward of
     a zero loss (all ranks, eval mode, so no buffer or RNG changes; its zero gradients are discarded by
     the next ``zero_grad``) records the ready order, and DDP rebuilds before the first resumed step.
+
+    Only for a DDP whose comm hook keeps no per-call state: DDP's own allreduce (``allreduce``) and the
+    post-local hook of the model-averaging policies (allreduce during their warm-up, nothing after).
+    The eager policies' partial hook counts rounds and carries residuals; a dummy backward would run a
+    round there (they resume bitwise without it: their hook reduces in a layout of its own).
     """
     was_training = model.training
     model.eval()
