@@ -97,7 +97,10 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_resumable(tmp
     assert complete_steps(tmp_path) == [4, 6] and list(checkpoint_dir(tmp_path).glob(".*")) == []
 
 
-@pytest.mark.parametrize("kind,victim,who", [("enospc", 2, "rank 2 could not write its shard"), ("enospc_meta", 0, "rank 0 could not commit")])
+@pytest.mark.parametrize(
+    "kind,victim,who",
+    [("enospc", 2, "rank 2 could not write its shard"), ("enospc_meta", 0, "rank 0 could not commit")],
+)
 def test_a_write_failing_with_enospc_on_one_rank_fails_every_rank_and_keeps_the_previous(tmp_path, kind, victim, who):
     cfg = _cfg(tmp_path, "steps=6", "checkpoint_every=2")
     errors = _errors(run_workers_outcomes(_worker, 3, cfg, (kind, victim, 4), timeout_s=60))
@@ -188,7 +191,9 @@ def test_a_damaged_shard_fails_every_rank_with_one_line_naming_it(saved_run, tmp
     data = bytearray(shard.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x01  # one bit; inside tensor data it unpickles fine and is silently wrong
-    shard.write_bytes(bytes(data) if damage == "flip" else bytes(data[: len(data) // 2] if damage == "truncate" else b""))
+    else:
+        data = data[: len(data) // 2] if damage == "truncate" else bytearray()
+    shard.write_bytes(bytes(data))
     errors = _errors(run_workers_outcomes(_worker, 2, _cfg(run_dir, "steps=6", "checkpoint_every=2", "resume=true")))
     expected = (
         f"wagma.checkpoint.CheckpointError: {shard} {problem}"
@@ -197,12 +202,15 @@ def test_a_damaged_shard_fails_every_rank_with_one_line_naming_it(saved_run, tmp
     assert all(e.endswith(f"delete {shard.parent} to resume from step 2") for e in errors), errors
 
 
-@pytest.mark.parametrize("content,problem", [("", "is empty"), ('{"format": 1, "st', "is not valid checkpoint metadata")])
+@pytest.mark.parametrize(
+    "content,problem", [("", "is empty"), ('{"format": 1, "st', "is not valid checkpoint metadata")]
+)
 def test_damaged_metadata_fails_with_one_line_naming_it(saved_run, tmp_path, content, problem):
     run_dir = _copy(saved_run, tmp_path)
     meta = checkpoint_dir(run_dir) / "step_00000004" / "meta.json"
     meta.write_text(content)
-    with pytest.raises(checkpoint.CheckpointError, match=f"^{meta} {problem}.*delete .*step_00000004 to resume from step 2$"):
+    match = f"^{meta} {problem}.*delete .*step_00000004 to resume from step 2$"
+    with pytest.raises(checkpoint.CheckpointError, match=match):
         read_meta(run_dir, 4)
 
 
@@ -216,17 +224,22 @@ def test_damaged_metadata_fails_with_one_line_naming_it(saved_run, tmp_path, con
         (("optim=adam",), 2, "was written with optim="),
     ],
 )
-def test_resuming_with_another_policy_world_size_or_model_is_rejected(saved_run, tmp_path, overrides, world_size, message):
+def test_resuming_with_another_policy_world_size_or_model_is_rejected(
+    saved_run, tmp_path, overrides, world_size, message
+):
     run_dir = _copy(saved_run, tmp_path)
     cfg = _cfg(run_dir, "steps=6", "checkpoint_every=2", "resume=true", *overrides)
     errors = _errors(run_workers_outcomes(_worker, world_size, cfg))
-    assert all(e.startswith("wagma.checkpoint.CheckpointError: the checkpoint ") and message in e for e in errors), errors
+    prefix = "wagma.checkpoint.CheckpointError: the checkpoint "
+    assert all(e.startswith(prefix) and message in e for e in errors), errors
     assert complete_steps(run_dir) == [2, 4]
 
 
 def test_resume_policy_change_resets_only_the_policy_state(saved_run, tmp_path):
     run_dir = _copy(saved_run, tmp_path)
-    cfg = _cfg(run_dir, "steps=6", "checkpoint_every=2", "resume=true", "averaging=local_sgd", "resume_policy_change=true")
+    cfg = _cfg(
+        run_dir, "steps=6", "checkpoint_every=2", "resume=true", "averaging=local_sgd", "resume_policy_change=true"
+    )
     summaries = run_workers(_worker, 2, cfg)
     assert summaries[0]["resumed_from"] == 4 and summaries[0]["policy"] == "local_sgd"
     assert summaries[0]["global_reductions"] == 1  # local_sgd's count from a fresh state: steps 4, 5 -> one mean

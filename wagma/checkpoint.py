@@ -352,7 +352,8 @@ def ensure_no_history(run_dir: str | os.PathLike[str]) -> None:
     if dist.get_rank() == 0:
         run = Path(run_dir)
         what = [f"complete checkpoints up to step {s}" for s in [latest_step(run)] if s is not None]
-        what += sorted(p.name for p in run.glob("metrics_rank*.jsonl")) + [p.name for p in [run / "summary.json"] if p.exists()]
+        what += sorted(p.name for p in run.glob("metrics_rank*.jsonl"))
+        what += ["summary.json"] if (run / "summary.json").exists() else []
         if what:
             found[0] = (
                 f"run directory {run} already holds an earlier run ({', '.join(what)}); pass resume=true to "
