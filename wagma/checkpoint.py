@@ -278,7 +278,11 @@ def load_checkpoint(run_dir: str | os.PathLike[str], step: int, rank: int) -> di
         problem = f"is corrupt: its SHA-256 differs from the one {META} records"
     if problem is not None:
         raise CheckpointError(f"{path} {problem}{_fallback(run_dir, step)}")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - intact bytes that this torch cannot read (another version?)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} is intact but cannot be loaded: {first}") from None
 
 
 RESETTABLE = ("averaging",)
@@ -302,6 +306,8 @@ def resume_checkpoint(
     Returns:
         ``(step, state, changed)`` with ``changed`` the allowed entries that differ, or None.
     """
+    if not set(allow_changed) <= set(RESETTABLE):
+        raise ValueError(f"allow_changed may hold only {RESETTABLE}, got {allow_changed}")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     chosen: list[int | None] = [latest_step(run_dir) if rank == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
