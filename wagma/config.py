@@ -113,6 +113,8 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
         problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {plain['device']!r}")
     if not isinstance(plain["resume"], bool):
         problems.append(f"resume must be true or false, got {plain['resume']!r}")
+    if not isinstance(plain.get("resume_policy_change", False), bool):
+        problems.append(f"resume_policy_change must be true or false, got {plain['resume_policy_change']!r}")
 
     data = plain["data"]
     if data.get("name") not in KNOWN_DATASETS:

@@ -8,7 +8,10 @@ Read top to bottom, it does:
 2. join or create the process group (:func:`wagma.launch.init_distributed`) and agree on the device;
 3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the policy
    (:mod:`wagma.policy`), wrap the model with it, build the optimizer and the imbalance injector;
-4. resume from the newest complete checkpoint when ``resume=true``;
+4. resume from the newest complete checkpoint when ``resume=true`` (:func:`wagma.checkpoint.resume_checkpoint`:
+   verified, and refused if the world size, model, optimizer, data or averaging differ -- the averaging
+   may with ``resume_policy_change=true``, its state then starts fresh); with ``resume=false``, refuse a
+   run directory that holds an earlier run's checkpoints or metrics rather than overwrite them;
 5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
    ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record; evaluate every
    ``eval_every`` steps; measure the consensus distance every ``consensus_every`` steps
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import random
 import time
@@ -49,7 +53,10 @@ from omegaconf import DictConfig
 from torch import nn
 
 from wagma import launch
-from wagma.checkpoint import capture_rng_state, latest_step, load_checkpoint, restore_rng_state, save_checkpoint
+from wagma.checkpoint import (
+    RESETTABLE, CheckpointError, capture_rng_state, ensure_no_history, restore_rng_state, resume_checkpoint,
+    save_checkpoint,
+)
 from wagma.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.consensus import ConsensusMeter
 from wagma.data import BatchIterator, load_dataset
@@ -57,7 +64,8 @@ from wagma.gpu_metrics import GpuMetrics
 from wagma.imbalance import Imbalance, build_imbalance
 from wagma.metrics import MetricsWriter, write_summary
 from wagma.models import build_model
-from wagma.policy import Policy, build_policy
+from wagma.policies import ModelAveragingPolicy
+from wagma.policy import AllreducePolicy, Policy, build_policy
 
 __all__ = ["StepCallback", "evaluate", "train"]
 
@@ -141,33 +149,30 @@ def _train(
         optimizer = build_optimizer(group_options(cfg, "optim"), net.parameters())
         imbalance = build_imbalance(group_options(cfg, "imbalance"), rank, world_size)
 
+        fingerprint = _fingerprint(cfg)
+
         def save(step: int) -> None:
             state = {
                 "step": step, "world_size": world_size, "model": net.state_dict(),
                 "optimizer": optimizer.state_dict(), "data": batches.state_dict(), "rng": capture_rng_state(),
                 "policy_state": policy.state_dict(), "counters": dataclasses.asdict(totals),
             }
-            save_checkpoint(run_dir, step, state)
+            save_checkpoint(run_dir, step, state, fingerprint=fingerprint)
 
-        # Resume: every rank loads its own file (replicas and optimizer state may differ between ranks),
-        # into the module the wrapper shares -- after the wrapper's own broadcast from rank 0.
-        totals, start_step = _Totals(), 0
-        resume_from = latest_step(run_dir) if cfg.resume else None
-        if resume_from is not None:
-            state = load_checkpoint(run_dir, resume_from, rank)
-            if state["world_size"] != world_size:
-                raise RuntimeError(
-                    f"the checkpoint of step {resume_from} in {run_dir} was written by {state['world_size']} "
-                    f"ranks, this run has {world_size}; resume with the saved world size"
-                )
-            net.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            batches.load_state_dict(state["data"])
-            policy.load_state_dict(state["policy_state"])
-            restore_rng_state(state["rng"])
-            totals, start_step = _Totals(**state["counters"]), int(state["step"])
-        elif cfg.resume and rank == 0:
-            log.warning("resume=true but %s holds no checkpoint; starting from step 0", run_dir)
+        totals, start_step, resume_from = _Totals(), 0, None
+        if cfg.resume:
+            resumed = resume_checkpoint(
+                run_dir, fingerprint, allow_changed=RESETTABLE if cfg.get("resume_policy_change", False) else ()
+            )
+            if resumed is not None:
+                resume_from, state, changed = resumed
+                totals, start_step = _restore(state, net, optimizer, batches, policy, changed, rank, run_dir)
+                if isinstance(policy, (AllreducePolicy, ModelAveragingPolicy)):  # stateless comm hooks only
+                    _rebuild_ddp_buckets(model, x_test[:1])
+            elif rank == 0:
+                log.warning("resume=true but %s holds no complete checkpoint; starting from step 0", run_dir)
+        else:
+            ensure_no_history(run_dir)
         if rank == 0:
             log.info(
                 "training %s on %s, %d rank(s), device %s, policy %s, steps %d..%d, run dir %s",
@@ -234,6 +239,61 @@ def _train(
         if meter is not None:
             meter.close()
         policy.close()
+
+
+def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """What a checkpoint records of its run and a resume must match (``averaging`` may be allowed to change)."""
+    plain = {group: group_options(cfg, group) for group in ("model", "optim", "averaging", "data")}
+    plain |= {"batch_size": int(cfg.batch_size), "seed": int(cfg.seed)}
+    return json.loads(json.dumps(plain, sort_keys=True))  # as meta.json gives it back: lists, sorted keys
+
+
+def _restore(
+    state: dict[str, Any], net: nn.Module, optimizer: torch.optim.Optimizer, batches: BatchIterator,
+    policy: Policy, changed: list[str], rank: int, run_dir: Path,
+) -> tuple[_Totals, int]:
+    """Load this rank's checkpointed state into the (already wrapped) module, optimizer, data and policy.
+
+    Every rank loads its own shard (replicas and optimizer state may differ between ranks), into the
+    module the wrapper shares -- after the wrapper's own broadcast from rank 0. With ``averaging`` in
+    ``changed`` (``resume_policy_change=true``) the policy keeps its fresh state.
+    """
+    try:
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointError(f"the checkpoint in {run_dir} does not fit this model or optimizer: {first}") from None
+    batches.load_state_dict(state["data"])
+    if "averaging" in changed:
+        if rank == 0:
+            log.warning("resume_policy_change=true: the averaging policy changed; its state starts fresh "
+                        "(round counters, residuals, momentum); model, optimizer, data order and RNG are restored")
+    else:
+        policy.load_state_dict(state["policy_state"])
+    restore_rng_state(state["rng"])
+    return _Totals(**state["counters"]), int(state["step"])
+
+
+def _rebuild_ddp_buckets(model: nn.Module, example: torch.Tensor) -> None:
+    """Make a resumed DDP model reduce in the bucket layout the uninterrupted run has at this step.
+
+    DDP reduces its first iteration in one bucket in parameter order and then rebuilds its buckets in
+    the order gradients became ready. With P >= 3 ranks gloo's ring allreduce sums each element in an
+    order set by its position in the bucket, so a resumed run whose first step used the initial layout
+    differed in the last bits from the uninterrupted run (P = 2 hid this: a + b = b + a). One backward of
+    a zero loss (all ranks, eval mode, so no buffer or RNG changes; its zero gradients are discarded by
+    the next ``zero_grad``) records the ready order, and DDP rebuilds before the first resumed step.
+
+    Only for a DDP whose comm hook keeps no per-call state: DDP's own allreduce (``allreduce``) and the
+    post-local hook of the model-averaging policies (allreduce during their warm-up, nothing after).
+    The eager policies' partial hook counts rounds and carries residuals; a dummy backward would run a
+    round there (they resume bitwise without it: their hook reduces in a layout of its own).
+    """
+    was_training = model.training
+    model.eval()
+    (model(torch.zeros_like(example)).sum() * 0.0).backward()
+    model.train(was_training)
 
 
 def _timed_step(
