@@ -8,7 +8,8 @@ Read top to bottom, it does:
 2. join or create the process group (:func:`wagma.launch.init_distributed`) and agree on the device;
 3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the policy
    (:mod:`wagma.policy`), wrap the model with it, build the optimizer and the imbalance injector;
-4. resume from the newest complete checkpoint when ``resume=true``;
+4. resume from the newest complete checkpoint when ``resume=true``, or when torchrun restarted the job
+   (``torchrun --max-restarts N``: ``TORCHELASTIC_RESTART_COUNT`` > 0);
 5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
    ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record; evaluate every
    ``eval_every`` steps; measure the consensus distance every ``consensus_every`` steps
@@ -17,6 +18,10 @@ Read top to bottom, it does:
    (:mod:`wagma.gpu_metrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
    write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
+
+When a step fails (one of its collectives timed out, a peer died), every rank that sees it raises a
+``RuntimeError`` naming the ranks that did not arrive at that step (:mod:`wagma.roll_call`;
+``failure_report_s`` bounds the wait for the other ranks' reports).
 
 How time is split (per rank and step, host clocks):
 
@@ -58,6 +63,7 @@ from wagma.imbalance import Imbalance, build_imbalance
 from wagma.metrics import MetricsWriter, write_summary
 from wagma.models import build_model
 from wagma.policy import Policy, build_policy
+from wagma.roll_call import RollCall
 
 __all__ = ["StepCallback", "evaluate", "train"]
 
@@ -152,7 +158,7 @@ def _train(
         # Resume: every rank loads its own file (replicas and optimizer state may differ between ranks),
         # into the module the wrapper shares -- after the wrapper's own broadcast from rank 0.
         totals, start_step = _Totals(), 0
-        resume_from = latest_step(run_dir) if cfg.resume else None
+        resume_from = latest_step(run_dir) if cfg.resume or launch.restart_count() > 0 else None
         if resume_from is not None:
             state = load_checkpoint(run_dir, resume_from, rank)
             if state["world_size"] != world_size:
@@ -182,12 +188,14 @@ def _train(
         window: list[dict[str, float]] = []
         compute_s = 0.0
         model.train()
+        roll_call = RollCall(rank, world_size, report_s=float(cfg.get("failure_report_s", 3.0)))
         with MetricsWriter(run_dir, rank, keep_through=start_step) as writer:
             for step in range(start_step, steps):
                 done = step + 1
-                timings = _timed_step(
-                    model, next(batches), loss_fn, optimizer, policy, imbalance, clock, step, compute_s
-                )
+                with roll_call.attending(step):
+                    timings = _timed_step(
+                        model, next(batches), loss_fn, optimizer, policy, imbalance, clock, step, compute_s
+                    )
                 compute_s = timings["compute_s"]
                 totals.add(timings)
                 window.append(timings)
@@ -221,6 +229,7 @@ def _train(
             cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started
         )
         summary["resumed_from"] = resume_from
+        summary["restarts"] = launch.restart_count()
         if rank == 0:
             torch.save(net.state_dict(), run_dir / "model.pt")
             write_summary(run_dir, summary)
