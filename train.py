@@ -27,20 +27,23 @@ launch.register_resolvers()
 
 @record
 def run(cfg: DictConfig) -> None:
-    """Train; an exception is written to ``$TORCHELASTIC_ERROR_FILE`` (torchrun's report) and re-raised."""
-    train(cfg)
+    """Train; end a bad config with one message and exit status 2 (no error file: every rank shares it).
 
-
-@hydra.main(config_path="configs", config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    """Run :func:`run`; end a bad config with one message and exit status 2."""
-    launch.release_stderr()
+    Any other exception is written to ``$TORCHELASTIC_ERROR_FILE`` (torchrun's report) and re-raised.
+    """
     try:
-        run(cfg)
+        train(cfg)
     except ConfigError as err:
         if launch.env_rank() == 0:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(launch.SHARED_FAILURE_EXIT_CODE)
+
+
+@hydra.main(config_path="configs", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    """Hydra's task function: :func:`run` with the composed config."""
+    launch.release_stderr()
+    run(cfg)
 
 
 if __name__ == "__main__":
