@@ -34,8 +34,9 @@ def _env() -> dict[str, str]:
 
 
 def _start(cwd: Path, cmd: list[str], **kwargs: object) -> subprocess.Popen[str]:
-    out = open(cwd / "launcher.out", "w")  # noqa: SIM115 - the child keeps it; read with _output
-    return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
+    """Start ``cmd`` in ``cwd``, its output going to a file that :func:`_output` reads."""
+    with open(cwd / "launcher.out", "w") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
 def _output(cwd: Path) -> str:
@@ -119,7 +120,8 @@ def test_a_frozen_rank_is_named_by_every_survivor_and_in_torchruns_report(tmp_pa
         proc.wait(timeout=60)
     assert proc.returncode != 0
     for rank in survivors:
-        assert f"rank(s) [{frozen}] did not arrive at step" in _rank_log(tmp_path, rank), (rank, _rank_log(tmp_path, rank)[-3000:])
+        log = _rank_log(tmp_path, rank)
+        assert f"rank(s) [{frozen}] did not arrive at step" in log, (rank, log[-3000:])
     report = _output(tmp_path)
     root_cause = report[report.index("Root Cause"):]
     assert f"rank(s) [{frozen}] did not arrive at step" in root_cause, report[-3000:]

@@ -33,8 +33,8 @@ from typing import Any
 from wagma.procs import descendants, start_ticks
 
 __all__ = [
-    "DEFAULT_NPROC", "STOP_GRACE_S", "argument_parser", "default_run_dir", "format_summary", "main", "run", "split_run_dir",
-    "torchrun_command", "train_script",
+    "DEFAULT_NPROC", "STOP_GRACE_S", "argument_parser", "default_run_dir", "format_summary", "main", "run",
+    "split_run_dir", "torchrun_command", "train_script",
 ]
 
 #: Ranks per run unless ``--nproc`` says otherwise: the default experiment's 4 CPU ranks.
