@@ -287,3 +287,26 @@ def test_a_run_directory_deleted_mid_run_fails_every_rank_clearly(tmp_path):
         ])
     messages = [o.value for o in run_workers_outcomes(_train_deleting_run_dir, 2, cfg) if o.ok]
     assert len(messages) == 2 and all("was deleted while rank" in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
+    out = tmp_path / "sweep"
+    proc = _start(tmp_path, [
+        sys.executable, "-m", "wagma.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd",
+        "steps=1000000", "progress=false",
+    ])
+    try:
+        _wait_until(lambda: list(out.glob("*/metrics_rank1.jsonl")), 90, "the first job to train")
+        tree = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        _wait_until(lambda: not any(_alive(pid) for pid in tree), 5, "every process of the job to end")
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGTERM
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [r["exit"] for r in rows] == [128 + signal.SIGTERM]  # the second job never started
+    assert "wagma-sweep: stopped by SIGTERM" in _output(tmp_path)

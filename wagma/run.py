@@ -34,7 +34,7 @@ from wagma.procs import descendants, start_ticks
 
 __all__ = [
     "DEFAULT_NPROC", "STOP_GRACE_S", "argument_parser", "default_run_dir", "format_summary", "main", "run",
-    "split_run_dir", "torchrun_command", "train_script",
+    "split_run_dir", "stopping_signal", "torchrun_command", "train_script",
 ]
 
 #: Ranks per run unless ``--nproc`` says otherwise: the default experiment's 4 CPU ranks.
@@ -170,6 +170,13 @@ def _wait_stoppable(proc: subprocess.Popen[bytes], grace_s: float) -> int:
     return code
 
 
+def stopping_signal(code: int) -> signal.Signals | None:
+    """The signal (SIGTERM or SIGINT) that stopped a run, from :func:`run`'s exit status; None otherwise."""
+    if code - 128 in (signal.SIGTERM, signal.SIGINT):
+        return signal.Signals(code - 128)
+    return None
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """A few lines for the terminal: policy, accuracy, throughput, waiting, reductions, wall time."""
     wait_ms = 1e3 * float(summary.get("mean_wait_s") or 0.0)
@@ -207,8 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(" ".join(torchrun_command(rest, run_dir, args.nproc)))
         return 0
     code, summary, directory = run(rest, nproc=args.nproc, run_dir=run_dir)
-    if code > 128 and code - 128 in (signal.SIGTERM, signal.SIGINT):
-        print(f"wagma-train: stopped by {signal.Signals(code - 128).name}; torchrun and its ranks were ended; "
+    stopped = stopping_signal(code)
+    if stopped is not None:
+        print(f"wagma-train: stopped by {stopped.name}; torchrun and its ranks were ended; "
               f"the newest complete checkpoint in {directory} is kept (resume=true continues from it)",
               file=sys.stderr)
         return code
