@@ -48,5 +48,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv += launch.hydra_rank_overrides(sys.argv[1:], launch.env_rank())
-    with launch.failures_reported_by_rank0():
+    with launch.exit_at_once_on_failure(), launch.failures_reported_by_rank0():
         main()

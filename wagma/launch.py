@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import datetime
 import io
+import logging
 import os
 import sys
 import time
@@ -44,9 +45,9 @@ import torch.distributed as dist
 from wagma.procs import process_start_time
 
 __all__ = [
-    "SHARED_FAILURE_EXIT_CODE", "DistContext", "env_rank", "env_world_size", "failures_reported_by_rank0",
-    "hydra_rank_overrides", "init_distributed", "register_resolvers", "release_stderr",
-    "restart_count", "shared_start_time", "shutdown",
+    "SHARED_FAILURE_EXIT_CODE", "DistContext", "env_rank", "env_world_size", "exit_at_once_on_failure",
+    "failures_reported_by_rank0", "hydra_rank_overrides", "init_distributed", "register_resolvers",
+    "release_stderr", "restart_count", "shared_start_time", "shutdown",
 ]
 
 #: Exit status of a failure every rank shares (a config :func:`wagma.config.validate_config` rejects).
@@ -269,6 +270,29 @@ def _wait_failure_reported(wait_s: float) -> bool:
     except Exception:  # noqa: BLE001 - DistStoreError on time, or no store: rank 0 did not report
         return False
     return True
+
+
+@contextlib.contextmanager
+def exit_at_once_on_failure() -> Iterator[None]:
+    """Around the entry point: after a failure has been reported, exit without the interpreter's teardown.
+
+    A process group broken by a dead or frozen peer can hold the interpreter's exit for seconds (measured:
+    about 7 s after a gloo timeout, in the destructors of torch's C++ objects). The error is printed and
+    recorded by then, so a non-zero ``SystemExit`` flushes the streams and logs and ends the process with
+    ``os._exit``; a successful run exits normally.
+    """
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            raise
+        code = exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def release_stderr() -> None:
