@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +107,18 @@ def run(
         env.pop(var, None)  # a stale torchrun environment would confuse the standalone rendezvous
     out = subprocess.DEVNULL if capture else None
     # A session of its own: a Ctrl-C in the terminal reaches this process only, which stops torchrun in order.
-    proc = subprocess.Popen(
-        torchrun_command(rest, directory, nproc), env=env, stdout=out, stderr=out, start_new_session=True
+    code = _run_stoppable(
+        lambda: subprocess.Popen(
+            torchrun_command(rest, directory, nproc), env=env, stdout=out, stderr=out, start_new_session=True
+        ),
+        STOP_GRACE_S,
     )
-    code = _wait_stoppable(proc, STOP_GRACE_S)
     summary_path = directory / "summary.json"
     summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.is_file() else None
     return code, summary, directory
 
 
-def _kill(pids: dict[int, int], sig: signal.Signals) -> None:
+def _kill(pids: dict[int, int | None], sig: signal.Signals) -> None:
     """Send ``sig`` to each ``{pid: start ticks}`` that is still that process (a pid may be reused)."""
     for pid, ticks in pids.items():
         if start_ticks(pid) == ticks:
@@ -126,19 +128,26 @@ def _kill(pids: dict[int, int], sig: signal.Signals) -> None:
                 pass
 
 
-def _wait_stoppable(proc: subprocess.Popen[bytes], grace_s: float) -> int:
-    """Wait for torchrun; on SIGTERM/SIGINT stop it and its ranks, killing what is left after ``grace_s``.
+def _run_stoppable(start: Callable[[], subprocess.Popen[bytes]], grace_s: float) -> int:
+    """Start torchrun and wait for it; on SIGTERM/SIGINT stop it and its ranks, killing what is left after ``grace_s``.
 
+    The handlers are in place before torchrun starts, so no signal can end this process and leave it behind.
     Returns torchrun's exit status, or 128 + the signal's number when a signal stopped the run.
     """
     received: list[int] = []
-    tree = {proc.pid: start_ticks(proc.pid)}
+    started: list[subprocess.Popen[bytes]] = []
+    tree: dict[int, int | None] = {}
+
+    def stop() -> None:
+        proc = started[0]
+        tree.update(descendants(proc.pid))  # before torchrun ends: orphans would be hard to find
+        proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks (SIGTERM, then SIGKILL)
 
     def on_signal(signum: int, _frame: object) -> None:
         if not received:
             received.append(signum)
-            tree.update(descendants(proc.pid))  # before torchrun ends: orphans would be hard to find
-            proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks (SIGTERM, then SIGKILL)
+            if started:
+                stop()
 
     handled = (signal.SIGTERM, signal.SIGINT)
     previous = (
@@ -146,6 +155,11 @@ def _wait_stoppable(proc: subprocess.Popen[bytes], grace_s: float) -> int:
         if threading.current_thread() is threading.main_thread() else {}
     )
     try:
+        proc = start()
+        started.append(proc)
+        tree[proc.pid] = start_ticks(proc.pid)
+        if received:  # the signal came while torchrun was starting
+            stop()
         deadline = None
         while True:
             try:
@@ -160,7 +174,7 @@ def _wait_stoppable(proc: subprocess.Popen[bytes], grace_s: float) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if proc.poll() is None:  # an exception on the way out: leave nothing running
+        if started and proc.poll() is None:  # an exception on the way out: leave nothing running
             tree.update(descendants(proc.pid))
             _kill(tree, signal.SIGKILL)
             proc.wait()
