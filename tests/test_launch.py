@@ -163,6 +163,36 @@ def test_roll_call_rejects_a_negative_wait():
         RollCall(0, 1, report_s=-1.0, store=dist.HashStore())
 
 
+def _train_freezing_in_checkpoint(rank: int, world_size: int, cfg: object) -> str:
+    import wagma.train as train_module
+
+    save = train_module.save_checkpoint
+
+    def freeze_rank2(*args: object) -> None:
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen between its step and the checkpoint's barrier
+        save(*args)
+
+    train_module.save_checkpoint = freeze_rank2
+    try:
+        train(cfg)
+    except RuntimeError as err:
+        return str(err)
+    return "finished"
+
+
+def test_a_rank_frozen_before_a_checkpoint_is_named_too(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("config", overrides=[
+            "averaging=allreduce", "steps=100", "progress=false", "checkpoint_every=10", "failure_report_s=1",
+            f"run_dir={tmp_path / 'run'}",
+        ])
+    outcomes = run_workers_outcomes(_train_freezing_in_checkpoint, 3, cfg, timeout_s=25, collective_timeout_s=4)
+    assert not outcomes[2].ok  # frozen, then killed by the harness
+    for rank in (0, 1):
+        assert "rank(s) [2] did not arrive at step 9" in outcomes[rank].value, outcomes[rank]
+
+
 # --- failure reporting adds no fixed wait ----------------------------------------------------------
 
 

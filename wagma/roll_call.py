@@ -48,19 +48,22 @@ class RollCall:
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(f"wagma/roll_call/{next(_calls)}/", base)
         self.rank, self.world_size, self.report_s = rank, world_size, float(report_s)
+        self._step: int | None = None
 
     def begin(self, step: int) -> None:
-        """Publish that this rank begins ``step`` (0-based)."""
+        """Publish that this rank begins ``step`` (0-based); :meth:`watching` blames a failure on it."""
+        self._step = step
         self._store.set(f"step/{self.rank}", str(step))
 
     @contextlib.contextmanager
-    def attending(self, step: int) -> Iterator[None]:
-        """Around the work of ``step``: publish that it begins; turn an ``Exception`` into :meth:`failure`'s error."""
-        self.begin(step)
+    def watching(self) -> Iterator[None]:
+        """Around the training loop: turn an ``Exception`` into :meth:`failure`'s error for the step last begun."""
         try:
             yield
         except Exception as err:
-            failure = self.failure(step, err)
+            if self._step is None:
+                raise
+            failure = self.failure(self._step, err)
             # Logged at once: the exception itself surfaces only after the caller's teardown, and torchrun
             # may stop this process in between, when another rank exits first.
             log.error("%s", failure)

@@ -19,9 +19,9 @@ Read top to bottom, it does:
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
    write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
 
-When a step fails (one of its collectives timed out, a peer died), every rank that sees it raises a
-``RuntimeError`` naming the ranks that did not arrive at that step (:mod:`wagma.roll_call`;
-``failure_report_s`` bounds the wait for the other ranks' reports).
+When a step fails (one of its collectives -- averaging, evaluation, consensus, checkpoint -- timed out,
+a peer died), every rank that sees it raises a ``RuntimeError`` naming the ranks that did not arrive at
+that step (:mod:`wagma.roll_call`; ``failure_report_s`` bounds the wait for the other ranks' reports).
 
 How time is split (per rank and step, host clocks):
 
@@ -189,13 +189,13 @@ def _train(
         compute_s = 0.0
         model.train()
         roll_call = RollCall(rank, world_size, report_s=float(cfg.get("failure_report_s", 3.0)))
-        with MetricsWriter(run_dir, rank, keep_through=start_step) as writer:
+        with MetricsWriter(run_dir, rank, keep_through=start_step) as writer, roll_call.watching():
             for step in range(start_step, steps):
                 done = step + 1
-                with roll_call.attending(step):
-                    timings = _timed_step(
-                        model, next(batches), loss_fn, optimizer, policy, imbalance, clock, step, compute_s
-                    )
+                roll_call.begin(step)
+                timings = _timed_step(
+                    model, next(batches), loss_fn, optimizer, policy, imbalance, clock, step, compute_s
+                )
                 compute_s = timings["compute_s"]
                 totals.add(timings)
                 window.append(timings)
