@@ -167,16 +167,18 @@ def shared_start_time(timeout_s: float = 60.0) -> float:
     """The job's start time (seconds since the epoch): the same on every rank and every restart of one torchrun job.
 
     On one node (``LOCAL_WORLD_SIZE == WORLD_SIZE``) it is the start time of the torchrun agent, the parent
-    of every rank, which a restart keeps. Across nodes it is the first rank's clock, published in torchrun's
-    store under ``TORCHELASTIC_RUN_ID``. Outside torchrun it is this process's first call's clock. Cached
-    for the life of the process.
+    of every rank, which a restart keeps (a restart brings new ranks and store keys, not a new agent).
+    Across nodes it is the first rank's clock, published in torchrun's store under ``TORCHELASTIC_RUN_ID``.
+    Outside torchrun it is this process's first call's clock. Cached for the life of the process.
     """
     global _start_time
     if _start_time is None:
         now = time.time()
         if _under_torchrun():
-            agent = process_start_time(os.getppid())
-            if agent is not None and os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:
+            one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+            one_agent = one_node and "TORCHELASTIC_RUN_ID" in os.environ
+            agent = process_start_time(os.getppid()) if one_agent else None
+            if agent is not None:
                 now = agent
             else:
                 key = f"wagma/start_time/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
