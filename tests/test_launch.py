@@ -115,6 +115,9 @@ def test_a_frozen_rank_is_named_by_every_survivor_and_in_torchruns_report(tmp_pa
         _wait_until(lambda: not any(_alive(pids[r]) for r in survivors), 60, "the survivors to fail")
         failed_after = time.monotonic() - stopped
         print(f"{policy}: the survivors of a SIGSTOP of rank {frozen} ended {failed_after:.1f} s later")
+        # torchrun has seen the failures once it stops the rest; only then end the frozen rank (its SIGTERM
+        # waits for a SIGCONT, torchrun's SIGKILL would come 30 s later).
+        _wait_until(lambda: "closing signal SIGTERM" in _output(tmp_path), 30, "torchrun to stop the frozen rank")
     finally:
         for pid in descendants(proc.pid):
             os.kill(pid, signal.SIGKILL)
