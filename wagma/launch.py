@@ -7,15 +7,23 @@ agreed on collectively: ``cpu``; ``cuda`` (every rank must have a GPU, or every 
 (CUDA when every rank has a GPU, else CPU everywhere). With a GPU in play the group is created as
 ``cpu:gloo,cuda:nccl``, so CPU tensors go through gloo and CUDA tensors through NCCL.
 
+Elastic restarts (``torchrun --max-restarts N``): torchrun's agent keeps one c10d store for all attempts
+of a job, so the keys a process group leaves there (its ranks' gloo addresses) would be found, stale, by
+the next attempt's group. :func:`init_distributed` therefore prefixes the group's keys with the attempt
+(``TORCHELASTIC_RESTART_COUNT``, see :func:`restart_count`); :func:`wagma.train.train` resumes a
+restarted attempt from the newest complete checkpoint.
+
 One run directory under torchrun: every rank runs Hydra itself, and Hydra's default run dir holds the
 time of day, which can differ between ranks by a second. The ``wagma_now`` resolver (a drop-in for
-Hydra's ``now``) formats one start time shared by all ranks: the first rank to ask publishes its clock
-in torchrun's c10d store with a first-writer-wins ``compare_set``, and every rank formats that value
-(a torchrun restart finds the same key and reuses the directory, so ``resume=true`` continues there).
+Hydra's ``now``) formats one start time shared by all ranks and by every restart of the job: on one
+node the start time of the torchrun agent (the parent of every rank, alive through restarts); across
+nodes the first rank's clock, published in torchrun's c10d store under the job's id with a
+first-writer-wins ``compare_set`` (the store lives as long as torchrun on the store's node).
 ``hydra.run.dir=DIR`` bypasses it. Only rank 0 writes Hydra's files: :func:`hydra_rank_overrides` adds
 ``hydra.output_subdir=null`` and ``hydra/job_logging=stdout`` on the other ranks, and
 :func:`failures_reported_by_rank0` makes a failure all ranks share (a config Hydra cannot compose, a
-config :func:`wagma.config.validate_config` rejects) reach the terminal once, from rank 0.
+config :func:`wagma.config.validate_config` rejects) reach the terminal once, from rank 0; any other
+failure exits at once.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import contextlib
 import dataclasses
 import datetime
 import io
+import logging
 import os
 import sys
 import time
@@ -33,10 +42,16 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from wagma.procs import process_start_time
+
 __all__ = [
-    "DistContext", "env_rank", "env_world_size", "failures_reported_by_rank0", "hydra_rank_overrides",
-    "init_distributed", "register_resolvers", "release_stderr", "shared_start_time", "shutdown",
+    "SHARED_FAILURE_EXIT_CODE", "DistContext", "env_rank", "env_world_size", "exit_at_once_on_failure",
+    "failures_reported_by_rank0", "hydra_rank_overrides", "init_distributed", "register_resolvers",
+    "release_stderr", "restart_count", "shared_start_time", "shutdown",
 ]
+
+#: Exit status of a failure every rank shares (a config :func:`wagma.config.validate_config` rejects).
+SHARED_FAILURE_EXIT_CODE = 2
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -57,6 +72,24 @@ def env_world_size() -> int:
 
 def _under_torchrun() -> bool:
     return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def restart_count() -> int:
+    """How often torchrun has restarted this job's workers (``TORCHELASTIC_RESTART_COUNT``; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _init_from_torchrun(backend: str, timeout: datetime.timedelta) -> None:
+    """``init_process_group`` from torchrun's environment, its store keys kept apart per restart attempt."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)  # rank 0 hosts a fresh store per attempt
+        return
+    # The agent's store outlives an attempt; without the prefix a restarted group reads the gloo
+    # addresses of the group before it and fails to connect ("connectFullMesh failed").
+    store = dist.PrefixStore(f"wagma/attempt_{restart_count()}/", _torchrun_store(timeout.total_seconds()))
+    dist.init_process_group(
+        backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +124,7 @@ def init_distributed(device: str, timeout_s: float = 300.0) -> DistContext:
         if has_gpu and device != "cpu":
             torch.cuda.set_device(local_rank)
         if _under_torchrun():
-            dist.init_process_group(backend, timeout=timeout)
+            _init_from_torchrun(backend, timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -131,16 +164,25 @@ _start_time: float | None = None
 
 
 def shared_start_time(timeout_s: float = 60.0) -> float:
-    """The run's start time (seconds since the epoch), the same on every rank launched by one torchrun.
+    """The job's start time (seconds since the epoch): the same on every rank and every restart of one torchrun job.
 
+    On one node (``LOCAL_WORLD_SIZE == WORLD_SIZE``) it is the start time of the torchrun agent, the parent
+    of every rank, which a restart keeps (a restart brings new ranks and store keys, not a new agent).
+    Across nodes it is the first rank's clock, published in torchrun's store under ``TORCHELASTIC_RUN_ID``.
     Outside torchrun it is this process's first call's clock. Cached for the life of the process.
     """
     global _start_time
     if _start_time is None:
         now = time.time()
         if _under_torchrun():
-            key = f"wagma/start_time/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
-            now = float(_torchrun_store(timeout_s).compare_set(key, "", repr(now)).decode())
+            one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+            one_agent = one_node and "TORCHELASTIC_RUN_ID" in os.environ
+            agent = process_start_time(os.getppid()) if one_agent else None
+            if agent is not None:
+                now = agent
+            else:
+                key = f"wagma/start_time/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+                now = float(_torchrun_store(timeout_s).compare_set(key, "", repr(now)).decode())
         _start_time = now
     return _start_time
 
@@ -170,6 +212,7 @@ def hydra_rank_overrides(argv: Sequence[str], rank: int) -> list[str]:
 
 
 _held: tuple[TextIO, io.StringIO] | None = None
+_task_started = False  # set by release_stderr: Hydra composed the config and the task function runs
 
 
 def _failure_key() -> str:
@@ -183,11 +226,15 @@ def failures_reported_by_rank0(wait_s: float = 10.0) -> Iterator[None]:
 
     On ranks other than 0, stderr is held back until :func:`release_stderr` (call it first thing in the
     task function), so Hydra's report of a config it cannot compose (unknown option, bad override) is
-    not printed once per rank. When the process then exits with a non-zero status under torchrun, rank 0
-    (which has printed its report by then) publishes that in torchrun's store, and the other ranks wait
-    for it up to ``wait_s`` before exiting -- torchrun stops all workers when the first one exits, which
-    could otherwise kill rank 0 before it printed. A rank that hears nothing from rank 0 in time prints
-    what it held back. ``HYDRA_FULL_ERROR=1`` disables the holding back.
+    not printed once per rank. A shared failure is one of these two: the task function never ran
+    (stderr still held: Hydra could not compose the config), or the exit status is
+    :data:`SHARED_FAILURE_EXIT_CODE` (a config :func:`wagma.config.validate_config` rejects). On a shared
+    failure under torchrun, rank 0 (which has printed its report by then) publishes that in torchrun's
+    store and the other ranks wait for it, at most ``wait_s`` -- torchrun stops all workers when the first
+    one exits, which could otherwise kill rank 0 before it printed. Rank 0 meets the same failure, so the
+    wait ends when it reports; a rank that hears nothing in time prints what it held back. Any other
+    failure (a peer that died or hung, a bug on one rank) is this rank's own to report: it exits at once,
+    with no wait. ``HYDRA_FULL_ERROR=1`` disables the holding back.
     """
     global _held
     rank = env_rank()
@@ -198,7 +245,8 @@ def failures_reported_by_rank0(wait_s: float = 10.0) -> Iterator[None]:
     try:
         yield
     except SystemExit as exc:
-        if exc.code not in (None, 0) and _under_torchrun():
+        shared = _held is not None or (rank == 0 and not _task_started) or exc.code == SHARED_FAILURE_EXIT_CODE
+        if exc.code not in (None, 0) and shared and _under_torchrun():
             rank0_reported = _signal_failure_reported() if rank == 0 else _wait_failure_reported(wait_s)
         raise
     finally:
@@ -226,9 +274,37 @@ def _wait_failure_reported(wait_s: float) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def exit_at_once_on_failure() -> Iterator[None]:
+    """Around the entry point: after a failure has been reported, exit without the interpreter's teardown.
+
+    A process group broken by a dead or frozen peer can hold the interpreter's exit for seconds (measured:
+    about 7 s after a gloo timeout, in the destructors of torch's C++ objects). The error is printed and
+    recorded by then, so a non-zero ``SystemExit`` flushes the streams and logs and ends the process with
+    ``os._exit``; a successful run exits normally.
+    """
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            raise
+        code = exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def release_stderr() -> None:
-    """Restore stderr held by :func:`failures_reported_by_rank0`, replaying what was written meanwhile."""
-    global _held
+    """Restore stderr held by :func:`failures_reported_by_rank0`, replaying what was written meanwhile.
+
+    Call it first thing in the task function: it also marks the config as composed, so a later failure
+    is not taken for one that every rank shares.
+    """
+    global _held, _task_started
+    _task_started = True
     if _held is not None:
         real, buffer = _held
         sys.stderr = real

@@ -71,6 +71,7 @@ class MetricsWriter:
         self.rank = rank
         self._flush_every = flush_every
         self._pending = 0
+        self._lost = False
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, step: int, **fields: Any) -> None:
@@ -82,15 +83,29 @@ class MetricsWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Push buffered records to disk."""
+        """Push buffered records to disk.
+
+        Raises:
+            RuntimeError: if the file was deleted meanwhile (the run directory removed mid-run): the
+                records would go nowhere.
+        """
         self._file.flush()
         self._pending = 0
+        if not self._lost and os.fstat(self._file.fileno()).st_nlink == 0:
+            self._lost = True  # reported once
+            raise RuntimeError(
+                f"the metrics file {self.path} was deleted while rank {self.rank} was writing it (was the run "
+                f"directory {self.path.parent} removed?); its records are lost: keep the run directory until the "
+                "run ends, and start the run again"
+            )
 
     def close(self) -> None:
-        """Flush and close the file (idempotent)."""
+        """Flush and close the file (idempotent); raises like :meth:`flush` if the file was deleted."""
         if not self._file.closed:
-            self._file.flush()
-            self._file.close()
+            try:
+                self.flush()
+            finally:
+                self._file.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

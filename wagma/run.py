@@ -6,6 +6,10 @@ It runs ``torchrun --standalone --nproc_per_node=N train.py [overrides] hydra.ru
 experiment=wagma_random_k``); ``hydra.run.dir=DIR`` among them picks the run directory, else it is
 ``outputs/<date>/<time>`` under the current directory, as with plain torchrun.
 
+SIGTERM or SIGINT (Ctrl-C) ends the whole run: torchrun gets SIGTERM and stops its ranks; whatever is still
+alive ``grace_s`` later (torchrun itself, a rank, a rank's child) is killed, so nothing is left behind. The
+exit status is then 128 + the signal's number.
+
 ``train.py`` is found next to the ``wagma`` package (a checkout, or ``pip install -e .``), or where the
 ``WAGMA_TRAIN_SCRIPT`` environment variable points. For several nodes use torchrun (or srun) directly; see
 the "training application" section of README.md.
@@ -17,19 +21,26 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wagma.procs import descendants, start_ticks
+
 __all__ = [
-    "DEFAULT_NPROC", "argument_parser", "default_run_dir", "format_summary", "main", "run", "split_run_dir",
-    "torchrun_command", "train_script",
+    "DEFAULT_NPROC", "STOP_GRACE_S", "argument_parser", "default_run_dir", "format_summary", "main", "run",
+    "split_run_dir", "stopping_signal", "torchrun_command", "train_script",
 ]
 
 #: Ranks per run unless ``--nproc`` says otherwise: the default experiment's 4 CPU ranks.
 DEFAULT_NPROC = 4
+#: Seconds torchrun gets to stop its ranks after SIGTERM/SIGINT before what is left is killed.
+STOP_GRACE_S = 10.0
 _RUN_DIR_KEY = "hydra.run.dir="
 
 
@@ -95,10 +106,89 @@ def run(
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # a stale torchrun environment would confuse the standalone rendezvous
     out = subprocess.DEVNULL if capture else None
-    proc = subprocess.run(torchrun_command(rest, directory, nproc), env=env, stdout=out, stderr=out, check=False)
+    # A session of its own: a Ctrl-C in the terminal reaches this process only, which stops torchrun in order.
+    code = _run_stoppable(
+        lambda: subprocess.Popen(
+            torchrun_command(rest, directory, nproc), env=env, stdout=out, stderr=out, start_new_session=True
+        ),
+        STOP_GRACE_S,
+    )
     summary_path = directory / "summary.json"
-    summary = json.loads(summary_path.read_text()) if proc.returncode == 0 and summary_path.is_file() else None
-    return proc.returncode, summary, directory
+    summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.is_file() else None
+    return code, summary, directory
+
+
+def _kill(pids: dict[int, int | None], sig: signal.Signals) -> None:
+    """Send ``sig`` to each ``{pid: start ticks}`` that is still that process (a pid may be reused)."""
+    for pid, ticks in pids.items():
+        if start_ticks(pid) == ticks:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _run_stoppable(start: Callable[[], subprocess.Popen[bytes]], grace_s: float) -> int:
+    """Start torchrun and wait for it; on SIGTERM/SIGINT stop it and its ranks, killing what is left after ``grace_s``.
+
+    The handlers are in place before torchrun starts, so no signal can end this process and leave it behind.
+    Returns torchrun's exit status, or 128 + the signal's number when a signal stopped the run.
+    """
+    received: list[int] = []
+    started: list[subprocess.Popen[bytes]] = []
+    tree: dict[int, int | None] = {}
+
+    def stop() -> None:
+        proc = started[0]
+        tree.update(descendants(proc.pid))  # before torchrun ends: orphans would be hard to find
+        proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks (SIGTERM, then SIGKILL)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not received:
+            received.append(signum)
+            if started:
+                stop()
+
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = (
+        {sig: signal.signal(sig, on_signal) for sig in handled}
+        if threading.current_thread() is threading.main_thread() else {}
+    )
+    try:
+        proc = start()
+        started.append(proc)
+        tree[proc.pid] = start_ticks(proc.pid)
+        if received:  # the signal came while torchrun was starting
+            stop()
+        deadline = None
+        while True:
+            try:
+                code = proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                if received and deadline is None:
+                    deadline = time.monotonic() + grace_s
+                if deadline is not None and time.monotonic() > deadline:
+                    tree.update(descendants(proc.pid))
+                    _kill(tree, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if started and proc.poll() is None:  # an exception on the way out: leave nothing running
+            tree.update(descendants(proc.pid))
+            _kill(tree, signal.SIGKILL)
+            proc.wait()
+    if received:
+        _kill(tree, signal.SIGKILL)  # a rank torchrun failed to stop
+        return 128 + received[0]
+    return code
+
+
+def stopping_signal(code: int) -> signal.Signals | None:
+    """The signal (SIGTERM or SIGINT) that stopped a run, from :func:`run`'s exit status; None otherwise."""
+    if code - 128 in (signal.SIGTERM, signal.SIGINT):
+        return signal.Signals(code - 128)
+    return None
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -138,6 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(" ".join(torchrun_command(rest, run_dir, args.nproc)))
         return 0
     code, summary, directory = run(rest, nproc=args.nproc, run_dir=run_dir)
+    stopped = stopping_signal(code)
+    if stopped is not None:
+        print(f"wagma-train: stopped by {stopped.name}; torchrun and its ranks were ended; "
+              f"the newest complete checkpoint in {directory} is kept (resume=true continues from it)",
+              file=sys.stderr)
+        return code
     if summary is None:
         print(f"wagma-train: the run failed (exit status {code}); see the output above and {directory}",
               file=sys.stderr)

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wagma.run import argument_parser, run, torchrun_command
+from wagma.run import argument_parser, run, stopping_signal, torchrun_command
 
 __all__ = ["expand", "format_table", "main", "split_top_level"]
 
@@ -118,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append({"job": name, "overrides": job, "exit": code, "summary": summary})
         out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+        if (stopped := stopping_signal(code)) is not None:  # SIGTERM/Ctrl-C ends the sweep, not only this job
+            print(f"wagma-sweep: stopped by {stopped.name} during {name}; results so far: {out / 'sweep.json'}",
+                  file=sys.stderr)
+            return code
     print("\n" + format_table(rows))
     print(f"\nsweep results: {out / 'sweep.json'}")
     return 0 if all(r["summary"] is not None for r in rows) else 1

@@ -8,7 +8,8 @@ Read top to bottom, it does:
 2. join or create the process group (:func:`wagma.launch.init_distributed`) and agree on the device;
 3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the policy
    (:mod:`wagma.policy`), wrap the model with it, build the optimizer and the imbalance injector;
-4. resume from the newest complete checkpoint when ``resume=true`` (:func:`wagma.checkpoint.resume_checkpoint`:
+4. resume from the newest complete checkpoint when ``resume=true``, or when torchrun restarted the job
+   (``torchrun --max-restarts N``: ``TORCHELASTIC_RESTART_COUNT`` > 0) (:func:`wagma.checkpoint.resume_checkpoint`:
    verified, and refused if the world size, model, optimizer, data or averaging differ -- the averaging
    may with ``resume_policy_change=true``, its state then starts fresh); with ``resume=false``, refuse a
    run directory that holds an earlier run's checkpoints or metrics rather than overwrite them;
@@ -20,6 +21,10 @@ Read top to bottom, it does:
    (:mod:`wagma.gpu_metrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
    write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
+
+When a step fails (one of its collectives -- averaging, evaluation, consensus, checkpoint -- timed out,
+a peer died), every rank that sees it raises a ``RuntimeError`` naming the ranks that did not arrive at
+that step (:mod:`wagma.roll_call`; ``failure_report_s`` bounds the wait for the other ranks' reports).
 
 How time is split (per rank and step, host clocks):
 
@@ -66,6 +71,7 @@ from wagma.metrics import MetricsWriter, write_summary
 from wagma.models import build_model
 from wagma.policies import ModelAveragingPolicy
 from wagma.policy import AllreducePolicy, Policy, build_policy
+from wagma.roll_call import RollCall
 
 __all__ = ["StepCallback", "evaluate", "train"]
 
@@ -159,8 +165,11 @@ def _train(
             }
             save_checkpoint(run_dir, step, state, fingerprint=fingerprint)
 
+        # Resume when asked, and always in an attempt that torchrun restarted (--max-restarts N): it continues
+        # from the newest complete checkpoint, or from step 0 when the failed attempt completed none.
+        restarts = launch.restart_count()
         totals, start_step, resume_from = _Totals(), 0, None
-        if cfg.resume:
+        if cfg.resume or restarts > 0:
             resumed = resume_checkpoint(
                 run_dir, fingerprint, allow_changed=RESETTABLE if cfg.get("resume_policy_change", False) else ()
             )
@@ -170,7 +179,8 @@ def _train(
                 if isinstance(policy, (AllreducePolicy, ModelAveragingPolicy)):  # stateless comm hooks only
                     _rebuild_ddp_buckets(model, x_test[:1])
             elif rank == 0:
-                log.warning("resume=true but %s holds no complete checkpoint; starting from step 0", run_dir)
+                why = "resume=true" if cfg.resume else f"restart {restarts} of this job"
+                log.warning("%s but %s holds no complete checkpoint; starting from step 0", why, run_dir)
         else:
             ensure_no_history(run_dir)
         if rank == 0:
@@ -187,9 +197,11 @@ def _train(
         window: list[dict[str, float]] = []
         compute_s = 0.0
         model.train()
-        with MetricsWriter(run_dir, rank, keep_through=start_step) as writer:
+        roll_call = RollCall(rank, world_size, report_s=float(cfg.get("failure_report_s", 3.0)))
+        with MetricsWriter(run_dir, rank, keep_through=start_step) as writer, roll_call.watching():
             for step in range(start_step, steps):
                 done = step + 1
+                roll_call.begin(step)
                 timings = _timed_step(
                     model, next(batches), loss_fn, optimizer, policy, imbalance, clock, step, compute_s
                 )
@@ -226,6 +238,7 @@ def _train(
             cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started
         )
         summary["resumed_from"] = resume_from
+        summary["restarts"] = launch.restart_count()
         if rank == 0:
             torch.save(net.state_dict(), run_dir / "model.pt")
             write_summary(run_dir, summary)

@@ -1,0 +1,368 @@
+"""Launching and failing for real: torchrun with frozen and killed ranks, elastic restarts, signals to wagma.run."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from wagma import launch
+from wagma.metrics import MetricsWriter, read_metrics
+from wagma.procs import descendants
+from wagma.roll_call import RollCall
+from wagma.testing import run_workers, run_workers_outcomes
+from wagma.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _start(cwd: Path, cmd: list[str], **kwargs: object) -> subprocess.Popen[str]:
+    """Start ``cmd`` in ``cwd``, its output going to a file that :func:`_output` reads."""
+    with open(cwd / "launcher.out", "w") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def _output(cwd: Path) -> str:
+    return (cwd / "launcher.out").read_text(errors="replace")
+
+
+def _torchrun(cwd: Path, *overrides: str, nproc: int, flags: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    return _start(cwd, [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "--log-dir", str(cwd / "logs"), "--redirects", "3", *flags,
+        str(ROOT / "train.py"), "progress=false", *overrides,
+    ])
+
+
+def _wait_until(cond: Callable[[], object], timeout_s: float, what: str) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"waited {timeout_s} s for {what}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _rank_pids(launcher: int, nproc: int) -> dict[int, int]:
+    """``{rank: pid}`` of the training processes below ``launcher``, once all ``nproc`` run."""
+
+    def ranks() -> dict[int, int]:
+        found = {}
+        for pid in descendants(launcher):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            rank = [e[5:] for e in environ if e.startswith(b"RANK=")]
+            if rank and b"train.py" in cmdline:
+                found[int(rank[0])] = pid
+        return found if len(found) == nproc else {}
+
+    return _wait_until(ranks, 60, f"{nproc} training processes")  # type: ignore[return-value]
+
+
+def _has_records(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
+def _rank_log(cwd: Path, rank: int) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((cwd / "logs").glob(f"**/attempt_0/{rank}/*.log")))
+
+
+# --- point 8: a frozen rank is named ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,frozen", [("allreduce", 0), ("wagma", 2)])
+def test_a_frozen_rank_is_named_by_every_survivor_and_in_torchruns_report(tmp_path, policy, frozen):
+    run_dir = tmp_path / "run"
+    timeouts = ("dist_timeout_s=8", "failure_report_s=2") + (("averaging.timeout_s=8",) if policy == "wagma" else ())
+    proc = _torchrun(tmp_path, f"averaging={policy}", "steps=1000000", "checkpoint_every=0", *timeouts,
+                     f"hydra.run.dir={run_dir}", nproc=4)
+    try:
+        pids = _rank_pids(proc.pid, 4)
+        _wait_until(lambda: _has_records(run_dir / f"metrics_rank{frozen}.jsonl"), 90, "training to start")
+        os.kill(pids[frozen], signal.SIGSTOP)
+        stopped = time.monotonic()
+        survivors = [r for r in pids if r != frozen]
+        _wait_until(lambda: not any(_alive(pids[r]) for r in survivors), 60, "the survivors to fail")
+        failed_after = time.monotonic() - stopped
+        print(f"{policy}: the survivors of a SIGSTOP of rank {frozen} ended {failed_after:.1f} s later")
+        # torchrun has seen the failures once it stops the rest; only then end the frozen rank (its SIGTERM
+        # waits for a SIGCONT, torchrun's SIGKILL would come 30 s later).
+        _wait_until(lambda: "closing signal SIGTERM" in _output(tmp_path), 30, "torchrun to stop the frozen rank")
+    finally:
+        for pid in descendants(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode != 0
+    for rank in survivors:
+        log = _rank_log(tmp_path, rank)
+        assert f"rank(s) [{frozen}] did not arrive at step" in log, (rank, log[-3000:])
+    report = _output(tmp_path)
+    root_cause = report[report.index("Root Cause"):]
+    assert f"rank(s) [{frozen}] did not arrive at step" in root_cause, report[-3000:]
+    # The collective's timeout (8 s) plus the roll call (2 s) plus slack: no fixed extra wait on top, and no
+    # teardown held by the broken group (that took about 7 s more before exit_at_once_on_failure).
+    assert failed_after < 8 + 2 + 5, failed_after
+
+
+def _roll_call_worker(rank: int, world_size: int, absent: int | None, report_s: float) -> tuple[str, float]:
+    roll_call = RollCall(rank, world_size, report_s=report_s)
+    roll_call.begin(4)
+    if rank == absent:
+        time.sleep(report_s + 1.0)  # frozen: never reports
+        return "", 0.0
+    roll_call.begin(5)
+    started = time.monotonic()
+    error = roll_call.failure(5, TimeoutError("allreduce timed out"))
+    return str(error), time.monotonic() - started
+
+
+def test_roll_call_names_the_rank_that_sent_no_report_and_its_last_step():
+    results = run_workers(_roll_call_worker, 3, 1, 1.0)
+    for rank in (0, 2):
+        message, waited = results[rank]
+        assert f"step 5 failed on rank {rank}: rank(s) [1] did not arrive at step 5" in message
+        assert "rank 1 last began step 4" in message and "cause here: TimeoutError: allreduce timed out" in message
+        assert 0.9 < waited < 3.0
+
+
+def test_roll_call_does_not_wait_when_every_rank_reports():
+    results = run_workers(_roll_call_worker, 3, None, 10.0)
+    for message, waited in results:
+        assert "no rank is missing" in message and waited < 3.0
+
+
+def test_roll_call_rejects_a_negative_wait():
+    with pytest.raises(ValueError, match="report_s must be >= 0"):
+        RollCall(0, 1, report_s=-1.0, store=dist.HashStore())
+
+
+def _train_freezing_in_checkpoint(rank: int, world_size: int, cfg: object) -> str:
+    import wagma.train as train_module
+
+    save = train_module.save_checkpoint
+
+    def freeze_rank2(*args: object) -> None:
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen between its step and the checkpoint's barrier
+        save(*args)
+
+    train_module.save_checkpoint = freeze_rank2
+    try:
+        train(cfg)
+    except RuntimeError as err:
+        return str(err)
+    return "finished"
+
+
+def test_a_rank_frozen_before_a_checkpoint_is_named_too(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("config", overrides=[
+            "averaging=allreduce", "steps=100", "progress=false", "checkpoint_every=10", "failure_report_s=1",
+            f"run_dir={tmp_path / 'run'}",
+        ])
+    outcomes = run_workers_outcomes(_train_freezing_in_checkpoint, 3, cfg, timeout_s=25, collective_timeout_s=4)
+    assert not outcomes[2].ok  # frozen, then killed by the harness
+    for rank in (0, 1):
+        assert "rank(s) [2] did not arrive at step 9" in outcomes[rank].value, outcomes[rank]
+
+
+# --- failure reporting adds no fixed wait ----------------------------------------------------------
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """This process as rank 1 of 2 under torchrun, with a store of its own standing in for torchrun's."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": f"t{time.time_ns()}"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    return server
+
+
+def _exit_under_reporting(code: int, *, composed: bool, wait_s: float) -> float:
+    started = time.monotonic()
+    with pytest.raises(SystemExit), launch.failures_reported_by_rank0(wait_s=wait_s):
+        if composed:
+            launch.release_stderr()
+        raise SystemExit(code)
+    return time.monotonic() - started
+
+
+def test_a_failure_of_this_rank_alone_exits_at_once(torchrun_env):
+    # A runtime failure (exit 1 after the task function started) is this rank's own: the old code
+    # waited wait_s for rank 0 to report it, which never happens when rank 0 is the frozen one.
+    assert _exit_under_reporting(1, composed=True, wait_s=5.0) < 1.0
+
+
+def test_a_shared_failure_waits_for_rank0_at_most_wait_s(torchrun_env):
+    assert 0.4 < _exit_under_reporting(launch.SHARED_FAILURE_EXIT_CODE, composed=True, wait_s=0.5) < 3.0
+    torchrun_env.set(f"wagma/failure_reported/{os.environ['TORCHELASTIC_RUN_ID']}/0", "1")  # rank 0 reported
+    assert _exit_under_reporting(1, composed=False, wait_s=5.0) < 1.0
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_failed_process_exits_without_teardown_after_flushing_its_report(tmp_path, code):
+    script = (
+        "import atexit, logging, sys\n"
+        "from wagma import launch\n"
+        "atexit.register(lambda: print('teardown ran', flush=True))\n"
+        "logging.basicConfig(filename=sys.argv[1])\n"
+        "with launch.exit_at_once_on_failure():\n"
+        "    print('reported', end='')\n"
+        "    logging.getLogger('x').error('logged')\n"
+        f"    raise SystemExit({code})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "log")], env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == code and proc.stdout.startswith("reported")
+    assert ("teardown ran" in proc.stdout) == (code == 0)  # a failure skips the interpreter's teardown
+    assert "logged" in (tmp_path / "log").read_text()
+
+
+# --- point 9: elastic restarts ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_max_restarts_resumes_a_job_that_lost_a_rank_and_finishes_its_steps(tmp_path):
+    steps = 300
+    proc = _torchrun(
+        tmp_path, "averaging=allreduce", f"steps={steps}", "checkpoint_every=20", "imbalance=persistent",
+        "imbalance.base_s=0.01", nproc=2, flags=("--max-restarts", "1"),
+    )
+    try:
+        pids = _rank_pids(proc.pid, 2)
+        latest = _wait_until(lambda: list(tmp_path.glob("outputs/*/*/checkpoints/latest")), 90, "a checkpoint")
+        os.kill(pids[1], signal.SIGKILL)
+        proc.wait(timeout=150)
+    finally:
+        for pid in descendants(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, _output(tmp_path)[-3000:]
+    run_dirs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
+    assert run_dirs == [latest[0].parents[1]]  # the restart found the same run directory
+    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["restarts"] == 1
+    assert summary["resumed_from"] is not None and 20 <= summary["resumed_from"] < steps
+    recorded = [r["step"] for r in read_metrics(run_dirs[0], 0)]
+    assert recorded == list(range(1, steps + 1))  # each step once: the killed attempt's extra steps dropped
+    assert (run_dirs[0] / "train.log").read_text().count("training mlp on digits") == 2
+
+
+# --- point 10: signals and a vanished run directory ------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_wagma_run_ends_torchrun_and_every_rank(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, [
+        sys.executable, "-m", "wagma.run", "--nproc", "2", "progress=false", "averaging=allreduce", "steps=1000000",
+        f"hydra.run.dir={run_dir}",
+    ], start_new_session=True)
+    try:
+        _rank_pids(proc.pid, 2)
+        _wait_until(lambda: _has_records(run_dir / "metrics_rank1.jsonl"), 90, "training to start")
+        tree = descendants(proc.pid)
+        assert len(tree) >= 3  # torchrun and its two ranks
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the foreground process group
+        else:
+            os.kill(proc.pid, sig)  # kill PID
+        signalled = time.monotonic()
+        code = proc.wait(timeout=30)
+        _wait_until(lambda: not any(_alive(pid) for pid in tree), 5, "every process of the run to end")
+        print(f"{sig.name}: wagma.run and its {len(tree)} processes ended {time.monotonic() - signalled:.1f} s later")
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 128 + sig
+    assert f"wagma-train: stopped by {sig.name}; torchrun and its ranks were ended" in _output(tmp_path)
+
+
+def test_metrics_writer_raises_when_the_run_directory_is_deleted(tmp_path):
+    run_dir = tmp_path / "run"
+    writer = MetricsWriter(run_dir, 0, flush_every=2)
+    writer.write(1, loss=1.0)
+    writer.write(2, loss=0.5)
+    os.remove(run_dir / "metrics_rank0.jsonl")
+    run_dir.rmdir()
+    writer.write(3, loss=0.4)
+    with pytest.raises(RuntimeError, match=r"metrics_rank0.jsonl was deleted while rank 0 was writing it"):
+        writer.write(4, loss=0.3)
+    writer.close()  # reported once, not again
+
+
+def _train_deleting_run_dir(rank: int, world_size: int, cfg: object) -> str:
+    def delete_at_step_5(done: int, _timings: dict) -> None:
+        if done == 5 and rank == 0:
+            for path in Path(cfg.run_dir).glob("metrics_rank*.jsonl"):
+                path.unlink()
+    try:
+        train(cfg, step_callback=delete_at_step_5)
+    except RuntimeError as err:
+        return str(err)
+    return "finished"
+
+
+def test_a_run_directory_deleted_mid_run_fails_every_rank_clearly(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("config", overrides=[
+            "averaging=allreduce", "steps=60", "progress=false", "checkpoint_every=0", f"run_dir={tmp_path / 'run'}",
+        ])
+    messages = [o.value for o in run_workers_outcomes(_train_deleting_run_dir, 2, cfg) if o.ok]
+    assert len(messages) == 2 and all("was deleted while rank" in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
+    out = tmp_path / "sweep"
+    proc = _start(tmp_path, [
+        sys.executable, "-m", "wagma.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd",
+        "steps=1000000", "progress=false",
+    ])
+    try:
+        _wait_until(lambda: list(out.glob("*/metrics_rank1.jsonl")), 90, "the first job to train")
+        tree = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        _wait_until(lambda: not any(_alive(pid) for pid in tree), 5, "every process of the job to end")
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGTERM
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [r["exit"] for r in rows] == [128 + signal.SIGTERM]  # the second job never started
+    assert "wagma-sweep: stopped by SIGTERM" in _output(tmp_path)

@@ -1,0 +1,54 @@
+"""Processes as Linux's ``/proc`` shows them: start times and process trees (no torch import: cheap to load).
+
+Used by :mod:`wagma.launch` (one start time for every rank and restart of a torchrun job) and by
+:mod:`wagma.run` (finding every process of a run it must stop). Elsewhere than Linux the functions
+answer "unknown" (None, or an empty list).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["descendants", "process_start_time", "start_ticks"]
+
+_PROC = Path("/proc")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (after ``pid (comm)``, whose name may hold spaces); None if gone."""
+    try:
+        return (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (with the pid, it names one process for good)."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None  # field 22, starttime
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, 10 ms resolution); None if unknown."""
+    ticks = start_ticks(pid)
+    try:
+        boot = next(line for line in (_PROC / "stat").read_text().splitlines() if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return None
+    return None if ticks is None else int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """The processes below ``pid`` (children, their children, ...) as ``{pid: start ticks}``."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in _PROC.iterdir() if _PROC.is_dir() else ():
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None:
+            children.setdefault(int(fields[1]), []).append((int(entry.name), int(fields[19])))
+    found: dict[int, int] = {}
+    todo = list(children.get(pid, []))
+    while todo:
+        child, ticks = todo.pop()
+        found[child] = ticks
+        todo.extend(children.get(child, []))
+    return found
