@@ -9,7 +9,9 @@ engine knows it. The training loop therefore keeps a roll call in the default pr
   report at once, so the wait ends early unless a rank really is missing;
 - the ranks that sent no report are the ones that did not arrive: dead, frozen (``SIGSTOP``), or stuck
   elsewhere. :meth:`RollCall.failure` returns a ``RuntimeError`` that names them, the step each last
-  began, the step this rank failed in, and the original error.
+  began, the step this rank failed in, and the original error. When every rank reported, no rank is
+  missing: the failure is shared (a checkpoint that no rank could save, say) and its own error is raised
+  unchanged.
 
 Keys live under a per-call namespace and are not deleted: a run holds 2 keys per rank.
 """
@@ -64,13 +66,17 @@ class RollCall:
             if self._step is None:
                 raise
             failure = self.failure(self._step, err)
+            if failure is None:  # every rank failed too: the original error says all there is
+                raise
             # Logged at once: the exception itself surfaces only after the caller's teardown, and torchrun
             # may stop this process in between, when another rank exits first.
             log.error("%s", failure)
             raise failure from err
 
-    def failure(self, step: int, error: BaseException) -> RuntimeError:
+    def failure(self, step: int, error: BaseException) -> RuntimeError | None:
         """Report that ``step`` failed here with ``error``; return the error to raise, naming the absent ranks.
+
+        Returns None when every other rank reported a failure as well: none is missing.
 
         Waits for the other ranks' reports at most ``report_s`` seconds; never raises itself (a store that
         broke as well leaves the ranks unnamed, and the message says so).
@@ -86,10 +92,7 @@ class RollCall:
                 f"arrive failed too ({type(store_error).__name__}: {store_error}); cause: {cause}"
             )
         if not absent:
-            return RuntimeError(
-                f"step {step} failed on rank {self.rank}; every rank reached a failure too (no rank is missing), "
-                f"so look for the first cause in the ranks' logs; cause here: {cause}"
-            )
+            return None
         began = ", ".join(f"rank {r} last began step {'?' if s is None else s}" for r, s in last.items())
         return RuntimeError(
             f"step {step} failed on rank {self.rank}: rank(s) {absent} did not arrive at step {step} -- they sent "
