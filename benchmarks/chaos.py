@@ -180,8 +180,11 @@ def named(text: str, spec: Spec) -> bool:
     signal). A frozen rank is alive, so only a survivor can name it: a line saying rank V did not arrive.
     """
     v = spec.victim
-    for line in text.splitlines():
-        if "did not arrive" in line and re.search(rf"\b{v}\b", line.split("did not arrive")[0]):
+    # The roll call's "rank(s) [2] did not arrive at step 12", the engine's "rank(s) [1] of group (0, 1) did
+    # not arrive ...; furthest behind: rank(s) [3]": the lists in brackets, never a step or round number.
+    for listed in re.findall(r"rank\(s\) \[([\d, ]+)\](?: of group \([\d, ]+\))? did not arrive", text) + \
+            re.findall(r"furthest behind: rank\(s\) \[([\d, ]+)\]", text):
+        if v in {int(x) for x in listed.replace(",", " ").split()}:
             return True
     if spec.fault != "SIGSTOP":
         # The agent's log line as a worker dies ("failed (exitcode: -9) local_rank: 2") and its final report;

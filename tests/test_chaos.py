@@ -28,9 +28,13 @@ def _spec(fault: str, victim: int) -> chaos.Spec:
 
 
 def test_a_frozen_rank_counts_as_named_only_when_a_survivor_says_it_did_not_arrive():
-    said = "RuntimeError: step 12: rank(s) [2] did not arrive within 5.0 s (last seen at step 11)"
+    said = "RuntimeError: step 5 failed on rank 0: rank(s) [2] did not arrive at step 5 -- they sent no report"
     assert chaos.named(said, _spec("SIGSTOP", 2))
-    assert not chaos.named(said, _spec("SIGSTOP", 1))
+    assert not chaos.named(said, _spec("SIGSTOP", 5)) and not chaos.named(said, _spec("SIGSTOP", 0))
+    engine = ("round 6: rank(s) [1] of group (0, 1) did not arrive: rank 1 last seen in round 5; "
+              "furthest behind: rank(s) [3]: rank 3 last seen in round 4")
+    assert chaos.named(engine, _spec("SIGSTOP", 3)) and chaos.named(engine, _spec("SIGSTOP", 1))
+    assert not chaos.named(engine, _spec("SIGSTOP", 0)) and not chaos.named(engine, _spec("SIGSTOP", 6))
     # torchrun's report of the survivor that raised first names that survivor, not the frozen rank.
     blamed = "  rank      : 2 (local_rank: 2)\n  exitcode  : 1 (pid: 9730)"
     assert not chaos.named(blamed, _spec("SIGSTOP", 2))

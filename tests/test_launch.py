@@ -171,10 +171,10 @@ def _train_freezing_in_checkpoint(rank: int, world_size: int, cfg: object) -> st
 
     save = train_module.save_checkpoint
 
-    def freeze_rank2(*args: object) -> None:
+    def freeze_rank2(*args: object, **kwargs: object) -> None:
         if rank == 2:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen between its step and the checkpoint's barrier
-        save(*args)
+        save(*args, **kwargs)
 
     train_module.save_checkpoint = freeze_rank2
     try:
@@ -262,7 +262,8 @@ def test_max_restarts_resumes_a_job_that_lost_a_rank_and_finishes_its_steps(tmp_
     )
     try:
         pids = _rank_pids(proc.pid, 2)
-        latest = _wait_until(lambda: list(tmp_path.glob("outputs/*/*/checkpoints/latest")), 90, "a checkpoint")
+        latest = _wait_until(lambda: list(tmp_path.glob("outputs/*/*/checkpoints/step_*/meta.json")), 90,
+                             "a complete checkpoint")
         os.kill(pids[1], signal.SIGKILL)
         proc.wait(timeout=150)
     finally:
@@ -270,7 +271,7 @@ def test_max_restarts_resumes_a_job_that_lost_a_rank_and_finishes_its_steps(tmp_
             os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, _output(tmp_path)[-3000:]
     run_dirs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
-    assert run_dirs == [latest[0].parents[1]]  # the restart found the same run directory
+    assert run_dirs == [latest[0].parents[2]]  # the restart found the same run directory
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["steps"] == steps and summary["restarts"] == 1
     assert summary["resumed_from"] is not None and 20 <= summary["resumed_from"] < steps
