@@ -12,7 +12,7 @@ chosen rank a real signal from outside:
 Checkpoints are frequent (``checkpoint_every`` 1 or 5), so some faults land inside a checkpoint.
 After the fault the harness records, per run:
 
-- ``struck_at_step``: the newest checkpoint when the signal was sent (the fault's place in the run);
+- ``struck_at_step``: the newest complete checkpoint when the signal was sent (the fault's place in the run);
 - ``hung``: the job did not end within ``2 x timeout + grace`` of the fault (then it is killed);
 - ``survivor_s`` / ``max_survivor_s``: seconds from the fault until each other rank's process ended;
 - ``named_rank``: whether the job's output names the faulty rank as the cause: torchrun's failure
@@ -161,8 +161,8 @@ def training_started(run_dir: Path, world_size: int) -> bool:
 
 def in_checkpoint(run_dir: Path) -> bool:
     """Whether a checkpoint is being written right now (a temporary file or directory exists)."""
-    root = run_dir / "checkpoints"
-    return root.is_dir() and any("tmp" in p.name for p in root.rglob("*"))
+    root = run_dir / "checkpoints"  # wagma.checkpoint writes into .partial_step_<n>/, then renames it
+    return root.is_dir() and any(p.name.startswith(".partial") or "tmp" in p.name for p in root.rglob("*"))
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -253,7 +253,7 @@ def run_one(spec: Spec, root: Path, timeout_s: float, grace_s: float = 30.0) -> 
         _kill_session(proc)
         return record | {"error": f"rank {spec.victim}'s process was not found among {pids}"}
     record["during_checkpoint"] = in_checkpoint(run_dir)
-    steps = [int(m.group(1)) for p in (run_dir / "checkpoints").glob("*") if (m := re.search(r"(\d+)", p.name))]
+    steps = [int(p.parent.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*/meta.json")]
     record["struck_at_step"] = max(steps, default=0)
     struck = time.monotonic()
     os.kill(pids[spec.victim], getattr(signal, spec.fault))

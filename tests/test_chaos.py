@@ -50,6 +50,7 @@ def test_a_dead_rank_is_named_by_torchruns_record_of_its_signal():
     assert not chaos.named(survivor, _spec("SIGTERM", 3))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_allreduce_rank_is_survived_named_and_resumed_to_the_uninterrupted_model(tmp_path):
     spec = chaos.Spec(index=0, policy="allreduce", world_size=2, fault="SIGKILL", victim=1, at_s=1.0,

@@ -63,11 +63,13 @@ def _torchrun(script: str, nproc: int, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_recipe_eager_sgd_as_a_ddp_comm_hook_keeps_replicas_identical():
     assert "replicas identical" in _torchrun("eager_sgd_hook.py", 3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("args", [(), ("--no-ddp",)], ids=["ddp", "no-ddp"])
 def test_recipe_wagma_averaging_ends_with_identical_replicas(args):
@@ -75,6 +77,7 @@ def test_recipe_wagma_averaging_ends_with_identical_replicas(args):
     assert "replicas identical" in out and ("no DDP" in out) == bool(args)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_recipe_periodic_averaging_agrees_with_torchs_post_local_sgd_optimizer():
     assert "agree after 24 steps on 2 ranks" in _torchrun("post_local_sgd.py", 2)

@@ -20,6 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_two_torchrun_agents_rendezvous_into_one_job(tmp_path):
     port = _free_port()
