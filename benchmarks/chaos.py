@@ -359,7 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--workdir", default="/tmp/wagma-chaos", help="where the runs' directories go")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos.json"))
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="instead of running: combine the records of campaigns run side by side (other seeds "
+                             "and workdirs) into --out and its Markdown summary")
     args = parser.parse_args(argv)
+    if args.merge:
+        records = [dict(r, campaign=str(path)) for path in args.merge for r in json.loads(Path(path).read_text())]
+        out = Path(args.out)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        sources = "; ".join(f"{path}: {sum(r['campaign'] == str(path) for r in records)} runs" for path in args.merge)
+        (out.parent / (out.stem + ".md")).write_text(markdown(records, f"python benchmarks/chaos.py --merge ... ({sources})"))
+        print(markdown(records, sources))
+        return 0
     if args.runs < 1 or args.timeout_s <= 0 or args.steps < 10:
         parser.error(f"need --runs >= 1, --timeout-s > 0 and --steps >= 10, got {args.runs}, {args.timeout_s}, {args.steps}")
     policies = tuple(p for p in args.policies.split(",") if p)

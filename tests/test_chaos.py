@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -61,3 +62,20 @@ def test_a_killed_allreduce_rank_is_survived_named_and_resumed_to_the_uninterrup
     assert record["named_rank"], record
     assert record["resumed"] and 0 < record["resumed_from"] < 60, record
     assert record["bitwise"] is True, record
+
+
+def test_campaigns_run_side_by_side_merge_into_one_record_list_and_summary(tmp_path):
+    def record(index: int, fault: str, **changes: object) -> dict:
+        return {"index": index, "policy": "wagma", "world_size": 4, "fault": fault, "victim": 1, "at_s": 1.0,
+                "timeout_s": 5.0, "hung": False, "max_survivor_s": 1.0, "named_rank": True, "resumed": True,
+                "bitwise": None, **changes}
+
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    a.write_text(json.dumps([record(0, "SIGKILL"), record(1, "SIGSTOP", max_survivor_s=12.0)]))
+    b.write_text(json.dumps([record(0, "SIGSTOP", named_rank=False)]))
+    assert chaos.main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [(r["campaign"], r["index"]) for r in merged] == [(str(a), 0), (str(a), 1), (str(b), 0)]
+    summary = (tmp_path / "all.md").read_text()
+    assert "| every survivor ends within 2 x timeout | 2 of 3 runs |" in summary
+    assert "| faulty rank named, SIGSTOP runs | 1 of 2 |" in summary
