@@ -103,6 +103,12 @@ class EngineCore:
         # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
         try:
             self.groups, self.global_pg = _communicators(self.schedule, self.rank, self.timeout)
+            if self.global_pg is not None:
+                # Gloo connects a group's members inside its constructor: a rank that returned first and
+                # closed (or exited) could drop a connection a slower rank is still making ("Connection
+                # closed by peer"). The global group is created last, so once all ranks meet on it every
+                # group is complete. Issued here, before the progress thread (its only issuer) starts.
+                dist.barrier(group=self.global_pg)
         except BaseException:
             self.channel.abandon()
             raise
