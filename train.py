@@ -1,13 +1,13 @@
 """Train with wagma: ``torchrun --standalone --nproc_per_node=4 train.py [hydra overrides]``.
 
-The work happens in :func:`wagma.train.train`; this file only hands it the composed config. Under
+The work happens in :func:`wagma.app.train.train`; this file only hands it the composed config. Under
 torchrun every rank resolves the same run directory (``outputs/<date>/<time>`` from the job's start
 time, or ``hydra.run.dir=DIR``), only rank 0 writes Hydra's ``.hydra/`` and log file there, and a bad
 config is reported once, by rank 0, with exit status 2 on every rank. Any other failure is recorded with
 torch.distributed.elastic's ``@record``: the exception (for a failed step, naming the ranks that did not
 arrive) goes to torchrun's error file, so torchrun's final report shows the real cause. With
 ``torchrun --max-restarts N`` a restarted job resumes from its newest complete checkpoint. See
-:mod:`wagma.launch`.
+:mod:`wagma.app.launch`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import hydra
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from wagma import launch
-from wagma.config import ConfigError
-from wagma.train import train
+from wagma.app import launch
+from wagma.app.config import ConfigError
+from wagma.app.train import train
 
 launch.register_resolvers()
 

@@ -156,12 +156,12 @@ def alive(pid: int) -> bool:
 
 def training_started(run_dir: Path, world_size: int) -> bool:
     """Whether every rank has opened its metrics file (train.py does so as its training loop starts)."""
-    return all((run_dir / f"metrics_rank{r}.jsonl").exists() for r in range(world_size))  # wagma.metrics.metrics_path
+    return all((run_dir / f"metrics_rank{r}.jsonl").exists() for r in range(world_size))  # wagma.app.metrics.metrics_path
 
 
 def in_checkpoint(run_dir: Path) -> bool:
     """Whether a checkpoint is being written right now (a temporary file or directory exists)."""
-    root = run_dir / "checkpoints"  # wagma.checkpoint writes into .partial_step_<n>/, then renames it
+    root = run_dir / "checkpoints"  # wagma.app.checkpoint writes into .partial_step_<n>/, then renames it
     return root.is_dir() and any(p.name.startswith(".partial") or "tmp" in p.name for p in root.rglob("*"))
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from wagma.metrics import read_metrics
+from wagma.app.metrics import read_metrics
 
 __all__ = ["accuracy_curve", "collect", "time_to_target", "training_clock"]
 

@@ -1,6 +1,6 @@
 """Benchmark wagma's averaging policies against DDP under injected load imbalance, in one invocation.
 
-For every (scenario, policy) it trains with the application's :func:`wagma.train.train` on a world of
+For every (scenario, policy) it trains with the application's :func:`wagma.app.train.train` on a world of
 forked gloo CPU ranks (:func:`wagma.testing.run_workers`), on the same data, model, seed and imbalance,
 and records throughput, time to a target test accuracy, final accuracy at a fixed sample budget, time
 waited per step (mean and 95th percentile), global reductions, bytes per rank, the staleness histogram
@@ -47,11 +47,11 @@ from omegaconf import DictConfig  # noqa: E402
 from benchmarks import collect, report  # noqa: E402
 from benchmarks import scenarios as sc  # noqa: E402
 from benchmarks.machine import load_average, machine_info  # noqa: E402
-from wagma.config import group_options  # noqa: E402
-from wagma.data import load_dataset  # noqa: E402
-from wagma.metrics import read_metrics  # noqa: E402
+from wagma.app.config import group_options  # noqa: E402
+from wagma.app.data import load_dataset  # noqa: E402
+from wagma.app.metrics import read_metrics  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
-from wagma.train import train  # noqa: E402
+from wagma.app.train import train  # noqa: E402
 
 __all__ = ["main", "parse_args"]
 
@@ -71,7 +71,7 @@ DEFINITIONS: tuple[str, ...] = (
     "sleep, compute, communication and waiting, not evaluation, metrics or checkpoints.",
     "ideal (no-wait ideal, DESIGN §4): P x B / (T + E[mean delay]), T the mean per-rank step time of DDP "
     "without imbalance (compute + allreduce), E[mean delay] the injector's expected delay averaged over ranks "
-    "(wagma.imbalance expected_mean_delay_s: k d / P for random_k). x ideal = samples/s / ideal. The JSON "
+    "(wagma.app.imbalance expected_mean_delay_s: k d / P for random_k). x ideal = samples/s / ideal. The JSON "
     "also holds own_ideal (T of the same policy without imbalance) and compute_ideal (T = the run's mean "
     "compute time alone, no communication).",
     "x DDP: the ratio to allreduce (DDP) in the same scenario and run. Every rank runs the same number of "
@@ -83,7 +83,7 @@ DEFINITIONS: tuple[str, ...] = (
     "training each rank scores its slice of the test set with its own replica (mean over replicas).",
     "final acc: test accuracy after the policy's finalize (e.g. a final global average), after the same "
     "sample budget for every policy.",
-    "wait: wait_s per rank and step as wagma.train measures it (backward time after the last gradient was "
+    "wait: wait_s per rank and step as wagma.app.train measures it (backward time after the last gradient was "
     "ready, plus the policy's before/after-step averaging): mean over all ranks and steps, 95th percentile "
     "over all (rank, step) values.",
     "global red.: the policy's global_reductions counter; KB/rank: the policy's bytes_sent counter (mean "

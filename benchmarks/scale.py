@@ -41,7 +41,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.simulate import Network, simulate  # noqa: E402
-from wagma.imbalance import RandomK  # noqa: E402
+from wagma.app.imbalance import RandomK  # noqa: E402
 
 __all__ = ["main", "paper_policies", "paper_records", "validation_records"]
 
@@ -69,7 +69,7 @@ def paper_policies(configs: Path = ROOT / "configs") -> dict[str, dict[str, Any]
 
 
 def _delays(world: int, k: int, steps: int, delay_s: float, seed: int) -> np.ndarray:
-    """The ``(P, steps)`` delays of :class:`wagma.imbalance.RandomK` (the library's own shared-seed draw)."""
+    """The ``(P, steps)`` delays of :class:`wagma.app.imbalance.RandomK` (the library's own shared-seed draw)."""
     draw = RandomK(0, world, k=k, delay_s=delay_s, seed=seed)
     d = np.zeros((world, steps))
     for s in range(steps):

@@ -1,6 +1,6 @@
 """The imbalance scenarios and the averaging policies the benchmark compares, and how each becomes a config.
 
-A scenario is one of :mod:`wagma.imbalance`'s injectors with its parameters expressed in units of a
+A scenario is one of :mod:`wagma.app.imbalance`'s injectors with its parameters expressed in units of a
 delay ``d``, by default the measured step time ``T`` (the mean per-rank step time of synchronous SGD
 without injected delay), so the same scenario means the same thing on a fast and a slow machine:
 
@@ -12,7 +12,7 @@ without injected delay), so the same scenario means the same thing on a fast and
 
 A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``). :func:`resolve_policy`
 says whether it can run now: the config must exist and its ``name`` must be registered with
-:func:`wagma.policy.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
+:func:`wagma.app.policy.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
 and picks it up without changes once it is registered.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from wagma.config import ConfigError, group_options, validate_config
-from wagma.imbalance import build_imbalance
-from wagma.policy import known_policies
+from wagma.app.config import ConfigError, group_options, validate_config
+from wagma.app.imbalance import build_imbalance
+from wagma.app.policy import known_policies
 
 __all__ = [
     "BASELINE", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
@@ -45,7 +45,7 @@ BASELINE = "allreduce"
 
 # Modules that register policies when imported. The training app may import them itself; importing them
 # here as well makes the benchmark see every policy that exists in the checkout. Missing ones are fine.
-_POLICY_MODULES: tuple[str, ...] = ("wagma.policies",)
+_POLICY_MODULES: tuple[str, ...] = ("wagma.app.policies",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ SCENARIOS: tuple[str, ...] = tuple(SCENARIO_TABLE)
 
 
 def expected_delays(cfg: DictConfig, world_size: int, compute_s: float) -> tuple[float, float]:
-    """(mean, max) expected injected delay per step of ``cfg``'s imbalance, from :mod:`wagma.imbalance`.
+    """(mean, max) expected injected delay per step of ``cfg``'s imbalance, from :mod:`wagma.app.imbalance`.
 
     The mean is what a perfectly wait-avoiding method pays per step (``k d / P`` for random_k); the max
     is what synchronous SGD pays (``d``).

@@ -11,16 +11,16 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from wagma.checkpoint import latest_step
-from wagma.config import ConfigError, build_optimizer, group_options, validate_config
-from wagma.data import DATASET_INFO, load_dataset
-from wagma.imbalance import build_imbalance
-from wagma.launch import hydra_rank_overrides
-from wagma.metrics import SUMMARY_KEYS, MetricsWriter, read_metrics, write_summary
-from wagma.models import build_model
-from wagma.policy import AllreducePolicy, Policy, build_policy
+from wagma.app.checkpoint import latest_step
+from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
+from wagma.app.data import DATASET_INFO, load_dataset
+from wagma.app.imbalance import build_imbalance
+from wagma.app.launch import hydra_rank_overrides
+from wagma.app.metrics import SUMMARY_KEYS, MetricsWriter, read_metrics, write_summary
+from wagma.app.models import build_model
+from wagma.app.policy import AllreducePolicy, Policy, build_policy
 from wagma.testing import WorkerError, run_workers, run_workers_outcomes
-from wagma.train import train
+from wagma.app.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -12,10 +12,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from wagma import checkpoint
-from wagma.checkpoint import checkpoint_dir, complete_steps, latest_step, load_checkpoint, read_meta
+from wagma.app import checkpoint
+from wagma.app.checkpoint import checkpoint_dir, complete_steps, latest_step, load_checkpoint, read_meta
 from wagma.testing import run_workers, run_workers_outcomes
-from wagma.train import train
+from wagma.app.train import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -105,7 +105,7 @@ def test_a_write_failing_with_enospc_on_one_rank_fails_every_rank_and_keeps_the_
     cfg = _cfg(tmp_path, "steps=6", "checkpoint_every=2")
     errors = _errors(run_workers_outcomes(_worker, 3, cfg, (kind, victim, 4), timeout_s=60))
     for error in errors:
-        assert error.startswith(f"wagma.checkpoint.CheckpointError: checkpoint of step 4 not saved: {who}")
+        assert error.startswith(f"wagma.app.checkpoint.CheckpointError: checkpoint of step 4 not saved: {who}")
         assert "No space left on device" in error and "the previous complete checkpoint (step 2) is untouched" in error
     assert complete_steps(tmp_path) == [2] and list(checkpoint_dir(tmp_path).glob(".*")) == []
     assert all(load_checkpoint(tmp_path, 2, r)["step"] == 2 for r in range(3))
@@ -196,7 +196,7 @@ def test_a_damaged_shard_fails_every_rank_with_one_line_naming_it(saved_run, tmp
     shard.write_bytes(bytes(data))
     errors = _errors(run_workers_outcomes(_worker, 2, _cfg(run_dir, "steps=6", "checkpoint_every=2", "resume=true")))
     expected = (
-        f"wagma.checkpoint.CheckpointError: {shard} {problem}"
+        f"wagma.app.checkpoint.CheckpointError: {shard} {problem}"
     )
     assert all(e.startswith(expected) for e in errors), errors
     assert all(e.endswith(f"delete {shard.parent} to resume from step 2") for e in errors), errors
@@ -230,7 +230,7 @@ def test_resuming_with_another_policy_world_size_or_model_is_rejected(
     run_dir = _copy(saved_run, tmp_path)
     cfg = _cfg(run_dir, "steps=6", "checkpoint_every=2", "resume=true", *overrides)
     errors = _errors(run_workers_outcomes(_worker, world_size, cfg))
-    prefix = "wagma.checkpoint.CheckpointError: the checkpoint "
+    prefix = "wagma.app.checkpoint.CheckpointError: the checkpoint "
     assert all(e.startswith(prefix) and message in e for e in errors), errors
     assert complete_steps(run_dir) == [2, 4]
 
@@ -251,7 +251,7 @@ def test_a_fresh_run_into_a_run_dir_with_history_is_refused(saved_run, tmp_path)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     errors = _errors(run_workers_outcomes(_worker, 2, _cfg(run_dir, "steps=6", "checkpoint_every=2")))
     assert all(
-        e.startswith(f"wagma.checkpoint.CheckpointError: run directory {run_dir} already holds an earlier run "
+        e.startswith(f"wagma.app.checkpoint.CheckpointError: run directory {run_dir} already holds an earlier run "
                      "(complete checkpoints up to step 4, metrics_rank0.jsonl, metrics_rank1.jsonl, summary.json)")
         for e in errors
     ), errors

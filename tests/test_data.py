@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from wagma.data import DATASET_INFO, KNOWN_DATASETS, BatchIterator, Dataset, load_dataset, train_split_size
+from wagma.app.data import DATASET_INFO, KNOWN_DATASETS, BatchIterator, Dataset, load_dataset, train_split_size
 
 
 def _indexed_dataset(n: int) -> Dataset:

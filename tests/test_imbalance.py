@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from wagma.imbalance import HeavyTail, NoImbalance, Persistent, RandomK, build_imbalance
+from wagma.app.imbalance import HeavyTail, NoImbalance, Persistent, RandomK, build_imbalance
 from wagma.testing import run_workers
 
 STEPS = 200

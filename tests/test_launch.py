@@ -1,4 +1,4 @@
-"""Launching and failing for real: torchrun with frozen and killed ranks, elastic restarts, signals to wagma.run."""
+"""Launching and failing for real: torchrun with frozen and killed ranks, elastic restarts, signals to wagma.app.run."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import pytest
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from wagma import launch
-from wagma.metrics import MetricsWriter, read_metrics
-from wagma.procs import descendants
-from wagma.roll_call import RollCall
+from wagma.app import launch
+from wagma.app.metrics import MetricsWriter, read_metrics
+from wagma.app.procs import descendants
+from wagma.app.roll_call import RollCall
 from wagma.testing import run_workers, run_workers_outcomes
-from wagma.train import train
+from wagma.app.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,7 +167,7 @@ def test_roll_call_rejects_a_negative_wait():
 
 
 def _train_freezing_in_checkpoint(rank: int, world_size: int, cfg: object) -> str:
-    import wagma.train as train_module
+    import wagma.app.train as train_module
 
     save = train_module.save_checkpoint
 
@@ -235,7 +235,7 @@ def test_a_shared_failure_waits_for_rank0_at_most_wait_s(torchrun_env):
 def test_a_failed_process_exits_without_teardown_after_flushing_its_report(tmp_path, code):
     script = (
         "import atexit, logging, sys\n"
-        "from wagma import launch\n"
+        "from wagma.app import launch\n"
         "atexit.register(lambda: print('teardown ran', flush=True))\n"
         "logging.basicConfig(filename=sys.argv[1])\n"
         "with launch.exit_at_once_on_failure():\n"
@@ -288,7 +288,7 @@ def test_max_restarts_resumes_a_job_that_lost_a_rank_and_finishes_its_steps(tmp_
 def test_a_signal_to_wagma_run_ends_torchrun_and_every_rank(tmp_path, sig):
     run_dir = tmp_path / "run"
     proc = _start(tmp_path, [
-        sys.executable, "-m", "wagma.run", "--nproc", "2", "progress=false", "averaging=allreduce", "steps=1000000",
+        sys.executable, "-m", "wagma.app.run", "--nproc", "2", "progress=false", "averaging=allreduce", "steps=1000000",
         f"hydra.run.dir={run_dir}",
     ], start_new_session=True)
     try:
@@ -303,7 +303,7 @@ def test_a_signal_to_wagma_run_ends_torchrun_and_every_rank(tmp_path, sig):
         signalled = time.monotonic()
         code = proc.wait(timeout=30)
         _wait_until(lambda: not any(_alive(pid) for pid in tree), 5, "every process of the run to end")
-        print(f"{sig.name}: wagma.run and its {len(tree)} processes ended {time.monotonic() - signalled:.1f} s later")
+        print(f"{sig.name}: wagma.app.run and its {len(tree)} processes ended {time.monotonic() - signalled:.1f} s later")
     finally:
         for pid in [proc.pid, *descendants(proc.pid)]:
             if _alive(pid):
@@ -350,7 +350,7 @@ def test_a_run_directory_deleted_mid_run_fails_every_rank_clearly(tmp_path):
 def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
     out = tmp_path / "sweep"
     proc = _start(tmp_path, [
-        sys.executable, "-m", "wagma.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd",
+        sys.executable, "-m", "wagma.app.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd",
         "steps=1000000", "progress=false",
     ])
     try:

@@ -12,20 +12,20 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-import wagma.policies as policies
-import wagma.policy_options as policy_options
-from wagma.config import ConfigError, build_optimizer, group_options, validate_config
-from wagma.consensus import ConsensusMeter
-from wagma.data import load_dataset
+import wagma.app.policies as policies
+import wagma.app.policy_options as policy_options
+from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
+from wagma.app.consensus import ConsensusMeter
+from wagma.app.data import load_dataset
 from wagma.gpu_metrics import GpuMetrics
-from wagma.imbalance import build_imbalance
-from wagma.metrics import SUMMARY_KEYS, read_metrics
-from wagma.models import build_model
-from wagma.policy import Policy, build_policy, validate_policy_config
-from wagma.run import format_summary, split_run_dir, torchrun_command
-from wagma.sweep import expand, format_table, split_top_level
+from wagma.app.imbalance import build_imbalance
+from wagma.app.metrics import SUMMARY_KEYS, read_metrics
+from wagma.app.models import build_model
+from wagma.app.policy import Policy, build_policy, validate_policy_config
+from wagma.app.run import format_summary, split_run_dir, torchrun_command
+from wagma.app.sweep import expand, format_table, split_top_level
 from wagma.testing import run_workers, run_workers_outcomes
-from wagma.train import train
+from wagma.app.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -399,7 +399,7 @@ def _command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_wagma_run_trains_under_torchrun_and_prints_the_summary(tmp_path):
     proc = _command(
-        "-m", "wagma.run", "--nproc", "2", "averaging=local_sgd", "steps=40", "progress=false", cwd=tmp_path
+        "-m", "wagma.app.run", "--nproc", "2", "averaging=local_sgd", "steps=40", "progress=false", cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
@@ -412,7 +412,7 @@ def test_wagma_run_trains_under_torchrun_and_prints_the_summary(tmp_path):
 def test_wagma_sweep_runs_one_torchrun_per_policy_and_tabulates(tmp_path):
     out = tmp_path / "sweep"
     proc = _command(
-        "-m", "wagma.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd,bogus", "steps=20",
+        "-m", "wagma.app.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd,bogus", "steps=20",
         "progress=false", cwd=tmp_path,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]  # the bogus job fails, the others run

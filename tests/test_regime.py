@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 from benchmarks import regime  # noqa: E402
 from benchmarks.simulate import Network, simulate  # noqa: E402
-from wagma.models import MLP  # noqa: E402
+from wagma.app.models import MLP  # noqa: E402
 
 REQUIRED = ("scenario", "policy", "world_size", "params", "compute_ms", "ms_per_step", "ideal_ms", "bound_ms",
             "x_ddp", "x_ideal", "x_bound", "simulated_ms")

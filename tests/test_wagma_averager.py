@@ -165,8 +165,8 @@ def check_late_rank_not_waited_for(device: str = "cpu") -> None:
 
 
 def _digits_worker(rank, world, policy, steps):
-    from wagma.data import load_dataset
-    from wagma.models import build_model
+    from wagma.app.data import load_dataset
+    from wagma.app.models import build_model
 
     data = load_dataset("digits", seed=0)
     x, y = data.shard(rank, world)

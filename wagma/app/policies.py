@@ -22,10 +22,10 @@ would otherwise broadcast buffers from rank 0 before every forward pass, a globa
 ``wagma`` and ``eager_*`` import :class:`~wagma.averaging.WagmaAverager` and :mod:`wagma.hooks.partial`
 only when built, so the application imports (and validates other configs) without them; a config that
 names one while it is missing is rejected by its validator with a message saying so. The validators
-live in :mod:`wagma.policy_options`.
+live in :mod:`wagma.app.policy_options`.
 
-Everything here is registered with :func:`wagma.policy.register_policy` when this module is imported, which
-:mod:`wagma.policy` does at its end.
+Everything here is registered with :func:`wagma.app.policy.register_policy` when this module is imported, which
+:mod:`wagma.app.policy` does at its end.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from wagma import policy_options
+from wagma.app import policy_options
 from wagma.averaging import AveragerStats, HierarchicalAverager, PeriodicAverager, ReductionMomentum
 from wagma.hooks.post_local import PostLocalState, post_local_hook
-from wagma.policy import Policy, register_policy
-from wagma.policy_options import (
+from wagma.app.policy import Policy, register_policy
+from wagma.app.policy_options import (
     EAGER_MODES,
     validate_eager,
     validate_hierarchical,

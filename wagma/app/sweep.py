@@ -1,4 +1,4 @@
-"""A sweep in one command: ``python -m wagma.sweep averaging=allreduce,local_sgd,wagma imbalance=random_k``.
+"""A sweep in one command: ``python -m wagma.app.sweep averaging=allreduce,local_sgd,wagma imbalance=random_k``.
 
 Every override whose value holds top-level commas (``key=a,b,c``; commas inside ``[...]``, ``(...)``,
 ``{...}`` or quotes do not count) is a sweep axis; the sweep runs one torchrun job per combination of the
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wagma.run import argument_parser, run, stopping_signal, torchrun_command
+from wagma.app.run import argument_parser, run, stopping_signal, torchrun_command
 
 __all__ = ["expand", "format_table", "main", "split_top_level"]
 
@@ -98,7 +98,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wagma.sweep [--nproc N] [--out DIR] [--dry-run] [overrides...]``."""
+    """``python -m wagma.app.sweep [--nproc N] [--out DIR] [--dry-run] [overrides...]``."""
     parser = argument_parser("wagma-sweep", "Run one torchrun job per combination of comma-separated override values.")
     parser.add_argument("--out", type=Path, default=None, help="sweep directory (default: multirun/<date>/<time>)")
     args = parser.parse_intermixed_args(argv)

@@ -3,20 +3,20 @@
 :func:`train` is what ``train.py`` (the Hydra entry point) calls and what tests call on forked ranks.
 Read top to bottom, it does:
 
-1. check the config (:func:`wagma.config.validate_config`) before any communication, so a bad config
+1. check the config (:func:`wagma.app.config.validate_config`) before any communication, so a bad config
    fails alike and at once on every rank;
-2. join or create the process group (:func:`wagma.launch.init_distributed`) and agree on the device;
+2. join or create the process group (:func:`wagma.app.launch.init_distributed`) and agree on the device;
 3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the policy
-   (:mod:`wagma.policy`), wrap the model with it, build the optimizer and the imbalance injector;
+   (:mod:`wagma.app.policy`), wrap the model with it, build the optimizer and the imbalance injector;
 4. resume from the newest complete checkpoint when ``resume=true``, or when torchrun restarted the job
-   (``torchrun --max-restarts N``: ``TORCHELASTIC_RESTART_COUNT`` > 0) (:func:`wagma.checkpoint.resume_checkpoint`:
+   (``torchrun --max-restarts N``: ``TORCHELASTIC_RESTART_COUNT`` > 0) (:func:`wagma.app.checkpoint.resume_checkpoint`:
    verified, and refused if the world size, model, optimizer, data or averaging differ -- the averaging
    may with ``resume_policy_change=true``, its state then starts fresh); with ``resume=false``, refuse a
    run directory that holds an earlier run's checkpoints or metrics rather than overwrite them;
 5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
    ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record; evaluate every
    ``eval_every`` steps; measure the consensus distance every ``consensus_every`` steps
-   (:mod:`wagma.consensus`, recorded as ``consensus``); checkpoint every ``checkpoint_every`` steps; on a
+   (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every ``checkpoint_every`` steps; on a
    CUDA device, records also carry ``gpu_*`` telemetry sampled every ``telemetry_interval_s``
    (:mod:`wagma.gpu_metrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
@@ -24,7 +24,7 @@ Read top to bottom, it does:
 
 When a step fails (one of its collectives -- averaging, evaluation, consensus, checkpoint -- timed out,
 a peer died), every rank that sees it raises a ``RuntimeError`` naming the ranks that did not arrive at
-that step (:mod:`wagma.roll_call`; ``failure_report_s`` bounds the wait for the other ranks' reports).
+that step (:mod:`wagma.app.roll_call`; ``failure_report_s`` bounds the wait for the other ranks' reports).
 
 How time is split (per rank and step, host clocks):
 
@@ -57,21 +57,21 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from wagma import launch
-from wagma.checkpoint import (
+from wagma.app import launch
+from wagma.app.checkpoint import (
     RESETTABLE, CheckpointError, capture_rng_state, ensure_no_history, restore_rng_state, resume_checkpoint,
     save_checkpoint,
 )
-from wagma.config import ConfigError, build_optimizer, group_options, validate_config
-from wagma.consensus import ConsensusMeter
-from wagma.data import BatchIterator, load_dataset
+from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
+from wagma.app.consensus import ConsensusMeter
+from wagma.app.data import BatchIterator, load_dataset
 from wagma.gpu_metrics import GpuMetrics
-from wagma.imbalance import Imbalance, build_imbalance
-from wagma.metrics import MetricsWriter, write_summary
-from wagma.models import build_model
-from wagma.policies import ModelAveragingPolicy
-from wagma.policy import AllreducePolicy, Policy, build_policy
-from wagma.roll_call import RollCall
+from wagma.app.imbalance import Imbalance, build_imbalance
+from wagma.app.metrics import MetricsWriter, write_summary
+from wagma.app.models import build_model
+from wagma.app.policies import ModelAveragingPolicy
+from wagma.app.policy import AllreducePolicy, Policy, build_policy
+from wagma.app.roll_call import RollCall
 
 __all__ = ["StepCallback", "evaluate", "train"]
 

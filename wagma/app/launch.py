@@ -10,7 +10,7 @@ agreed on collectively: ``cpu``; ``cuda`` (every rank must have a GPU, or every 
 Elastic restarts (``torchrun --max-restarts N``): torchrun's agent keeps one c10d store for all attempts
 of a job, so the keys a process group leaves there (its ranks' gloo addresses) would be found, stale, by
 the next attempt's group. :func:`init_distributed` therefore prefixes the group's keys with the attempt
-(``TORCHELASTIC_RESTART_COUNT``, see :func:`restart_count`); :func:`wagma.train.train` resumes a
+(``TORCHELASTIC_RESTART_COUNT``, see :func:`restart_count`); :func:`wagma.app.train.train` resumes a
 restarted attempt from the newest complete checkpoint.
 
 One run directory under torchrun: every rank runs Hydra itself, and Hydra's default run dir holds the
@@ -22,7 +22,7 @@ first-writer-wins ``compare_set`` (the store lives as long as torchrun on the st
 ``hydra.run.dir=DIR`` bypasses it. Only rank 0 writes Hydra's files: :func:`hydra_rank_overrides` adds
 ``hydra.output_subdir=null`` and ``hydra/job_logging=stdout`` on the other ranks, and
 :func:`failures_reported_by_rank0` makes a failure all ranks share (a config Hydra cannot compose, a
-config :func:`wagma.config.validate_config` rejects) reach the terminal once, from rank 0; any other
+config :func:`wagma.app.config.validate_config` rejects) reach the terminal once, from rank 0; any other
 failure exits at once.
 """
 
@@ -42,7 +42,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from wagma.procs import process_start_time
+from wagma.app.procs import process_start_time
 
 __all__ = [
     "SHARED_FAILURE_EXIT_CODE", "DistContext", "env_rank", "env_world_size", "exit_at_once_on_failure",
@@ -50,7 +50,7 @@ __all__ = [
     "release_stderr", "restart_count", "shared_start_time", "shutdown",
 ]
 
-#: Exit status of a failure every rank shares (a config :func:`wagma.config.validate_config` rejects).
+#: Exit status of a failure every rank shares (a config :func:`wagma.app.config.validate_config` rejects).
 SHARED_FAILURE_EXIT_CODE = 2
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -228,7 +228,7 @@ def failures_reported_by_rank0(wait_s: float = 10.0) -> Iterator[None]:
     task function), so Hydra's report of a config it cannot compose (unknown option, bad override) is
     not printed once per rank. A shared failure is one of these two: the task function never ran
     (stderr still held: Hydra could not compose the config), or the exit status is
-    :data:`SHARED_FAILURE_EXIT_CODE` (a config :func:`wagma.config.validate_config` rejects). On a shared
+    :data:`SHARED_FAILURE_EXIT_CODE` (a config :func:`wagma.app.config.validate_config` rejects). On a shared
     failure under torchrun, rank 0 (which has printed its report by then) publishes that in torchrun's
     store and the other ranks wait for it, at most ``wait_s`` -- torchrun stops all workers when the first
     one exits, which could otherwise kill rank 0 before it printed. Rank 0 meets the same failure, so the

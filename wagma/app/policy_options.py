@@ -1,7 +1,7 @@
 """Checking ``averaging`` configs before training, and whether the optional policy modules are installed.
 
-One validator per policy of :mod:`wagma.policies`; each is called as ``validate(options, world_size)`` by
-:func:`wagma.policy.validate_policy_config` (after its generic checks: a known name, ``group_size``
+One validator per policy of :mod:`wagma.app.policies`; each is called as ``validate(options, world_size)`` by
+:func:`wagma.app.policy.validate_policy_config` (after its generic checks: a known name, ``group_size``
 dividing the world size, no negative ``*period``/``*_steps``) on every rank before anything is built, and
 raises one ``ValueError`` naming the key, the value found and what was expected. They check unknown keys,
 group sizes that do not divide the world size, periods, ``global_period`` a multiple of ``local_period``,

@@ -1,4 +1,4 @@
-"""One command for a training run: ``python -m wagma.run [hydra overrides]`` (console script ``wagma-train``).
+"""One command for a training run: ``python -m wagma.app.run [hydra overrides]`` (console script ``wagma-train``).
 
 It runs ``torchrun --standalone --nproc_per_node=N train.py [overrides] hydra.run.dir=DIR`` (N = 4 unless
 ``--nproc`` says otherwise), so the default experiment needs no torchrun flags, then prints the run's
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wagma.procs import descendants, start_ticks
+from wagma.app.procs import descendants, start_ticks
 
 __all__ = [
     "DEFAULT_NPROC", "STOP_GRACE_S", "argument_parser", "default_run_dir", "format_summary", "main", "run",
@@ -50,7 +50,7 @@ def train_script() -> Path:
     Raises:
         FileNotFoundError: if there is none (a non-editable install): say where it is with the variable.
     """
-    path = Path(os.environ.get("WAGMA_TRAIN_SCRIPT") or Path(__file__).resolve().parents[1] / "train.py")
+    path = Path(os.environ.get("WAGMA_TRAIN_SCRIPT") or Path(__file__).resolve().parents[2] / "train.py")
     if not path.is_file():
         raise FileNotFoundError(
             f"wagma's train.py was not found at {path}; run from a checkout (or `pip install -e .`), or set "
@@ -219,7 +219,7 @@ def argument_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wagma.run [--nproc N] [--dry-run] [overrides...]``; returns torchrun's exit status."""
+    """``python -m wagma.app.run [--nproc N] [--dry-run] [overrides...]``; returns torchrun's exit status."""
     parser = argument_parser("wagma-train", "Train with wagma under torchrun (default: 4 local ranks).")
     args = parser.parse_intermixed_args(argv)
     rest, given = split_run_dir(args.overrides)

@@ -2,12 +2,12 @@
 
 A :class:`Policy` decides how the ranks' replicas are kept in agreement: by averaging gradients in a
 DDP comm hook (eager-SGD, plain allreduce), by averaging models after optimizer steps (WAGMA-SGD, K-AVG,
-hierarchical averaging), or both. The loop in :mod:`wagma.train` knows nothing else about it.
+hierarchical averaging), or both. The loop in :mod:`wagma.app.train` knows nothing else about it.
 
 Policies are registered by name (:func:`register_policy`) and built from the ``averaging`` config group
 by :func:`build_policy`; :func:`validate_policy_config` checks a config before any rank starts training.
 ``allreduce`` (:class:`AllreducePolicy`, DDP's own bucketed allreduce) is defined here; the others live in
-:mod:`wagma.policies` and are registered when this module is imported.
+:mod:`wagma.app.policies` and are registered when this module is imported.
 """
 
 from __future__ import annotations
@@ -206,6 +206,6 @@ def build_policy(cfg: Mapping[str, Any], *, rank: int, world_size: int, device: 
 
 
 # The other built-in policies (local_sgd, hierarchical, hierarchical_momentum, wagma, eager_*) live in
-# wagma.policies, which imports this module; importing it here, after everything above exists, registers
-# them whenever wagma.policy is imported, whichever of the two modules is imported first.
-from wagma import policies as _builtin_policies  # noqa: E402, F401
+# wagma.app.policies, which imports this module; importing it here, after everything above exists, registers
+# them whenever wagma.app.policy is imported, whichever of the two modules is imported first.
+from wagma.app import policies as _builtin_policies  # noqa: E402, F401
