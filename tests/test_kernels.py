@@ -123,27 +123,37 @@ def test_cuda_sources_include_no_headers():
         assert "#include" not in cu.read_text(), f"{cu.name} includes a header"
 
 
-def test_packaged_copy_matches_canonical_sources():
-    packaged = REPO / "wagma" / "_cuda"
-    assert sorted(p.name for p in packaged.glob("*.cu")) == [p.name for p in CU_FILES], (
-        "wagma/_cuda/ must hold exactly the cuda/*.cu files: run `cp cuda/*.cu wagma/_cuda/`"
-    )
-    for cu in CU_FILES:
-        assert (packaged / cu.name).read_bytes() == cu.read_bytes(), (
-            f"wagma/_cuda/{cu.name} differs from cuda/{cu.name}: run `cp cuda/*.cu wagma/_cuda/`"
-        )
+def test_the_wheel_ships_every_module_and_the_cuda_sources_from_their_one_place(tmp_path):
+    # pyproject.toml lists the packages and maps wagma._cuda onto cuda/: a package left off the list, or
+    # sources that no longer reach the wheel, fail here. Built from a copy (setuptools leaves build/ behind,
+    # which a later build would reuse) without isolation (setuptools from this venv).
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".*", "__pycache__", "build", "*.egg-info", "outputs",
+                                                              "multirun", "runs", "benchmarks", "tests"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, timeout=150)
+    (wheel,) = tmp_path.glob("wagma-*.whl")
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "wagma").rglob("*.py")}
+    expected |= {f"wagma/_cuda/{cu.name}" for cu in CU_FILES}
+    assert expected - names == set(), f"missing from the wheel: {sorted(expected - names)}"
+    assert not (REPO / "wagma" / "_cuda").exists(), "the CUDA sources live once, in cuda/"
+
+
+def test_installed_layout_finds_the_shipped_sources(tmp_path, monkeypatch):
+    # A wheel's layout: wagma/_cuda/ beside the package and no pyproject.toml above it.
+    pkg = tmp_path / "site" / "wagma"
+    (pkg / "_cuda").mkdir(parents=True)
+    shutil.copy(CU_FILES[0], pkg / "_cuda" / CU_FILES[0].name)
+    monkeypatch.setattr(K, "__file__", str(pkg / "kernels.py"))
+    assert K.cuda_source_dir() == pkg / "_cuda"
 
 
 def test_source_dir_in_a_checkout_is_the_canonical_one():
     assert K.cuda_source_dir() == REPO / "cuda"
     assert (K.cuda_source_dir() / K.SOURCE_FILE).is_file()
-
-
-def test_pyproject_ships_the_packaged_copy():
-    import tomllib
-
-    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "_cuda/*.cu" in cfg["tool"]["setuptools"]["package-data"]["wagma"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import wagma.app.policy_options as policy_options
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import load_dataset
-from wagma.gpu_metrics import GpuMetrics
+from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import build_imbalance
 from wagma.app.metrics import SUMMARY_KEYS, read_metrics
 from wagma.app.models import build_model

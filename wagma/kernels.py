@@ -20,12 +20,10 @@ and falls back to torch. Kernels launch on torch's current CUDA stream (wrapped 
 ``cupy.cuda.Stream.from_external``, or ``ExternalStream`` on CuPy < 14) and read the tensors' memory
 through DLPack (no copies), so they are ordered with surrounding torch work like any torch op.
 
-Shipping the ``.cu`` sources. The canonical sources live in the top-level ``cuda/`` folder of the
-repository. setuptools can only put files that sit inside a package directory into a wheel (the
-alternatives are deprecated ``data-files`` or a custom build step), so ``wagma/_cuda/`` holds a byte
-copy that ``pyproject.toml`` lists as package data; ``tests/test_kernels.py`` fails when the copy
-drifts from ``cuda/``. :func:`cuda_source_dir` prefers ``<repo>/cuda`` in a source checkout (so edits
-take effect without copying) and ``wagma/_cuda`` in an installed wheel.
+Shipping the ``.cu`` sources. They live once, in the repository's top-level ``cuda/`` folder;
+``pyproject.toml`` maps the package ``wagma._cuda`` onto that folder, so the wheel carries them as
+``wagma/_cuda/*.cu`` without a copy in the source tree. :func:`cuda_source_dir` finds ``<repo>/cuda`` in
+a source checkout (or an editable install) and ``wagma/_cuda`` in an installed wheel.
 """
 
 from __future__ import annotations

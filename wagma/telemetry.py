@@ -14,6 +14,13 @@ virtualised GPUs) is ``None``; other NVML errors also give ``None`` and are kept
 Without pynvml, without the NVML library or without a GPU the object is a silent no-op:
 ``available`` is False, :meth:`GpuTelemetry.sample` returns None and no thread is started -- so
 training code can create one unconditionally.
+
+:class:`GpuMetrics` puts those samples into the training loop's metrics records: on a CUDA device it samples
+in the background, and each record gets the mean of the samples taken since the previous record (or the
+latest sample, when none was taken in between): ``gpu_util_pct``, ``gpu_mem_util_pct``,
+``gpu_mem_used_bytes``, ``gpu_mem_total_bytes``, ``gpu_power_w``, ``gpu_temperature_c``, ``gpu_samples``.
+On the CPU, with ``interval_s == 0``, or when NVML is unavailable, it is a silent no-op whose
+:meth:`GpuMetrics.fields` is empty.
 """
 
 from __future__ import annotations
@@ -27,15 +34,15 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-__all__ = ["GpuTelemetry", "Sample"]
+import torch
+
+__all__ = ["GpuMetrics", "GpuTelemetry", "Sample"]
 
 Sample = dict[str, Any]
 
 
 def _default_device_index() -> int:
     try:
-        import torch  # noqa: PLC0415 - keep this module importable without touching CUDA
-
         if torch.cuda.is_available():
             return torch.cuda.current_device()
     except Exception:  # noqa: BLE001 - a broken CUDA setup just means "device 0"
@@ -262,3 +269,55 @@ class GpuTelemetry:
     ) -> None:
         # Do not mask an exception from the with-body with one from the sampling thread.
         self._close(5.0, raise_errors=exc_type is None)
+
+
+_SKIP = ("time", "device_index")
+
+
+class GpuMetrics:
+    """Background GPU sampling for one rank's device, summarised per metrics record.
+
+    Args:
+        device: the rank's training device; anything but CUDA disables sampling.
+        interval_s: seconds between samples; 0 disables sampling.
+    """
+
+    def __init__(self, device: torch.device, interval_s: float) -> None:
+        self._telemetry: GpuTelemetry | None = None
+        if device.type == "cuda" and interval_s > 0:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            telemetry = GpuTelemetry(interval_s, index)
+            if telemetry.available:
+                self._telemetry = telemetry.start()
+            else:
+                telemetry.close()
+
+    @property
+    def active(self) -> bool:
+        """Whether GPU samples are being taken."""
+        return self._telemetry is not None
+
+    def fields(self) -> dict[str, Any]:
+        """``gpu_*`` means of the samples since the last call (empty when inactive or nothing sampled)."""
+        if self._telemetry is None:
+            return {}
+        samples: list[Sample] = self._telemetry.drain()
+        if not samples:
+            latest = self._telemetry.latest()
+            samples = [latest] if latest is not None else []
+        if not samples:
+            return {}
+        out: dict[str, Any] = {"gpu_samples": len(samples)}
+        for key in samples[0]:
+            if key in _SKIP:
+                continue
+            values = [s[key] for s in samples if s.get(key) is not None]
+            name = key if key.startswith("gpu_") else f"gpu_{key}"
+            out[name] = sum(values) / len(values) if values else None
+        return out
+
+    def close(self) -> None:
+        """Stop sampling (idempotent)."""
+        telemetry, self._telemetry = self._telemetry, None
+        if telemetry is not None:
+            telemetry.close()

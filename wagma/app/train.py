@@ -18,7 +18,7 @@ Read top to bottom, it does:
    ``eval_every`` steps; measure the consensus distance every ``consensus_every`` steps
    (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every ``checkpoint_every`` steps; on a
    CUDA device, records also carry ``gpu_*`` telemetry sampled every ``telemetry_interval_s``
-   (:mod:`wagma.gpu_metrics`);
+   (:class:`wagma.telemetry.GpuMetrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
    write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
 
@@ -65,7 +65,7 @@ from wagma.app.checkpoint import (
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import BatchIterator, load_dataset
-from wagma.gpu_metrics import GpuMetrics
+from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter, write_summary
 from wagma.app.models import build_model
