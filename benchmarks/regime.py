@@ -3,7 +3,7 @@
 Each step of each rank first sleeps the injected delay (``benchmarks.scenarios``, d in units of T),
 then sleeps ``--compute-ms`` T (emulated device compute: a sleep, so the 2 cores are not the bottleneck),
 then runs the real forward/backward of a synthetic MLP of ``--params`` parameters, the policy's
-averaging (the library's own :func:`wagma.app.policy.build_policy`, as the training app builds it) and the
+averaging (the library's own :func:`wagma.app.policies.build_policy`, as the training app builds it) and the
 optimizer step. Per (scenario, policy, P, params) and repetition it measures:
 
 - ``ms_per_step``: from a barrier after ``--warmup`` steps to a barrier after the last step and the
@@ -59,7 +59,7 @@ from benchmarks.simulate import Network, protocol_bound, simulate  # noqa: E402
 from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
 from wagma.app.models import MLP  # noqa: E402
-from wagma.app.policy import build_policy  # noqa: E402
+from wagma.app.policies import build_policy  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 
 __all__ = ["hidden_width", "main", "parse_args", "run_reps", "summarize"]
@@ -282,7 +282,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                              "warmup", "reps", "batch_size", "activation_ms", "extra")}
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
     started = time.perf_counter()
-    sc.load_policy_modules()
     t = args.compute_ms / 1e3
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         for params in args.params:

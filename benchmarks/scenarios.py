@@ -12,14 +12,13 @@ without injected delay), so the same scenario means the same thing on a fast and
 
 A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``). :func:`resolve_policy`
 says whether it can run now: the config must exist and its ``name`` must be registered with
-:func:`wagma.app.policy.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
+:func:`wagma.app.policies.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
 and picks it up without changes once it is registered.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, group_options, validate_config
 from wagma.app.imbalance import build_imbalance
-from wagma.app.policy import known_policies
+from wagma.app.policies import known_policies
 
 __all__ = [
     "BASELINE", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
-    "load_policy_modules", "resolve_policy",
+    "resolve_policy",
 ]
 
 POLICIES: tuple[str, ...] = (
@@ -42,11 +41,6 @@ POLICIES: tuple[str, ...] = (
 
 BASELINE = "allreduce"
 """The policy every ratio is taken against (synchronous SGD, DDP's allreduce)."""
-
-# Modules that register policies when imported. The training app may import them itself; importing them
-# here as well makes the benchmark see every policy that exists in the checkout. Missing ones are fine.
-_POLICY_MODULES: tuple[str, ...] = ("wagma.app.policies",)
-
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
@@ -99,20 +93,6 @@ def expected_delays(cfg: DictConfig, world_size: int, compute_s: float) -> tuple
     """
     injector = build_imbalance(group_options(cfg, "imbalance"), 0, world_size)
     return injector.expected_mean_delay_s(compute_s), injector.expected_max_delay_s(compute_s)
-
-
-def load_policy_modules() -> list[str]:
-    """Import the modules that register policies; return the ones found."""
-    found = []
-    for module in _POLICY_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # the module exists but an import inside it failed: say so
-                raise
-        else:
-            found.append(module)
-    return found
 
 
 def resolve_policy(

@@ -18,7 +18,7 @@ from wagma.app.imbalance import build_imbalance
 from wagma.app.launch import hydra_rank_overrides
 from wagma.app.metrics import SUMMARY_KEYS, MetricsWriter, read_metrics, write_summary
 from wagma.app.models import build_model
-from wagma.app.policy import AllreducePolicy, Policy, build_policy
+from wagma.app.policies import AllreducePolicy, Policy, build_policy
 from wagma.testing import WorkerError, run_workers, run_workers_outcomes
 from wagma.app.train import train
 

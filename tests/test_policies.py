@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 import wagma.app.policies as policies
-import wagma.app.policy_options as policy_options
+from wagma.averaging import AveragerStats
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import load_dataset
@@ -21,7 +20,7 @@ from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import build_imbalance
 from wagma.app.metrics import SUMMARY_KEYS, read_metrics
 from wagma.app.models import build_model
-from wagma.app.policy import Policy, build_policy, validate_policy_config
+from wagma.app.policies import Policy, build_policy, validate_policy_config
 from wagma.app.run import format_summary, split_run_dir, torchrun_command
 from wagma.app.sweep import expand, format_table, split_top_level
 from wagma.testing import run_workers, run_workers_outcomes
@@ -137,26 +136,13 @@ def test_bad_policy_configs_are_rejected_with_one_clear_message(policy, changes,
     assert str(info.value).count("\n  - ") == 1
 
 
-def test_missing_wagma_and_eager_modules_are_reported_at_validation_and_build(monkeypatch):
-    monkeypatch.setattr(policy_options, "wagma_available", lambda: False)
-    monkeypatch.setattr(policy_options, "eager_available", lambda: False)
-    with pytest.raises(ValueError, match="averaging 'wagma' needs wagma.averaging.WagmaAverager"):
-        validate_policy_config(_options("wagma"), 4)
-    with pytest.raises(ValueError, match="averaging 'eager_solo' needs wagma.hooks.partial"):
-        validate_policy_config(_options("eager_solo"), 4)
-    with pytest.raises(RuntimeError, match="averaging 'wagma' needs wagma.averaging.WagmaAverager"):
-        policies.WagmaPolicy(device=CPU, group_size=2, sync_period=10)
-    with pytest.raises(RuntimeError, match="averaging 'eager_majority' needs wagma.hooks.partial"):
-        policies.EagerPolicy(device=CPU, mode="majority")
-
-
 # --- how wagma and eager are wired (fakes stand in for the lead's classes) ------------------------------
 
 
 class _FakeAverager:
     def __init__(self, order: str) -> None:
         self.order, self.calls = order, []
-        self.stats = policies.AveragerStats(global_reductions=1, local_reductions=2, wait_s=0.5)
+        self.stats = AveragerStats(global_reductions=1, local_reductions=2, wait_s=0.5)
         self.stats.record_contribution(0)
         self.stats.record_contribution(2)
 
@@ -172,7 +158,6 @@ class _FakeAverager:
     ("step_then_average", ["step", "average", "synchronize"]),
 ])
 def test_wagma_policy_averages_on_the_side_of_the_step_its_order_says(monkeypatch, order, expected):
-    monkeypatch.setattr(policy_options, "wagma_available", lambda: True)
     policy = policies.WagmaPolicy(device=CPU, group_size=2, sync_period=10, order=order)
     fake = _FakeAverager(order)
     policy.averager, policy._net = fake, torch.nn.Linear(2, 2)
@@ -198,7 +183,6 @@ def test_eager_policy_flushes_at_the_end_and_keeps_the_hooks_wait_apart(monkeypa
         def stats_dict(self):
             return {"global_reductions": 7, "fresh_fraction": 0.75, "staleness": 0.5, "wait_s": 0.25}
 
-    monkeypatch.setattr(policy_options, "eager_available", lambda: True)
     policy = policies.EagerPolicy(device=CPU, mode="solo")
     assert policy.name == "eager_solo"
     policy.hook_state = State()

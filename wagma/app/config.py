@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from wagma.app.data import DATASET_INFO, KNOWN_DATASETS, train_split_size
 from wagma.app.imbalance import build_imbalance
 from wagma.app.models import build_model
-from wagma.app.policy import validate_policy_config
+from wagma.app.policies import validate_policy_config
 
 __all__ = ["ConfigError", "KNOWN_OPTIMIZERS", "build_optimizer", "group_options", "validate_config"]
 
@@ -81,9 +81,9 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     auto/cpu/cuda; ``resume`` a bool), the dataset and its split
     (every rank's shard holds at least one batch), the model (built once on the CPU, it is small), the
     optimizer (built over a dummy parameter), the imbalance injector (built for rank 0 of
-    ``world_size``) and the averaging policy (:func:`wagma.app.policy.validate_policy_config`: known name,
+    ``world_size``) and the averaging policy (:func:`wagma.app.policies.validate_policy_config`: known name,
     group sizes dividing the world size, periods, momentum, mode/mixing/order; see
-    :mod:`wagma.app.policy_options`).
+    :mod:`wagma.app.policies.options`).
 
     Raises:
         ConfigError: listing every problem, one per line.

@@ -7,7 +7,7 @@ Read top to bottom, it does:
    fails alike and at once on every rank;
 2. join or create the process group (:func:`wagma.app.launch.init_distributed`) and agree on the device;
 3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the policy
-   (:mod:`wagma.app.policy`), wrap the model with it, build the optimizer and the imbalance injector;
+   (:mod:`wagma.app.policies`), wrap the model with it, build the optimizer and the imbalance injector;
 4. resume from the newest complete checkpoint when ``resume=true``, or when torchrun restarted the job
    (``torchrun --max-restarts N``: ``TORCHELASTIC_RESTART_COUNT`` > 0) (:func:`wagma.app.checkpoint.resume_checkpoint`:
    verified, and refused if the world size, model, optimizer, data or averaging differ -- the averaging
@@ -70,7 +70,7 @@ from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter, write_summary
 from wagma.app.models import build_model
 from wagma.app.policies import ModelAveragingPolicy
-from wagma.app.policy import AllreducePolicy, Policy, build_policy
+from wagma.app.policies import AllreducePolicy, Policy, build_policy
 from wagma.app.roll_call import RollCall
 
 __all__ = ["StepCallback", "evaluate", "train"]

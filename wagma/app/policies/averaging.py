@@ -1,60 +1,28 @@
-"""The built-in averaging policies beyond plain DDP, as the ``averaging`` config group names them.
+"""The model-averaging policies: local optimizer steps, and an averager of :mod:`wagma.averaging` that brings
+the models together around each step (``local_sgd``, ``hierarchical``, ``hierarchical_momentum``, ``wagma``).
 
-=========================  ==========================================================================
-``local_sgd``              :class:`LocalSGDPolicy`: local steps, a global model mean every ``period``
-                           steps (K-AVG; :class:`~wagma.averaging.PeriodicAverager`).
-``hierarchical``           :class:`HierarchicalPolicy`: means inside fixed groups every ``local_period``
-                           steps, over all ranks every ``global_period``
-                           (:class:`~wagma.averaging.HierarchicalAverager`).
-``hierarchical_momentum``  :class:`HierarchicalPolicy` with reduction momentum
-                           (:class:`~wagma.averaging.ReductionMomentum` around the hierarchical averager).
-``wagma``                  :class:`WagmaPolicy`: wait-avoiding group model averaging (WAGMA-SGD).
-``eager_solo``,            :class:`EagerPolicy`: eager-SGD's partial gradient allreduce in a DDP comm
-``eager_majority``         hook, solo or majority.
-=========================  ==========================================================================
-
-Model-averaging policies (:class:`ModelAveragingPolicy`) wrap the model in DDP with
-:func:`~wagma.hooks.post_local.post_local_hook`: gradients are allreduced during an optional warm-up of
-synchronous SGD and not communicated afterwards, so every policy runs through the same DDP code path and
-the replicas are identical when model averaging takes over. DDP's per-forward buffer broadcast is off: it
-would otherwise broadcast buffers from rank 0 before every forward pass, a global barrier each step.
-
-``wagma`` and ``eager_*`` import :class:`~wagma.averaging.WagmaAverager` and :mod:`wagma.hooks.partial`
-only when built, so the application imports (and validates other configs) without them; a config that
-names one while it is missing is rejected by its validator with a message saying so. The validators
-live in :mod:`wagma.app.policy_options`.
-
-Everything here is registered with :func:`wagma.app.policy.register_policy` when this module is imported, which
-:mod:`wagma.app.policy` does at its end.
+They wrap the model in DDP with :func:`~wagma.hooks.post_local.post_local_hook`: gradients are allreduced
+during an optional warm-up of synchronous SGD and not communicated afterwards, so every policy runs through
+the same DDP code path and the replicas are identical when model averaging takes over. DDP's per-forward
+buffer broadcast is off: it would otherwise broadcast buffers from rank 0 before every forward pass, a
+global barrier each step.
 """
 
 from __future__ import annotations
 
-import datetime
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from wagma.app import policy_options
-from wagma.averaging import AveragerStats, HierarchicalAverager, PeriodicAverager, ReductionMomentum
+from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
+from wagma.averaging import AveragerStats, HierarchicalAverager, PeriodicAverager, ReductionMomentum, WagmaAverager
 from wagma.hooks.post_local import PostLocalState, post_local_hook
-from wagma.app.policy import Policy, register_policy
-from wagma.app.policy_options import (
-    EAGER_MODES,
-    validate_eager,
-    validate_hierarchical,
-    validate_hierarchical_momentum,
-    validate_local_sgd,
-    validate_wagma,
-)
 from wagma.schedule import GroupSchedule
 
 __all__ = [
-    "EagerPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
+    "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
 ]
 
 
@@ -90,24 +58,6 @@ def averager_stats(stats: AveragerStats) -> dict[str, Any]:
         "fresh_fraction": stats.fresh_contributions / contributions if contributions else 1.0,
         "staleness_hist": hist,
     }
-
-
-def _timeout(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(seconds))
-
-
-# torch >= 2.13 renamed DDP's per-forward buffer broadcast; older releases only know broadcast_buffers.
-_NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else {"broadcast_buffers": False}
-)
-
-
-def _ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
-    """DDP without the per-forward buffer broadcast (a global barrier every step)."""
-    device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **_NO_BUFFER_SYNC)
 
 
 class ModelAveragingPolicy(Policy):
@@ -151,7 +101,7 @@ class ModelAveragingPolicy(Policy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self._net = model
         self.averager = self.build_averager(model)
-        ddp = _ddp(model, self.device, self.bucket_cap_mb)
+        ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, post_local_hook)
         return ddp
 
@@ -216,7 +166,7 @@ class LocalSGDPolicy(ModelAveragingPolicy):
     def build_averager(self, net: nn.Module) -> _Averager:
         return PeriodicAverager(
             self.period, self.hook_state.warmup_steps, average_buffers=self.average_buffers,
-            timeout=_timeout(self.timeout_s),
+            timeout=timeout(self.timeout_s),
         )
 
 
@@ -260,7 +210,7 @@ class HierarchicalPolicy(ModelAveragingPolicy):
     def build_averager(self, net: nn.Module) -> _Averager:
         averager = HierarchicalAverager(
             self.local_group_size, self.local_period, self.global_period, self.hook_state.warmup_steps,
-            average_buffers=self.average_buffers, timeout=_timeout(self.timeout_s),
+            average_buffers=self.average_buffers, timeout=timeout(self.timeout_s),
         )
         if self.momentum is None:
             return averager
@@ -282,15 +232,12 @@ class WagmaPolicy(ModelAveragingPolicy):
         sync_period: τ; every (τ+1)-th round is a blocking global mean.
         schedule: ``"auto"``, ``"butterfly"``, ``"mixed_radix"`` or explicit partitions (list of rounds,
             each a list of groups of ranks).
-        mixing: how a round combines models (:data:`WAGMA_MIXINGS`).
-        order: :data:`ORDERS`.
+        mixing: how a round combines models (:data:`wagma.app.policies.options.WAGMA_MIXINGS`).
+        order: :data:`wagma.app.policies.options.ORDERS`.
         average_buffers: also average floating-point buffers.
         max_lead: rounds the progress thread may run ahead of the main thread (``None``: the averager's
             default).
         **kwargs: ``device``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
-
-    Raises:
-        RuntimeError: if :class:`wagma.averaging.WagmaAverager` is not available.
     """
 
     name = "wagma"
@@ -307,16 +254,12 @@ class WagmaPolicy(ModelAveragingPolicy):
         max_lead: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if not policy_options.wagma_available():
-            raise RuntimeError(policy_options.missing_message("wagma", "wagma.averaging.WagmaAverager"))
         super().__init__(warmup_steps=0, **kwargs)
         self.group_size, self.sync_period = int(group_size), int(sync_period)
         self.schedule, self.mixing, self.order = schedule, mixing, order
         self.average_buffers, self.max_lead = bool(average_buffers), max_lead
 
     def build_averager(self, net: nn.Module) -> _Averager:
-        from wagma.averaging import WagmaAverager  # noqa: PLC0415 - optional until it lands
-
         schedule: str | GroupSchedule = (
             self.schedule if isinstance(self.schedule, str) else GroupSchedule(self.schedule, name="custom")
         )
@@ -324,135 +267,9 @@ class WagmaPolicy(ModelAveragingPolicy):
             self.group_size, self.sync_period, params=list(net.named_parameters()),
             buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
-            timeout=_timeout(self.timeout_s),
+            timeout=timeout(self.timeout_s),
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         assert self.averager is not None and self._net is not None, "wrap() the model first"
         self.averager.synchronize(self._net.named_parameters(), self._net.named_buffers())
-
-
-class EagerPolicy(Policy):
-    """eager-SGD: DDP with the partial-allreduce comm hook of :mod:`wagma.hooks.partial`.
-
-    ``wrap`` builds ``PartialAllreduceState(params, mode=..., sync_period=..., warmup_iters=..., seed=...,
-    timeout=...)`` and registers it with ``ddp.register_comm_hook(state, partial_allreduce_hook)``;
-    ``finalize`` is ``state.flush(optimizer)``: a blocking, fully fresh round that applies every gradient
-    still in the residual buffers, after which the replicas agree.
-
-    Args:
-        device: where the model lives.
-        mode: ``"solo"`` or ``"majority"``.
-        sync_period: τ; a blocking fully fresh allreduce every τ rounds bounds staleness.
-        warmup_iters: iterations of plain allreduce first (DDP rebuilds its buckets after the first).
-        seed: seed of the shared initiator draw (majority).
-        max_lead: rounds the hook's progress thread may run ahead of the backward passes
-            (``None``: ``sync_period``; 0: every round waits for every rank's fresh gradient).
-        bucket_cap_mb: DDP's gradient bucket size.
-        timeout_s: bound of every wait of the hook's engine.
-
-    Raises:
-        RuntimeError: if :mod:`wagma.hooks.partial` is not available.
-    """
-
-    def __init__(
-        self,
-        *,
-        device: torch.device,
-        mode: str,
-        sync_period: int = 32,
-        warmup_iters: int = 2,
-        seed: int = 0,
-        max_lead: int | None = None,
-        bucket_cap_mb: float = 25.0,
-        timeout_s: float = 300.0,
-    ) -> None:
-        self.name = f"eager_{mode}"
-        if not policy_options.eager_available():
-            raise RuntimeError(policy_options.missing_message(self.name, "wagma.hooks.partial"))
-        self.device, self.mode = device, mode
-        self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
-        self.max_lead = None if max_lead is None else int(max_lead)
-        self.bucket_cap_mb, self.timeout_s = float(bucket_cap_mb), float(timeout_s)
-        self.hook_state: Any = None
-        self.steps_done = 0
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook  # noqa: PLC0415
-
-        self.hook_state = PartialAllreduceState(
-            list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
-            seed=self.seed, max_lead=self.max_lead, timeout=_timeout(self.timeout_s),
-        )
-        ddp = _ddp(model, self.device, self.bucket_cap_mb)
-        ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)
-        return ddp
-
-    def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
-        self.steps_done = step + 1
-
-    def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        assert self.hook_state is not None, "wrap() the model first"
-        self.hook_state.flush(optimizer)
-
-    def state_dict(self) -> dict[str, Any]:
-        assert self.hook_state is not None, "wrap() the model first"
-        return {"steps_done": self.steps_done, "hook": self.hook_state.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        assert self.hook_state is not None, "wrap() the model first"
-        self.hook_state.load_state_dict(state["hook"])
-        self.steps_done = int(state["steps_done"])
-
-    def stats(self) -> dict[str, Any]:
-        if self.hook_state is None:
-            return {}
-        stats = dict(self.hook_state.stats_dict())
-        if "wait_s" in stats:  # the loop's wait_s is the whole step's; keep the hook's apart
-            stats["comm_wait_s"] = stats.pop("wait_s")
-        return {"global_reductions": 0, "local_reductions": 0, "staleness": 0.0} | stats
-
-    def close(self) -> None:
-        if self.hook_state is not None:
-            self.hook_state.close()
-
-
-# --- registration -------------------------------------------------------------------------------------
-
-
-def _build_local_sgd(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
-    return LocalSGDPolicy(device=device, **options)
-
-
-def _build_hierarchical(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
-    return HierarchicalPolicy(device=device, **options)
-
-
-def _build_wagma(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
-    return WagmaPolicy(device=device, **options)
-
-
-def _eager_builder(mode: str) -> Callable[..., Policy]:
-    def build(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
-        return EagerPolicy(device=device, **({"mode": mode} | options))
-
-    return build
-
-
-def _eager_validator(mode: str) -> Callable[[Mapping[str, Any], int], None]:
-    def validate(options: Mapping[str, Any], world_size: int) -> None:
-        validate_eager(f"eager_{mode}", options, world_size)
-
-    return validate
-
-
-def _register() -> None:
-    register_policy("local_sgd", _build_local_sgd, validate_local_sgd)
-    register_policy("hierarchical", _build_hierarchical, validate_hierarchical)
-    register_policy("hierarchical_momentum", _build_hierarchical, validate_hierarchical_momentum)
-    register_policy("wagma", _build_wagma, validate_wagma)
-    for mode in EAGER_MODES:
-        register_policy(f"eager_{mode}", _eager_builder(mode), _eager_validator(mode))
-
-
-_register()

@@ -1,28 +1,26 @@
-"""The seam where an averaging policy plugs into the training loop, and the plain-DDP policy.
+"""The seam where an averaging policy plugs into the training loop, the plain-DDP policy, and the DDP wrapper
+the other policies share.
 
 A :class:`Policy` decides how the ranks' replicas are kept in agreement: by averaging gradients in a
 DDP comm hook (eager-SGD, plain allreduce), by averaging models after optimizer steps (WAGMA-SGD, K-AVG,
 hierarchical averaging), or both. The loop in :mod:`wagma.app.train` knows nothing else about it.
 
-Policies are registered by name (:func:`register_policy`) and built from the ``averaging`` config group
-by :func:`build_policy`; :func:`validate_policy_config` checks a config before any rank starts training.
-``allreduce`` (:class:`AllreducePolicy`, DDP's own bucketed allreduce) is defined here; the others live in
-:mod:`wagma.app.policies` and are registered when this module is imported.
+Policies are registered by name in :mod:`wagma.app.policies` (the registry); ``allreduce``
+(:class:`AllreducePolicy`, DDP's own bucketed allreduce) is defined here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+import datetime
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = [
-    "AllreducePolicy", "known_policies", "Policy", "build_policy", "register_policy", "validate_policy_config",
-]
+__all__ = ["AllreducePolicy", "Policy", "ddp_without_buffer_sync", "timeout"]
 
 
 class Policy:
@@ -116,96 +114,19 @@ class AllreducePolicy(Policy):
         return {"global_reductions": self.global_reductions, "staleness": 0}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    build: Callable[..., Policy]
-    validate: Callable[[Mapping[str, Any], int], None] | None
+def timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
 
 
-_POLICIES: dict[str, _Entry] = {}
+# torch >= 2.13 renamed DDP's per-forward buffer broadcast; older releases only know broadcast_buffers.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
-def register_policy(
-    name: str,
-    build: Callable[..., Policy],
-    validate: Callable[[Mapping[str, Any], int], None] | None = None,
-) -> None:
-    """Make ``averaging.name == name`` build a policy.
-
-    Args:
-        name: the name used in ``configs/averaging/<file>.yaml``.
-        build: called as ``build(rank=..., world_size=..., device=..., **options)`` with the config's other
-            entries as ``options``; returns the policy.
-        validate: called as ``validate(options, world_size)`` before training; raises ``ValueError``.
-    """
-    if name in _POLICIES:
-        raise ValueError(f"a policy named {name!r} is already registered")
-    _POLICIES[name] = _Entry(build, validate)
-
-
-def _build_allreduce(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
-    return AllreducePolicy(device=device, **options)
-
-
-def _validate_allreduce(options: Mapping[str, Any], world_size: int) -> None:
-    unknown = set(options) - {"bucket_cap_mb"}
-    if unknown:
-        raise ValueError(f"averaging 'allreduce' takes only bucket_cap_mb, got {sorted(unknown)}")
-    if float(options.get("bucket_cap_mb", 25.0)) <= 0:
-        raise ValueError(f"averaging.bucket_cap_mb must be > 0, got {options['bucket_cap_mb']}")
-
-
-register_policy("allreduce", _build_allreduce, _validate_allreduce)
-
-
-def known_policies() -> tuple[str, ...]:
-    """Names of the registered policies, sorted."""
-    return tuple(sorted(_POLICIES))
-
-
-_NON_NEGATIVE_SUFFIXES = ("period", "_every", "_steps")
-
-
-def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
-    """Check an ``averaging`` config for ``world_size`` ranks without building anything.
-
-    Checks that hold for every policy: the name is registered; a ``group_size`` is positive and divides
-    the world size; every integer whose key ends in ``period``, ``_every`` or ``_steps`` is >= 0. Then the
-    policy's own validator runs.
-
-    Raises:
-        ValueError: naming the offending key, its value and what was expected.
-    """
-    options = dict(cfg)
-    name = options.pop("name", None)
-    if name not in _POLICIES:
-        raise ValueError(f"unknown averaging policy {name!r}; known policies: {', '.join(known_policies())}")
-    group_size = options.get("group_size")
-    if group_size is not None and (int(group_size) < 1 or world_size % int(group_size) != 0):
-        raise ValueError(
-            f"averaging.group_size={group_size} must be a positive divisor of the world size {world_size}; "
-            "pick a group size that divides the number of ranks"
-        )
-    for key, value in options.items():
-        if key.endswith(_NON_NEGATIVE_SUFFIXES) and isinstance(value, (int, float)) and value < 0:
-            raise ValueError(f"averaging.{key} must be >= 0, got {value}")
-    validator = _POLICIES[name].validate
-    if validator is not None:
-        validator(options, world_size)
-
-
-def build_policy(cfg: Mapping[str, Any], *, rank: int, world_size: int, device: torch.device) -> Policy:
-    """Build the policy ``cfg["name"]`` with the config's other entries as options (validated first).
-
-    Raises:
-        ValueError: for an unknown name or invalid options.
-    """
-    validate_policy_config(cfg, world_size)
-    options = {k: v for k, v in dict(cfg).items() if k != "name"}
-    return _POLICIES[str(cfg["name"])].build(rank=rank, world_size=world_size, device=device, **options)
-
-
-# The other built-in policies (local_sgd, hierarchical, hierarchical_momentum, wagma, eager_*) live in
-# wagma.app.policies, which imports this module; importing it here, after everything above exists, registers
-# them whenever wagma.app.policy is imported, whichever of the two modules is imported first.
-from wagma.app import policies as _builtin_policies  # noqa: E402, F401
+def ddp_without_buffer_sync(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
+    """DDP without the per-forward buffer broadcast (a global barrier every step)."""
+    device_ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **_NO_BUFFER_SYNC)

@@ -1,12 +1,11 @@
-"""Checking ``averaging`` configs before training, and whether the optional policy modules are installed.
+"""Checking ``averaging`` configs before training: one validator per built-in policy.
 
-One validator per policy of :mod:`wagma.app.policies`; each is called as ``validate(options, world_size)`` by
-:func:`wagma.app.policy.validate_policy_config` (after its generic checks: a known name, ``group_size``
-dividing the world size, no negative ``*period``/``*_steps``) on every rank before anything is built, and
-raises one ``ValueError`` naming the key, the value found and what was expected. They check unknown keys,
-group sizes that do not divide the world size, periods, ``global_period`` a multiple of ``local_period``,
-momentum in [0, 1), the mode / mixing / order names, WAGMA's schedule (built here, so a schedule that
-does not mix is refused) and -- for ``wagma`` and ``eager_*`` -- that the module they need is installed.
+Each is called as ``validate(options, world_size)`` by :func:`wagma.app.policies.validate_policy_config`
+(after its generic checks: a known name, ``group_size`` dividing the world size, no negative
+``*period``/``*_steps``) on every rank before anything is built, and raises one ``ValueError`` naming the
+key, the value found and what was expected. They check unknown keys, group sizes that do not divide the
+world size, periods, ``global_period`` a multiple of ``local_period``, momentum in [0, 1), the mode /
+mixing / order names and WAGMA's schedule (built here, so a schedule that does not mix is refused).
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from typing import Any
 from wagma.schedule import GroupSchedule
 
 __all__ = [
-    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "eager_available", "missing_message", "validate_eager",
-    "validate_hierarchical", "validate_hierarchical_momentum", "validate_local_sgd", "validate_wagma",
-    "wagma_available",
+    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "validate_allreduce", "validate_eager", "validate_hierarchical",
+    "validate_hierarchical_momentum", "validate_local_sgd", "validate_wagma",
 ]
 
 #: When a model-averaging policy averages within a step (DESIGN §2.2).
@@ -30,32 +28,6 @@ WAGMA_MIXINGS: tuple[str, ...] = ("reference", "mean")
 EAGER_MODES: tuple[str, ...] = ("solo", "majority")
 #: Keys every DDP-wrapping policy accepts.
 _COMMON_KEYS = ("bucket_cap_mb", "timeout_s")
-
-
-def wagma_available() -> bool:
-    """Whether :class:`wagma.averaging.WagmaAverager` can be imported."""
-    try:
-        from wagma.averaging import WagmaAverager  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
-
-
-def eager_available() -> bool:
-    """Whether :mod:`wagma.hooks.partial` (eager-SGD's partial allreduce hook) can be imported."""
-    try:
-        import wagma.hooks.partial  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
-
-
-def missing_message(policy: str, what: str) -> str:
-    """The message for a policy whose optional module ``what`` is not installed."""
-    return (
-        f"averaging '{policy}' needs {what}, which this installation of wagma does not have; "
-        "update wagma or pick another averaging option"
-    )
 
 
 def _only_keys(policy: str, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -129,6 +101,15 @@ _WAGMA_KEYS = (
 _EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", *_COMMON_KEYS)
 
 
+def validate_allreduce(options: Mapping[str, Any], world_size: int) -> None:
+    """Check an ``allreduce`` config: only ``bucket_cap_mb`` (> 0)."""
+    unknown = set(options) - {"bucket_cap_mb"}
+    if unknown:
+        raise ValueError(f"averaging 'allreduce' takes only bucket_cap_mb, got {sorted(unknown)}")
+    if float(options.get("bucket_cap_mb", 25.0)) <= 0:
+        raise ValueError(f"averaging.bucket_cap_mb must be > 0, got {options['bucket_cap_mb']}")
+
+
 def validate_local_sgd(options: Mapping[str, Any], world_size: int) -> None:
     """Check a ``local_sgd`` config: ``period`` >= 1, ``warmup_steps`` >= 0."""
     _only_keys("local_sgd", options, _LOCAL_SGD_KEYS)
@@ -176,7 +157,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     """Check a ``wagma`` config: group size, periods, schedule, mixing, order, ``max_lead`` <= ``sync_period``.
 
     The schedule is built (cheaply, without communication) so one that does not mix every rank with
-    every other is refused here. Also refuses the config when ``WagmaAverager`` is not installed.
+    every other is refused here.
     """
     _only_keys("wagma", options, _WAGMA_KEYS)
     _divisor(options, "group_size", world_size)
@@ -197,8 +178,6 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
         raise ValueError(f"averaging.schedule={schedule!r} cannot be used: {exc}") from exc
     if built.world_size != world_size:
         raise ValueError(f"averaging.schedule is for {built.world_size} ranks, the job has {world_size}")
-    if not wagma_available():
-        raise ValueError(missing_message("wagma", "wagma.averaging.WagmaAverager"))
 
 
 def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> None:
@@ -217,5 +196,3 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
     _common(options)
-    if not eager_available():
-        raise ValueError(missing_message(policy, "wagma.hooks.partial"))

@@ -1,0 +1,170 @@
+"""The averaging policies and their registry: the ``averaging`` config group's names, each bound to a policy.
+
+=========================  ==========================================================================
+``allreduce``              :class:`AllreducePolicy`: DDP's own bucketed gradient allreduce.
+``local_sgd``              :class:`LocalSGDPolicy`: local steps, a global model mean every ``period``
+                           steps (K-AVG; :class:`~wagma.averaging.PeriodicAverager`).
+``hierarchical``           :class:`HierarchicalPolicy`: means inside fixed groups every ``local_period``
+                           steps, over all ranks every ``global_period``
+                           (:class:`~wagma.averaging.HierarchicalAverager`).
+``hierarchical_momentum``  :class:`HierarchicalPolicy` with reduction momentum
+                           (:class:`~wagma.averaging.ReductionMomentum` around the hierarchical averager).
+``wagma``                  :class:`WagmaPolicy`: wait-avoiding group model averaging (WAGMA-SGD).
+``eager_solo``,            :class:`EagerPolicy`: eager-SGD's partial gradient allreduce in a DDP comm
+``eager_majority``         hook, solo or majority.
+=========================  ==========================================================================
+
+This module is the registry (:func:`register_policy`, :func:`build_policy`, :func:`validate_policy_config`,
+:func:`known_policies`); the interface the loop drives is :class:`Policy` (:mod:`.base`), the policies
+live in :mod:`.averaging` and :mod:`.eager`, their config checks in :mod:`.options`. Those modules never
+import this one, so there is no import circle: importing ``wagma.app.policies`` registers every built-in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from wagma.app.policies.averaging import (
+    HierarchicalPolicy,
+    LocalSGDPolicy,
+    ModelAveragingPolicy,
+    WagmaPolicy,
+    averager_stats,
+)
+from wagma.app.policies.base import AllreducePolicy, Policy
+from wagma.app.policies.eager import EagerPolicy
+from wagma.app.policies.options import (
+    EAGER_MODES,
+    validate_allreduce,
+    validate_eager,
+    validate_hierarchical,
+    validate_hierarchical_momentum,
+    validate_local_sgd,
+    validate_wagma,
+)
+
+__all__ = [
+    "AllreducePolicy", "EagerPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "Policy",
+    "WagmaPolicy", "averager_stats", "build_policy", "known_policies", "register_policy", "validate_policy_config",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    build: Callable[..., Policy]
+    validate: Callable[[Mapping[str, Any], int], None] | None
+
+
+_POLICIES: dict[str, _Entry] = {}
+
+
+def register_policy(
+    name: str,
+    build: Callable[..., Policy],
+    validate: Callable[[Mapping[str, Any], int], None] | None = None,
+) -> None:
+    """Make ``averaging.name == name`` build a policy.
+
+    Args:
+        name: the name used in ``configs/averaging/<file>.yaml``.
+        build: called as ``build(rank=..., world_size=..., device=..., **options)`` with the config's other
+            entries as ``options``; returns the policy.
+        validate: called as ``validate(options, world_size)`` before training; raises ``ValueError``.
+    """
+    if name in _POLICIES:
+        raise ValueError(f"a policy named {name!r} is already registered")
+    _POLICIES[name] = _Entry(build, validate)
+
+
+def known_policies() -> tuple[str, ...]:
+    """Names of the registered policies, sorted."""
+    return tuple(sorted(_POLICIES))
+
+
+_NON_NEGATIVE_SUFFIXES = ("period", "_every", "_steps")
+
+
+def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
+    """Check an ``averaging`` config for ``world_size`` ranks without building anything.
+
+    Checks that hold for every policy: the name is registered; a ``group_size`` is positive and divides
+    the world size; every integer whose key ends in ``period``, ``_every`` or ``_steps`` is >= 0. Then the
+    policy's own validator runs.
+
+    Raises:
+        ValueError: naming the offending key, its value and what was expected.
+    """
+    options = dict(cfg)
+    name = options.pop("name", None)
+    if name not in _POLICIES:
+        raise ValueError(f"unknown averaging policy {name!r}; known policies: {', '.join(known_policies())}")
+    group_size = options.get("group_size")
+    if group_size is not None and (int(group_size) < 1 or world_size % int(group_size) != 0):
+        raise ValueError(
+            f"averaging.group_size={group_size} must be a positive divisor of the world size {world_size}; "
+            "pick a group size that divides the number of ranks"
+        )
+    for key, value in options.items():
+        if key.endswith(_NON_NEGATIVE_SUFFIXES) and isinstance(value, (int, float)) and value < 0:
+            raise ValueError(f"averaging.{key} must be >= 0, got {value}")
+    validator = _POLICIES[name].validate
+    if validator is not None:
+        validator(options, world_size)
+
+
+def build_policy(cfg: Mapping[str, Any], *, rank: int, world_size: int, device: torch.device) -> Policy:
+    """Build the policy ``cfg["name"]`` with the config's other entries as options (validated first).
+
+    Raises:
+        ValueError: for an unknown name or invalid options.
+    """
+    validate_policy_config(cfg, world_size)
+    options = {k: v for k, v in dict(cfg).items() if k != "name"}
+    return _POLICIES[str(cfg["name"])].build(rank=rank, world_size=world_size, device=device, **options)
+
+
+def _build_allreduce(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+    return AllreducePolicy(device=device, **options)
+
+
+def _build_local_sgd(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+    return LocalSGDPolicy(device=device, **options)
+
+
+def _build_hierarchical(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+    return HierarchicalPolicy(device=device, **options)
+
+
+def _build_wagma(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+    return WagmaPolicy(device=device, **options)
+
+
+def _eager_builder(mode: str) -> Callable[..., Policy]:
+    def build(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+        return EagerPolicy(device=device, **({"mode": mode} | options))
+
+    return build
+
+
+def _eager_validator(mode: str) -> Callable[[Mapping[str, Any], int], None]:
+    def validate(options: Mapping[str, Any], world_size: int) -> None:
+        validate_eager(f"eager_{mode}", options, world_size)
+
+    return validate
+
+
+def _register() -> None:
+    register_policy("allreduce", _build_allreduce, validate_allreduce)
+    register_policy("local_sgd", _build_local_sgd, validate_local_sgd)
+    register_policy("hierarchical", _build_hierarchical, validate_hierarchical)
+    register_policy("hierarchical_momentum", _build_hierarchical, validate_hierarchical_momentum)
+    register_policy("wagma", _build_wagma, validate_wagma)
+    for mode in EAGER_MODES:
+        register_policy(f"eager_{mode}", _eager_builder(mode), _eager_validator(mode))
+
+
+_register()

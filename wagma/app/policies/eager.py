@@ -1,0 +1,93 @@
+"""eager-SGD as a policy: DDP with the partial-allreduce comm hook of :mod:`wagma.hooks.partial` (``eager_solo``,
+``eager_majority``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
+from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
+
+__all__ = ["EagerPolicy"]
+
+
+class EagerPolicy(Policy):
+    """eager-SGD: DDP with the partial-allreduce comm hook of :mod:`wagma.hooks.partial`.
+
+    ``wrap`` builds ``PartialAllreduceState(params, mode=..., sync_period=..., warmup_iters=..., seed=...,
+    timeout=...)`` and registers it with ``ddp.register_comm_hook(state, partial_allreduce_hook)``;
+    ``finalize`` is ``state.flush(optimizer)``: a blocking, fully fresh round that applies every gradient
+    still in the residual buffers, after which the replicas agree.
+
+    Args:
+        device: where the model lives.
+        mode: ``"solo"`` or ``"majority"``.
+        sync_period: τ; a blocking fully fresh allreduce every τ rounds bounds staleness.
+        warmup_iters: iterations of plain allreduce first (DDP rebuilds its buckets after the first).
+        seed: seed of the shared initiator draw (majority).
+        max_lead: rounds the hook's progress thread may run ahead of the backward passes
+            (``None``: ``sync_period``; 0: every round waits for every rank's fresh gradient).
+        bucket_cap_mb: DDP's gradient bucket size.
+        timeout_s: bound of every wait of the hook's engine.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        mode: str,
+        sync_period: int = 32,
+        warmup_iters: int = 2,
+        seed: int = 0,
+        max_lead: int | None = None,
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.name = f"eager_{mode}"
+        self.device, self.mode = device, mode
+        self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
+        self.max_lead = None if max_lead is None else int(max_lead)
+        self.bucket_cap_mb, self.timeout_s = float(bucket_cap_mb), float(timeout_s)
+        self.hook_state: Any = None
+        self.steps_done = 0
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.hook_state = PartialAllreduceState(
+            list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
+            seed=self.seed, max_lead=self.max_lead, timeout=timeout(self.timeout_s),
+        )
+        ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
+        ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)
+        return ddp
+
+    def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        self.steps_done = step + 1
+
+    def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        assert self.hook_state is not None, "wrap() the model first"
+        self.hook_state.flush(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.hook_state is not None, "wrap() the model first"
+        return {"steps_done": self.steps_done, "hook": self.hook_state.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        assert self.hook_state is not None, "wrap() the model first"
+        self.hook_state.load_state_dict(state["hook"])
+        self.steps_done = int(state["steps_done"])
+
+    def stats(self) -> dict[str, Any]:
+        if self.hook_state is None:
+            return {}
+        stats = dict(self.hook_state.stats_dict())
+        if "wait_s" in stats:  # the loop's wait_s is the whole step's; keep the hook's apart
+            stats["comm_wait_s"] = stats.pop("wait_s")
+        return {"global_reductions": 0, "local_reductions": 0, "staleness": 0.0} | stats
+
+    def close(self) -> None:
+        if self.hook_state is not None:
+            self.hook_state.close()
