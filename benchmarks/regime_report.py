@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.report import _colors, _finish_grid  # noqa: E402
+from benchmarks.report import _colors, _finish_grid, ms_per_step_panel  # noqa: E402
 
 __all__ = ["write_all", "write_markdown"]
 
@@ -112,22 +112,10 @@ def plot_ms_per_step(path: Path, records: Sequence[Record]) -> None:
     colors = _colors(policies)
     fig, axes = _panels(len(scenarios))
     for ax, scenario in zip(axes.flat, scenarios, strict=False):
-        for policy in policies:
-            pts = sorted((r["world_size"], r["ms_per_step"]) for r in recs
-                         if r["scenario"] == scenario and r["policy"] == policy)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", color=colors[policy], label=policy)
-        ideal = sorted({(r["world_size"], r["ideal_ms"]) for r in recs
-                        if r["scenario"] == scenario and r["policy"] == "allreduce"})
-        if ideal:
-            ax.plot(*zip(*ideal, strict=True), linestyle="--", color="black", label="no-wait ideal")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({pt[0] for pt in ideal}), [str(w) for w in sorted({pt[0] for pt in ideal})])
-        ax.minorticks_off()
-        ax.set_title(f"{scenario} ({size:,} params)")
-        ax.set_xlabel("ranks P")
-        ax.set_ylabel("ms per step (slowest rank)")
-        ax.grid(alpha=0.3)
+        mine = [r for r in recs if r["scenario"] == scenario]
+        lines = {p: [(r["world_size"], r["ms_per_step"]) for r in mine if r["policy"] == p] for p in policies}
+        ideal = sorted({(r["world_size"], r["ideal_ms"]) for r in mine if r["policy"] == "allreduce"})
+        ms_per_step_panel(ax, lines, ideal, colors, f"{scenario} ({size:,} params)", "ms per step (slowest rank)")
     _finish_grid(fig, axes, len(scenarios), path)
 
 

@@ -217,6 +217,29 @@ def _finish_grid(fig: Any, axes: Any, used: int, path: Path) -> None:
     plt.close(fig)
 
 
+def ms_per_step_panel(
+    ax: Any, lines: dict[str, list[tuple[int, float]]], ideal: list[tuple[int, float]], colors: dict[str, Any],
+    title: str, ylabel: str,
+) -> None:
+    """One panel of ms per step against P (log2 axis): a line per policy, the no-wait ideal dashed.
+
+    ``lines`` maps a policy to its (P, ms) points; policies without points are left out.
+    """
+    for policy, pts in lines.items():
+        if pts:
+            ax.plot(*zip(*sorted(pts), strict=True), marker="o", color=colors[policy], label=policy)
+    if ideal:
+        ax.plot(*zip(*sorted(ideal), strict=True), linestyle="--", color="black", label="no-wait ideal")
+    worlds = sorted({w for pts in [*lines.values(), ideal] for w, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(worlds, [str(w) for w in worlds])
+    ax.minorticks_off()
+    ax.set_title(title)
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
 def plot_throughput(
     path: Path, records: Sequence[Record], scenarios: Sequence[str], policies: Sequence[str],
     ideals: dict[str, float | None],

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.report import _colors, _finish_grid  # noqa: E402
+from benchmarks.report import _colors, _finish_grid, ms_per_step_panel  # noqa: E402
 
 __all__ = ["write_all", "write_markdown"]
 
@@ -80,18 +80,9 @@ def plot_scale(path: Path, records: list[Record]) -> None:
     fig, axes = plt.subplots(1, len(scenarios), figsize=(max(11.0, 4.8 * len(scenarios)), 3.8), squeeze=False)
     for ax, scenario in zip(axes.flat, scenarios, strict=False):
         mine = [r for r in records if r["scenario"] == scenario]
-        for policy in policies:
-            pts = sorted((r["world_size"], r["simulated_ms"]) for r in mine if r["policy"] == policy)
-            ax.plot(*zip(*pts, strict=True), marker="o", color=colors[policy], label=policy)
+        lines = {p: [(r["world_size"], r["simulated_ms"]) for r in mine if r["policy"] == p] for p in policies}
         ideal = sorted({(r["world_size"], r["ideal_ms"]) for r in mine})
-        ax.plot(*zip(*ideal, strict=True), linestyle="--", color="black", label="no-wait ideal")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({pt[0] for pt in ideal}), [str(w) for w in sorted({pt[0] for pt in ideal})])
-        ax.minorticks_off()
-        ax.set_title(f"{scenario} (simulated, paper setting)")
-        ax.set_xlabel("ranks P")
-        ax.set_ylabel("ms per step")
-        ax.grid(alpha=0.3)
+        ms_per_step_panel(ax, lines, ideal, colors, f"{scenario} (simulated, paper setting)", "ms per step")
     _finish_grid(fig, axes, len(scenarios), path)
 
 
