@@ -1,0 +1,189 @@
+"""Guard rails of the averagers: one warning for a setup that runs but does not do what its user meant.
+
+- :class:`DoubleCommunicationGuard` -- an averager whose parameters belong to a ``DistributedDataParallel``
+  model that still allreduces gradients pays for two communications per step (DDP's gradient allreduce
+  and the model average), and while gradients are averaged every step the model average changes nothing.
+- :func:`order_ignored_by_caller` -- an averager whose ``order`` is ``"average_then_step"`` driven by
+  torch's ``PostLocalSGDOptimizer``, which always steps first and then averages.
+
+Both warn once per averager (a ``UserWarning``) and never communicate, so ranks need not agree on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["DoubleCommunicationGuard", "ddp_gradient_communication", "hook_communicates", "order_ignored_by_caller"]
+
+
+def _unwrap(hook: Any) -> Any:
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return hook
+
+
+@functools.cache
+def _known_hooks() -> dict[Any, Callable[[Any], str | None]]:
+    """Hook function -> what it communicates this iteration given its state (``None``: nothing)."""
+    # Imported here: wagma.hooks builds on wagma.averaging, which imports this module.
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks  # noqa: PLC0415
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local  # noqa: PLC0415
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: PLC0415
+
+    from wagma.hooks import basic, partial, post_local  # noqa: PLC0415
+
+    def always(what: str) -> Callable[[Any], str]:
+        return lambda state: what
+
+    def wagma_post_local(state: Any) -> str | None:
+        if state is not None and getattr(state, "synchronous", False):
+            return f"post_local_hook is still in its warm-up (step {state.step} < warmup_steps {state.warmup_steps})"
+        return None
+
+    def torch_post_local_sgd(state: Any) -> str | None:
+        if state is None:
+            return None
+        if state.iter < state.start_localSGD_iter:
+            return (f"post_localSGD_hook is still in its warm-up (iteration {state.iter} < start_localSGD_iter "
+                    f"{state.start_localSGD_iter})")
+        if getattr(state, "post_local_gradient_allreduce", False):
+            return "post_localSGD_hook allreduces gradients in its subgroup (post_local_gradient_allreduce=True)"
+        return None
+
+    return {
+        basic.local_hook: lambda state: None,
+        debugging_hooks.noop_hook: lambda state: None,
+        post_local.post_local_hook: wagma_post_local,
+        torch_post_local.post_localSGD_hook: torch_post_local_sgd,
+        basic.allreduce_hook: always("wagma's allreduce_hook is registered"),
+        basic.group_allreduce_hook: always("wagma's group_allreduce_hook is registered"),
+        partial.partial_allreduce_hook: always("wagma's partial_allreduce_hook is registered"),
+        default_hooks.allreduce_hook: always("torch's allreduce_hook is registered"),
+        default_hooks.fp16_compress_hook: always("torch's fp16_compress_hook is registered"),
+        default_hooks.bf16_compress_hook: always("torch's bf16_compress_hook is registered"),
+        powerSGD_hook.powerSGD_hook: always("torch's powerSGD_hook is registered"),
+        powerSGD_hook.batched_powerSGD_hook: always("torch's batched_powerSGD_hook is registered"),
+    }
+
+
+def hook_communicates(hook: Callable[..., Any], state: Any) -> str | None | bool:
+    """What a DDP comm hook communicates this iteration, as far as wagma can tell.
+
+    Returns:
+        A short description when the hook exchanges gradients now, ``None`` when it does not, and
+        ``False`` for a hook wagma does not know (custom hooks are given the benefit of the doubt).
+    """
+    rule = _known_hooks().get(_unwrap(hook))
+    if rule is None:
+        return False
+    return rule(state)
+
+
+def ddp_gradient_communication(ddp: DistributedDataParallel) -> str | None:
+    """Whether ``ddp`` allreduces gradients in its next backward pass: a description, or ``None``.
+
+    Reads the hook DDP keeps from ``register_comm_hook`` (``ddp._comm_hooks``, a list of ``(hook, state)``):
+    without one DDP runs its own allreduce (or a builtin hook, which communicates too). An unknown custom
+    hook counts as not communicating.
+    """
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if not hooks:
+        return "it has no comm hook, so DDP allreduces every gradient"
+    hook, state = hooks[-1]
+    what = hook_communicates(hook, state)
+    return what if isinstance(what, str) else None
+
+
+def _ddps_sharing(tensors: Sequence[torch.Tensor]) -> list[DistributedDataParallel]:
+    """Every live ``DistributedDataParallel`` whose parameters include one of ``tensors``.
+
+    DDP keeps no registry and a parameter does not know its module, so this walks the objects the
+    garbage collector tracks: about 0.1 s per 300,000 objects, which is why callers do it once.
+    """
+    ids = {id(t) for t in tensors}
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.parameters()):
+            found.append(obj)
+    return found
+
+
+class DoubleCommunicationGuard:
+    """Warns once when an averager reduces models that a DDP instance still averages gradients for.
+
+    :meth:`check` is called by the averager after each reduction it ran. The first call looks for the
+    ``DistributedDataParallel`` models that own the averaged tensors (once: see :func:`_ddps_sharing`) and
+    keeps weak references to them; every call then asks each one whether its comm hook communicates
+    (cheap), until the warning has been given or no DDP model was found.
+
+    Args:
+        owner: the averager's name, for the message.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.warned = False
+        self._ddps: list[weakref.ref[DistributedDataParallel]] | None = None  # None: not looked yet
+
+    def check(self, tensors: Sequence[torch.Tensor], *, stacklevel: int = 2) -> None:
+        """Warn (once) if a DDP model owning ``tensors`` exchanges gradients in its current backward passes.
+
+        Args:
+            tensors: what the averager just reduced.
+            stacklevel: frames above this method that the warning points at (2: the averager's caller).
+        """
+        if self.warned or self._ddps == []:
+            return
+        if self._ddps is None:
+            self._ddps = [weakref.ref(d) for d in _ddps_sharing(tensors)]
+        for ref in self._ddps:
+            ddp = ref()
+            what = None if ddp is None else ddp_gradient_communication(ddp)
+            if what is not None:
+                self.warned = True
+                warnings.warn(
+                    f"{self.owner} averages the parameters of a DistributedDataParallel model that still "
+                    f"allreduces gradients ({what}): every such step pays for two communications, the gradient "
+                    "allreduce and the model average. Register a hook without gradient communication, "
+                    "ddp.register_comm_hook(PostLocalState(warmup_steps), post_local_hook) with the averager's "
+                    "warm-up, or ddp.register_comm_hook(None, local_hook), or average a model not wrapped in DDP",
+                    UserWarning,
+                    stacklevel=stacklevel + 1,
+                )
+                return
+
+
+def order_ignored_by_caller(order: str | None, owner: str, *, depth: int = 6) -> str | None:
+    """The warning text when ``order`` is ``"average_then_step"`` but torch's PostLocalSGDOptimizer drives the call.
+
+    ``PostLocalSGDOptimizer.step`` always runs the optimizer step first and then
+    ``averager.average_parameters``, so an averager built for the reference order silently runs the other
+    one. Looks at the ``depth`` calling frames for a ``self`` that is such an optimizer; call it once.
+    """
+    if order != "average_then_step":
+        return None
+    from torch.distributed.optim import PostLocalSGDOptimizer  # noqa: PLC0415 - torch.distributed.optim is heavy
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if isinstance(frame.f_locals.get("self"), PostLocalSGDOptimizer):
+            return (
+                f"{owner} has order='average_then_step', but torch's PostLocalSGDOptimizer ignores it: it always "
+                "runs optimizer.step() first and averages after it (step_then_average). Use "
+                "wagma.AveragingOptimizer, which follows the averager's order, or build the averager with "
+                "order='step_then_average' to say what runs"
+            )
+        frame = frame.f_back
+    return None
+
