@@ -240,3 +240,32 @@ def test_group_sizes_larger_than_the_world_and_degenerate_hierarchies() -> None:
         [periods] = out["equal_periods"]
         assert periods.startswith(prefix + "local_period equals global_period (4)")
         assert out["hierarchical"] == []
+
+
+def test_hook_classification_knows_wagma_and_torch_hooks_and_trusts_custom_ones() -> None:
+    import functools  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook  # noqa: PLC0415
+
+    from wagma.averaging.guards import hook_communicates  # noqa: PLC0415
+
+    assert hook_communicates(default_hooks.allreduce_hook, None) == "torch's allreduce_hook is registered"
+    assert hook_communicates(functools.partial(allreduce_hook), None) == "wagma's allreduce_hook is registered"
+    assert hook_communicates(local_hook, None) is None
+    state = PostLocalState(3)
+    assert hook_communicates(post_local_hook, state) == (
+        "post_local_hook is still in its warm-up (step 0 < warmup_steps 3)"
+    )
+    state.step = 3
+    assert hook_communicates(post_local_hook, state) is None
+    torch_state = types.SimpleNamespace(iter=1, start_localSGD_iter=4, post_local_gradient_allreduce=False)
+    assert "iteration 1 < start_localSGD_iter 4" in hook_communicates(post_localSGD_hook.post_localSGD_hook, torch_state)
+    torch_state.iter = 4
+    assert hook_communicates(post_localSGD_hook.post_localSGD_hook, torch_state) is None
+
+    def allreduce_hook_lookalike(state: object, bucket: object) -> None:  # a custom hook: not judged
+        return None
+
+    allreduce_hook_lookalike.__module__, allreduce_hook_lookalike.__qualname__ = "wagma.hooks.basic", "allreduce_hook"
+    assert hook_communicates(allreduce_hook_lookalike, None) is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import sys
 import warnings
 import weakref
@@ -31,60 +32,66 @@ def _unwrap(hook: Any) -> Any:
     return hook
 
 
-@functools.cache
-def _known_hooks() -> dict[Any, Callable[[Any], str | None]]:
-    """Hook function -> what it communicates this iteration given its state (``None``: nothing)."""
-    # Imported here: wagma.hooks builds on wagma.averaging, which imports this module.
-    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks  # noqa: PLC0415
-    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local  # noqa: PLC0415
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: PLC0415
+def _always(what: str) -> Callable[[Any], str]:
+    return lambda state: what
 
-    from wagma.hooks import basic, partial, post_local  # noqa: PLC0415
 
-    def always(what: str) -> Callable[[Any], str]:
-        return lambda state: what
+def _never(state: Any) -> None:
+    return None
 
-    def wagma_post_local(state: Any) -> str | None:
-        if state is not None and getattr(state, "synchronous", False):
-            return f"post_local_hook is still in its warm-up (step {state.step} < warmup_steps {state.warmup_steps})"
+
+def _wagma_post_local(state: Any) -> str | None:
+    if state is not None and getattr(state, "synchronous", False):
+        return f"post_local_hook is still in its warm-up (step {state.step} < warmup_steps {state.warmup_steps})"
+    return None
+
+
+def _torch_post_local_sgd(state: Any) -> str | None:
+    if state is None:
         return None
-
-    def torch_post_local_sgd(state: Any) -> str | None:
-        if state is None:
-            return None
-        if state.iter < state.start_localSGD_iter:
-            return (f"post_localSGD_hook is still in its warm-up (iteration {state.iter} < start_localSGD_iter "
-                    f"{state.start_localSGD_iter})")
-        if getattr(state, "post_local_gradient_allreduce", False):
-            return "post_localSGD_hook allreduces gradients in its subgroup (post_local_gradient_allreduce=True)"
-        return None
-
-    return {
-        basic.local_hook: lambda state: None,
-        debugging_hooks.noop_hook: lambda state: None,
-        post_local.post_local_hook: wagma_post_local,
-        torch_post_local.post_localSGD_hook: torch_post_local_sgd,
-        basic.allreduce_hook: always("wagma's allreduce_hook is registered"),
-        basic.group_allreduce_hook: always("wagma's group_allreduce_hook is registered"),
-        partial.partial_allreduce_hook: always("wagma's partial_allreduce_hook is registered"),
-        default_hooks.allreduce_hook: always("torch's allreduce_hook is registered"),
-        default_hooks.fp16_compress_hook: always("torch's fp16_compress_hook is registered"),
-        default_hooks.bf16_compress_hook: always("torch's bf16_compress_hook is registered"),
-        powerSGD_hook.powerSGD_hook: always("torch's powerSGD_hook is registered"),
-        powerSGD_hook.batched_powerSGD_hook: always("torch's batched_powerSGD_hook is registered"),
-    }
+    if state.iter < state.start_localSGD_iter:
+        return (
+            f"post_localSGD_hook is still in its warm-up (iteration {state.iter} < start_localSGD_iter "
+            f"{state.start_localSGD_iter})"
+        )
+    if getattr(state, "post_local_gradient_allreduce", False):
+        return "post_localSGD_hook allreduces gradients in its subgroup (post_local_gradient_allreduce=True)"
+    return None
 
 
-def hook_communicates(hook: Callable[..., Any], state: Any) -> str | None | bool:
-    """What a DDP comm hook communicates this iteration, as far as wagma can tell.
+_TORCH_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks"
+#: (module, function name) of a known hook -> what it communicates this iteration given its state (None:
+#: nothing). Keyed by name so that no hook module is imported for the lookup; :func:`hook_communicates`
+#: checks that the registered function is the module's own.
+_KNOWN_HOOKS: dict[tuple[str, str], Callable[[Any], str | None]] = {
+    ("wagma.hooks.basic", "local_hook"): _never,
+    ("wagma.hooks.post_local", "post_local_hook"): _wagma_post_local,
+    ("wagma.hooks.basic", "allreduce_hook"): _always("wagma's allreduce_hook is registered"),
+    ("wagma.hooks.basic", "group_allreduce_hook"): _always("wagma's group_allreduce_hook is registered"),
+    ("wagma.hooks.partial", "partial_allreduce_hook"): _always("wagma's partial_allreduce_hook is registered"),
+    (f"{_TORCH_HOOKS}.debugging_hooks", "noop_hook"): _never,
+    (f"{_TORCH_HOOKS}.post_localSGD_hook", "post_localSGD_hook"): _torch_post_local_sgd,
+    (f"{_TORCH_HOOKS}.default_hooks", "allreduce_hook"): _always("torch's allreduce_hook is registered"),
+    (f"{_TORCH_HOOKS}.default_hooks", "fp16_compress_hook"): _always("torch's fp16_compress_hook is registered"),
+    (f"{_TORCH_HOOKS}.default_hooks", "bf16_compress_hook"): _always("torch's bf16_compress_hook is registered"),
+    (f"{_TORCH_HOOKS}.powerSGD_hook", "powerSGD_hook"): _always("torch's powerSGD_hook is registered"),
+    (f"{_TORCH_HOOKS}.powerSGD_hook", "batched_powerSGD_hook"): _always("torch's batched_powerSGD_hook is registered"),
+}
+
+
+def hook_communicates(hook: Callable[..., Any], state: Any) -> str | None:
+    """What a DDP comm hook exchanges in this iteration, as far as wagma can tell.
 
     Returns:
-        A short description when the hook exchanges gradients now, ``None`` when it does not, and
-        ``False`` for a hook wagma does not know (custom hooks are given the benefit of the doubt).
+        A short description when the hook is one of wagma's or torch's and exchanges gradients now
+        (given ``state``, e.g. a post-local hook in its warm-up); ``None`` when it does not, or when the
+        hook is unknown (custom hooks are given the benefit of the doubt).
     """
-    rule = _known_hooks().get(_unwrap(hook))
-    if rule is None:
-        return False
+    hook = _unwrap(hook)
+    key = (getattr(hook, "__module__", None) or "", getattr(hook, "__qualname__", None) or "")
+    rule = _KNOWN_HOOKS.get(key)
+    if rule is None or getattr(sys.modules.get(key[0]), key[1], None) is not hook:
+        return None
     return rule(state)
 
 
@@ -99,22 +106,26 @@ def ddp_gradient_communication(ddp: DistributedDataParallel) -> str | None:
     if not hooks:
         return "it has no comm hook, so DDP allreduces every gradient"
     hook, state = hooks[-1]
-    what = hook_communicates(hook, state)
-    return what if isinstance(what, str) else None
+    return hook_communicates(hook, state)
 
 
 def _ddps_sharing(tensors: Sequence[torch.Tensor]) -> list[DistributedDataParallel]:
     """Every live ``DistributedDataParallel`` whose parameters include one of ``tensors``.
 
     DDP keeps no registry and a parameter does not know its module, so this walks the objects the
-    garbage collector tracks: about 0.1 s per 300,000 objects, which is why callers do it once.
+    garbage collector tracks, with the type test in C (``map``/``compress``): about 60 ms per 300,000
+    objects on an idle core, which is why callers do it once.
     """
+    kinds, todo = set(), [DistributedDataParallel]
+    while todo:  # DDP and its subclasses, as they exist now
+        cls = todo.pop()
+        kinds.add(cls)
+        todo.extend(cls.__subclasses__())
+    objects = gc.get_objects()
+    candidates = list(itertools.compress(objects, map(kinds.__contains__, map(type, objects))))
+    del objects
     ids = {id(t) for t in tensors}
-    found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.parameters()):
-            found.append(obj)
-    return found
+    return [ddp for ddp in candidates if any(id(p) in ids for p in ddp.parameters())]
 
 
 class DoubleCommunicationGuard:
@@ -171,13 +182,16 @@ def order_ignored_by_caller(order: str | None, owner: str, *, depth: int = 6) ->
     """
     if order != "average_then_step":
         return None
-    from torch.distributed.optim import PostLocalSGDOptimizer  # noqa: PLC0415 - torch.distributed.optim is heavy
-
+    # Not imported here (torch.distributed.optim takes seconds to import): a caller that is such an
+    # optimizer has imported its module already.
+    module = sys.modules.get("torch.distributed.optim.post_localSGD_optimizer")
+    if module is None:
+        return None
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return None
-        if isinstance(frame.f_locals.get("self"), PostLocalSGDOptimizer):
+        if isinstance(frame.f_locals.get("self"), module.PostLocalSGDOptimizer):
             return (
                 f"{owner} has order='average_then_step', but torch's PostLocalSGDOptimizer ignores it: it always "
                 "runs optimizer.step() first and averages after it (step_then_average). Use "
