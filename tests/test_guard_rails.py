@@ -84,6 +84,15 @@ def _double_communication_worker(rank: int, world: int) -> dict[str, list[str]]:
         _train(net, opt, rank, lambda i: averager.step())
     averager.averager.close()
     out["no_ddp"] = _messages(caught)
+    # Through AveragingOptimizer the warning points at the user's optimizer.step(), not into wagma.
+    net = _net()
+    ddp = DDP(net)
+    opt = AveragingOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), PeriodicAverager(1, timeout=TIMEOUT_S))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(ddp, opt, rank, lambda i: opt.step())
+    opt.averager.close()
+    out["where"] = [w.filename for w in caught if issubclass(w.category, UserWarning)]
     return out
 
 
@@ -93,11 +102,13 @@ def test_double_communication_warns_once_and_only_when_ddp_still_allreduces() ->
         assert len(plain) == 1, plain  # exactly once over STEPS reductions
         assert plain[0].startswith(f"PeriodicAverager {DOUBLE} (it has no comm hook")
         assert "register_comm_hook(PostLocalState(warmup_steps), post_local_hook)" in plain[0]
+        assert out["where"] == [__file__]
         assert "local_hook" in plain[0]
         assert out["local_hook"] == []
         assert out["post_local_matched"] == []  # DDP's warm-up and the averager's warm-up do not overlap
         in_warmup = out["post_local_in_warmup"]
         assert len(in_warmup) == 1 and "post_local_hook is still in its warm-up (step 0 < warmup_steps 3)" in in_warmup[0]
+        assert "the same warmup_steps for PeriodicAverager" in in_warmup[0]
         momentum = out["allreduce_hook_momentum"]
         assert len(momentum) == 1 and "wagma's allreduce_hook is registered" in momentum[0]
         wagma = out["wagma_plain_ddp"]

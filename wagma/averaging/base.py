@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-import warnings
 import weakref
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
@@ -38,7 +37,7 @@ from wagma.averaging.groups import (
     new_timeout_group,
     require_initialized,
 )
-from wagma.averaging.guards import DoubleCommunicationGuard, order_ignored_by_caller
+from wagma.averaging.guards import DoubleCommunicationGuard, order_ignored_by_caller, warn_at_caller
 from wagma.averaging.tensors import (
     FlatBuffers,
     ParameterBinding,
@@ -266,7 +265,7 @@ class AveragerBase(ModelAverager):
             self._order_checked = True
             ignored = order_ignored_by_caller(getattr(self, "order", None), type(self).__name__)
             if ignored is not None:
-                warnings.warn(ignored, UserWarning, stacklevel=2)
+                warn_at_caller(ignored)
         tensors = self.tensors_to_average(params, buffers)
         kind = self._average_step(tensors) if self.is_member else None
         if kind is not None:

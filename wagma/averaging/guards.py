@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import os
 import sys
 import warnings
 import weakref
@@ -23,7 +24,24 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DoubleCommunicationGuard", "ddp_gradient_communication", "hook_communicates", "order_ignored_by_caller"]
+__all__ = [
+    "DoubleCommunicationGuard", "ddp_gradient_communication", "hook_communicates", "order_ignored_by_caller",
+    "warn_at_caller",
+]
+
+_WAGMA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn_at_caller(message: str) -> None:
+    """``warnings.warn(message, UserWarning)`` attributed to the first calling frame outside wagma.
+
+    The line a user sees is then their own call (``optimizer.step()``, the averager's constructor), not a
+    line inside wagma's wrappers, however deep the call came in.
+    """
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_WAGMA_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def _unwrap(hook: Any) -> Any:
@@ -145,13 +163,8 @@ class DoubleCommunicationGuard:
         self.warned = False
         self._ddps: list[weakref.ref[DistributedDataParallel]] | None = None  # None: not looked yet
 
-    def check(self, tensors: Sequence[torch.Tensor], *, stacklevel: int = 2) -> None:
-        """Warn (once) if a DDP model owning ``tensors`` exchanges gradients in its current backward passes.
-
-        Args:
-            tensors: what the averager just reduced.
-            stacklevel: frames above this method that the warning points at (2: the averager's caller).
-        """
+    def check(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Warn (once) if a DDP model owning ``tensors`` exchanges gradients in its current backward passes."""
         if self.warned or self._ddps == []:
             return
         if self._ddps is None:
@@ -161,16 +174,24 @@ class DoubleCommunicationGuard:
             what = None if ddp is None else ddp_gradient_communication(ddp)
             if what is not None:
                 self.warned = True
-                warnings.warn(
+                warn_at_caller(
                     f"{self.owner} averages the parameters of a DistributedDataParallel model that still "
                     f"allreduces gradients ({what}): every such step pays for two communications, the gradient "
-                    "allreduce and the model average. Register a hook without gradient communication, "
-                    "ddp.register_comm_hook(PostLocalState(warmup_steps), post_local_hook) with the averager's "
-                    "warm-up, or ddp.register_comm_hook(None, local_hook), or average a model not wrapped in DDP",
-                    UserWarning,
-                    stacklevel=stacklevel + 1,
+                    f"allreduce and the model average. {_advice(what)}"
                 )
                 return
+
+
+def _advice(what: str) -> str:
+    if "warm-up" in what:
+        return (
+            "Let the averager start when the hook's warm-up ends (the same warmup_steps for PeriodicAverager or "
+            "HierarchicalAverager), or give the hook no warm-up (WagmaAverager has none)"
+        )
+    return (
+        "Register a hook without gradient communication, ddp.register_comm_hook(PostLocalState(warmup_steps), "
+        "post_local_hook) or ddp.register_comm_hook(None, local_hook), or average a model not wrapped in DDP"
+    )
 
 
 def order_ignored_by_caller(order: str | None, owner: str, *, depth: int = 6) -> str | None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import datetime
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction, check_int
 from wagma.averaging.groups import DEFAULT_TIMEOUT, contiguous_subgroups, group_ranks, require_initialized
+from wagma.averaging.guards import warn_at_caller
 from wagma.schedule import check_group_fits
 
 __all__ = ["HierarchicalAverager"]
@@ -98,7 +98,7 @@ class HierarchicalAverager(AveragerBase):
             self.local_blocks = [group_ranks(self.process_group)]
         degenerate = self._not_hierarchical(world)
         if degenerate is not None:
-            warnings.warn(degenerate, UserWarning, stacklevel=2)
+            warn_at_caller(degenerate)
 
     def _not_hierarchical(self, world: int) -> str | None:
         """The warning for a configuration with one level only on this world size, or ``None``."""
