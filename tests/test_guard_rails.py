@@ -186,6 +186,15 @@ def test_an_order_a_wrapper_would_ignore_is_passed_through_or_warned() -> None:
         assert out["averaging_optimizer"] == []
 
 
+def test_a_config_group_larger_than_the_world_says_so() -> None:
+    from wagma.policy_options import validate_hierarchical, validate_wagma  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=r"^averaging.group_size 16 is larger than the world \(8 ranks\)"):
+        validate_wagma({"group_size": 16, "sync_period": 2}, 8)
+    with pytest.raises(ValueError, match=r"^averaging.local_group_size 4 is larger than the world \(2 ranks\)"):
+        validate_hierarchical({"local_group_size": 4, "local_period": 1, "global_period": 2}, 2)
+
+
 def test_an_order_key_for_a_policy_without_order_is_a_config_error() -> None:
     from wagma.policy_options import validate_local_sgd  # noqa: PLC0415
 
