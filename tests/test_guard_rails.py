@@ -10,7 +10,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from wagma.averaging import AveragingOptimizer, HierarchicalAverager, PeriodicAverager, ReductionMomentum, WagmaAverager
+from wagma.averaging import (
+    AveragingOptimizer,
+    HierarchicalAverager,
+    PeriodicAverager,
+    ReductionMomentum,
+    WagmaAverager,
+)
 from wagma.averaging.groups import contiguous_subgroups
 from wagma.hooks import GroupAllreduceState, allreduce_hook, local_hook
 from wagma.hooks.post_local import PostLocalState, post_local_hook
@@ -130,7 +136,7 @@ class _RecordingSGD(torch.optim.SGD):
 
 
 def _order_worker(rank: int, world: int) -> dict[str, object]:
-    from torch.distributed.optim import PostLocalSGDOptimizer  # noqa: PLC0415
+    from torch.distributed.optim import PostLocalSGDOptimizer
 
     torch.set_num_threads(1)
     out: dict[str, object] = {}
@@ -157,7 +163,7 @@ def _order_worker(rank: int, world: int) -> dict[str, object]:
         opt = PostLocalSGDOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), averager)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _train(net, opt, rank, lambda i: opt.step())
+            _train(net, opt, rank, lambda i, opt=opt: opt.step())
         averager.close()
         out[f"post_local_sgd_{order}"] = _messages(caught)
     # wagma's AveragingOptimizer follows the order: no warning.
@@ -187,7 +193,7 @@ def test_an_order_a_wrapper_would_ignore_is_passed_through_or_warned() -> None:
 
 
 def test_a_config_group_larger_than_the_world_says_so() -> None:
-    from wagma.policy_options import validate_hierarchical, validate_wagma  # noqa: PLC0415
+    from wagma.policy_options import validate_hierarchical, validate_wagma
 
     with pytest.raises(ValueError, match=r"^averaging.group_size 16 is larger than the world \(8 ranks\)"):
         validate_wagma({"group_size": 16, "sync_period": 2}, 8)
@@ -196,7 +202,7 @@ def test_a_config_group_larger_than_the_world_says_so() -> None:
 
 
 def test_an_order_key_for_a_policy_without_order_is_a_config_error() -> None:
-    from wagma.policy_options import validate_local_sgd  # noqa: PLC0415
+    from wagma.policy_options import validate_local_sgd
 
     with pytest.raises(ValueError, match=r"averaging 'local_sgd' takes the keys .* got unknown keys \['order'\]"):
         validate_local_sgd({"period": 2, "order": "average_then_step"}, 2)
@@ -211,7 +217,7 @@ def test_schedule_refuses_a_group_larger_than_the_world() -> None:
             GroupSchedule.create(kind, 8, 16)
         with pytest.raises(ValueError, match=r"group_size 4 is larger than the world \(1 rank\)"):
             GroupSchedule.create(kind, 1, 4)
-    from wagma.schedule import check_group_fits  # noqa: PLC0415
+    from wagma.schedule import check_group_fits
 
     check_group_fits(8, 8)  # a group of everyone fits
     with pytest.raises(ValueError, match=r"^local_group_size 3 is larger than the world \(2 ranks\)"):
@@ -263,12 +269,15 @@ def test_group_sizes_larger_than_the_world_and_degenerate_hierarchies() -> None:
 
 
 def test_hook_classification_knows_wagma_and_torch_hooks_and_trusts_custom_ones() -> None:
-    import functools  # noqa: PLC0415
-    import types  # noqa: PLC0415
+    import functools
+    import types
 
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook  # noqa: PLC0415
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        default_hooks,
+        post_localSGD_hook,
+    )
 
-    from wagma.averaging.guards import hook_communicates  # noqa: PLC0415
+    from wagma.averaging.guards import hook_communicates
 
     assert hook_communicates(default_hooks.allreduce_hook, None) == "torch's allreduce_hook is registered"
     assert hook_communicates(functools.partial(allreduce_hook), None) == "wagma's allreduce_hook is registered"

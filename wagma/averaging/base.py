@@ -37,7 +37,11 @@ from wagma.averaging.groups import (
     new_timeout_group,
     require_initialized,
 )
-from wagma.averaging.guards import DoubleCommunicationGuard, order_ignored_by_caller, warn_at_caller
+from wagma.averaging.guards import (
+    DoubleCommunicationGuard,
+    order_ignored_by_caller,
+    warn_at_caller,
+)
 from wagma.averaging.tensors import (
     FlatBuffers,
     ParameterBinding,

@@ -8,7 +8,12 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction, check_int
-from wagma.averaging.groups import DEFAULT_TIMEOUT, contiguous_subgroups, group_ranks, require_initialized
+from wagma.averaging.groups import (
+    DEFAULT_TIMEOUT,
+    contiguous_subgroups,
+    group_ranks,
+    require_initialized,
+)
 from wagma.averaging.guards import warn_at_caller
 from wagma.schedule import check_group_fits
 
