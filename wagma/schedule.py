@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GroupSchedule"]
+__all__ = ["GroupSchedule", "check_group_fits"]
 
 Group = tuple[int, ...]
 Partition = tuple[Group, ...]
@@ -82,12 +82,14 @@ class GroupSchedule:
         """The reference butterfly schedule for ``world_size == group_size ** m`` (``m >= 1``).
 
         Round ``j`` (``j = 0..m-1``) groups the ranks that agree on every digit of their base-``S``
-        representation except digit ``j``; the period is ``m``. ``P = 1`` gives the trivial one-round
-        schedule ``[(0,)]`` for any ``group_size``.
+        representation except digit ``j``; the period is ``m``. ``P = 1`` (with ``S = 1``) gives the
+        trivial one-round schedule ``[(0,)]``. ``S = P`` is one group of every rank in every round: each
+        round is a global average (wait-avoiding under the engine, which is what eager-SGD's partial
+        allreduce uses), not a group average.
 
         Raises:
-            ValueError: invalid sizes, ``group_size`` not dividing ``world_size``, or ``world_size`` not
-                a power of ``group_size`` (use :meth:`mixed_radix` or ``create("auto", ...)`` then).
+            ValueError: invalid sizes, ``group_size`` larger than ``world_size`` or not dividing it, or
+                ``world_size`` not a power of ``group_size`` (use :meth:`mixed_radix` or ``create("auto", ...)`` then).
         """
         world_size, group_size = _check_sizes(world_size, group_size)
         if world_size == 1:
@@ -274,6 +276,29 @@ def _as_int(value: Any, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
+def check_group_fits(group_size: int, world_size: int, what: str = "group_size") -> None:
+    """Refuse a group that holds more ranks than the world has, with a message that says so.
+
+    Without this check a too-large group surfaces as "not a divisor" (or, at one rank, not at all), which
+    hides the real mistake: a config written for a bigger job run on a smaller one.
+
+    Args:
+        group_size: ranks per group (``S``).
+        world_size: ranks in the world (``P``).
+        what: the argument's name, for the message (``"local_group_size"``, ``"averaging.group_size"``).
+
+    Raises:
+        ValueError: if ``group_size > world_size``, listing the group sizes this world allows.
+    """
+    if group_size > world_size:
+        allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"{what} {group_size} is larger than the world ({world_size} rank{'s' if world_size != 1 else ''}): "
+            f"a group cannot hold more ranks than the job has; pick a divisor of {world_size} "
+            f"({', '.join(map(str, allowed))}) or start more ranks"
+        )
+
+
 def _check_sizes(world_size: Any, group_size: Any) -> tuple[int, int]:
     p = _as_int(world_size, "world_size")
     s = _as_int(group_size, "group_size")
@@ -281,7 +306,8 @@ def _check_sizes(world_size: Any, group_size: Any) -> tuple[int, int]:
         raise ValueError(f"world_size must be >= 1, got {p}")
     if s < 1:
         raise ValueError(f"group_size must be >= 1, got {s}")
-    if p > 1 and p % s != 0:
+    check_group_fits(s, p)
+    if p % s != 0:
         raise ValueError(f"group_size must divide world_size: expected a divisor of {p}, got {s}")
     return p, s
 

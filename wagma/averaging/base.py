@@ -37,6 +37,11 @@ from wagma.averaging.groups import (
     new_timeout_group,
     require_initialized,
 )
+from wagma.averaging.guards import (
+    DoubleCommunicationGuard,
+    order_ignored_by_caller,
+    warn_at_caller,
+)
 from wagma.averaging.tensors import (
     FlatBuffers,
     ParameterBinding,
@@ -188,6 +193,13 @@ class AveragerBase(ModelAverager):
     ``process_group`` is used as is (its timeout is the one it was created with); a rank outside it
     counts steps and averages nothing.
 
+    Guard rails (each a ``UserWarning``, once per averager, no communication): the first reduction looks
+    for a ``DistributedDataParallel`` model that owns the averaged parameters, and while its comm hook
+    still allreduces gradients (no hook, wagma's or torch's allreduce hooks, ``post_local_hook`` in its
+    warm-up) a reduction warns about the double communication
+    (:class:`~wagma.averaging.guards.DoubleCommunicationGuard`); an ``order="average_then_step"`` driven by
+    torch's ``PostLocalSGDOptimizer``, which always steps first, warns at the first call.
+
     Lifetime: :meth:`close` (or leaving a ``with`` block) releases the groups (and a subclass's threads);
     an averager dropped or alive at interpreter exit without ``close()`` is released by a
     ``weakref.finalize`` finalizer, which holds the resources but not the averager, so reference cycles
@@ -226,6 +238,8 @@ class AveragerBase(ModelAverager):
         self._flat: FlatBuffers | None = None
         self._binding: ParameterBinding | None = None
         self._closed = False
+        self._double_communication = DoubleCommunicationGuard(type(self).__name__)
+        self._order_checked = False
 
     # -- the policy ------------------------------------------------------------------------------------
 
@@ -251,8 +265,15 @@ class AveragerBase(ModelAverager):
             or ``"global"``.
         """
         self._check_open()
+        if not self._order_checked:
+            self._order_checked = True
+            ignored = order_ignored_by_caller(getattr(self, "order", None), type(self).__name__)
+            if ignored is not None:
+                warn_at_caller(ignored)
         tensors = self.tensors_to_average(params, buffers)
         kind = self._average_step(tensors) if self.is_member else None
+        if kind is not None:
+            self._double_communication.check(tensors)
         self.last_reduction = kind
         self.step += 1
         return kind

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from wagma.schedule import check_group_fits
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "as_timeout",
@@ -137,10 +139,12 @@ def contiguous_subgroups(
         is in no block or its block has one rank) and the blocks as lists of global ranks.
 
     Raises:
-        ValueError: if ``group_size`` is not a positive integer dividing ``len(ranks)``.
+        ValueError: if ``group_size`` is not a positive integer dividing ``len(ranks)`` (one larger than
+            ``len(ranks)`` is named as such).
     """
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(f"group_size: expected a positive integer, found {group_size!r}")
+    check_group_fits(group_size, len(ranks))
     if len(ranks) % group_size != 0:
         raise ValueError(
             f"group_size: expected a divisor of the number of ranks ({len(ranks)}), found {group_size}"

@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction, check_int
-from wagma.averaging.groups import DEFAULT_TIMEOUT, contiguous_subgroups, group_ranks, require_initialized
+from wagma.averaging.groups import (
+    DEFAULT_TIMEOUT,
+    contiguous_subgroups,
+    group_ranks,
+    require_initialized,
+)
+from wagma.averaging.guards import warn_at_caller
+from wagma.schedule import check_group_fits
 
 __all__ = ["HierarchicalAverager"]
 
@@ -28,7 +35,9 @@ class HierarchicalAverager(AveragerBase):
     global_period`` only global means run, every ``global_period`` steps; with ``local_group_size`` equal
     to the number of ranks the "local" group is everyone, so those means run (and count) as global
     ones, every ``local_period`` steps. With ``local_group_size == 1`` local means are no-ops and are
-    skipped (nothing is sent or counted).
+    skipped (nothing is sent or counted). These three cases are not hierarchical and warn once, at
+    construction (a ``UserWarning`` naming the :class:`PeriodicAverager` they equal). A ``local_group_size``
+    larger than the world raises ``ValueError`` saying so.
 
     Every rank creates all local groups in the constructor, in the same order.
 
@@ -73,6 +82,7 @@ class HierarchicalAverager(AveragerBase):
                     f"process_group: expected a group spanning all {world} ranks (local groups are cut from it), "
                     f"found {found} ranks"
                 )
+        check_group_fits(local_group_size, world, "local_group_size")
         if world % local_group_size != 0:
             raise ValueError(
                 f"local_group_size: expected a divisor of the number of ranks ({world}), found {local_group_size}"
@@ -91,6 +101,29 @@ class HierarchicalAverager(AveragerBase):
                 self._owned_groups.append(self.local_group)
         elif local_group_size == world:
             self.local_blocks = [group_ranks(self.process_group)]
+        degenerate = self._not_hierarchical(world)
+        if degenerate is not None:
+            warn_at_caller(degenerate)
+
+    def _not_hierarchical(self, world: int) -> str | None:
+        """The warning for a configuration with one level only on this world size, or ``None``."""
+        if self.local_group_size == world:
+            why = f"local_group_size {self.local_group_size} equals the world ({world} ranks), so every local mean is global"
+            period = self.local_period
+        elif self.local_group_size == 1:
+            why = "local_group_size 1 makes every local mean a no-op"
+            period = self.global_period
+        elif self.local_period == self.global_period:
+            why = f"local_period equals global_period ({self.global_period}), so a global mean replaces every local one"
+            period = self.global_period
+        else:
+            return None
+        return (
+            f"HierarchicalAverager is not hierarchical on this world: {why}; it degenerates to plain periodic "
+            f"averaging, a global mean every {period} step(s), as PeriodicAverager(period={period}, "
+            f"warmup_steps={self.warmup_steps}) does. For two levels use 1 < local_group_size < {world} "
+            "and a global_period larger than local_period"
+        )
 
     def reduction_at(self, step: int) -> Reduction | None:
         """The reduction the call with this ``step`` runs: ``"global"``, ``"local"`` or ``None``."""

@@ -93,7 +93,7 @@ class ReductionMomentum(ModelAverager):
     them in any order and the anchors and velocities still pair with the same parameters; another set
     raises ``ValueError`` (use :meth:`bind`, which also starts the momentum state afresh).
 
-    ``step``, ``stats``, ``last_reduction``, ``process_group`` and ``close`` are the wrapped averager's;
+    ``step``, ``order``, ``stats``, ``last_reduction``, ``process_group`` and ``close`` are the wrapped averager's;
     closing the wrapper closes it.
 
     Args:
@@ -153,6 +153,15 @@ class ReductionMomentum(ModelAverager):
     def process_group(self) -> dist.ProcessGroup | None:  # type: ignore[override]
         """The wrapped averager's global group."""
         return self.averager.process_group
+
+    @property
+    def order(self) -> str:
+        """The wrapped averager's ``order`` (``"step_then_average"`` for averagers without one).
+
+        Passed through so that :class:`~wagma.averaging.AveragingOptimizer` and the training policies run
+        a wrapped :class:`~wagma.averaging.WagmaAverager` in the order it was built with.
+        """
+        return str(getattr(self.averager, "order", "step_then_average"))
 
     @property
     def stats(self) -> AveragerStats:

@@ -23,12 +23,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
-from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.averaging.groups import DEFAULT_TIMEOUT, require_initialized
 from wagma.engine import WaitAvoidingGroupAllreduce
 from wagma.kernels import wagma_combine_
-from wagma.schedule import GroupSchedule
+from wagma.schedule import GroupSchedule, check_group_fits
 
 __all__ = ["ORDERS", "WagmaAverager"]
 
@@ -49,7 +50,11 @@ class WagmaAverager(AveragerBase):
     ``order`` says (:class:`~wagma.averaging.AveragingOptimizer` and the training application follow it).
 
     Args:
-        group_size: S, ranks per averaging group; must divide the world size.
+        group_size: S, ranks per averaging group; must divide the world size (a larger one is refused
+            as such). ``S`` equal to the world size is allowed and means one group of every rank: every
+            round is then a wait-avoiding *global* average (the progress thread still lets a late rank
+            contribute its snapshot), not a group average; the sync rounds differ only in being blocking
+            and fully fresh.
         sync_period: rounds between blocking global averages (every ``(sync_period + 1)``-th round is one;
             0: every round). Also bounds staleness.
         params: the model's parameters (``model.parameters()``, tensors or ``optimizer.param_groups``),
@@ -88,11 +93,13 @@ class WagmaAverager(AveragerBase):
             max_lead = check_int("max_lead", max_lead, 0)
             if max_lead > sync_period:
                 raise ValueError(f"max_lead: expected at most sync_period={sync_period}, found {max_lead}")
+        # Checked before any group exists, so a bad size leaves no rank inside a collective group creation.
+        require_initialized(type(self).__name__)
+        world = dist.get_world_size()
+        check_group_fits(group_size, world)
+        if world % group_size:
+            raise ValueError(f"group_size: expected a divisor of the world size {world}, found {group_size}")
         super().__init__(None, average_buffers=average_buffers, timeout=timeout)
-        if self.world_size % group_size:
-            raise ValueError(
-                f"group_size: expected a divisor of the world size {self.world_size}, found {group_size}"
-            )
         self.group_size = group_size
         self.sync_period = sync_period
         self.mixing: Mixing = mixing

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import OwnedResources
 from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
+from wagma.schedule import check_group_fits
 
 __all__ = [
     "AllreduceState",
@@ -104,10 +105,11 @@ class GroupAllreduceState:
         """Create the block groups (collective: every rank calls it, in the same order as other groups).
 
         Raises:
-            ValueError: if ``group_size`` does not divide the number of ranks.
+            ValueError: if ``group_size`` is larger than the number of ranks or does not divide it.
         """
         require_initialized(type(self).__name__)
         world = dist.get_world_size()
+        check_group_fits(self.group_size, world)
         if world % self.group_size != 0:
             raise ValueError(
                 f"group_size: expected a divisor of the number of ranks ({world}), found {self.group_size}"

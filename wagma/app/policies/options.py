@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from wagma.schedule import GroupSchedule
+from wagma.schedule import GroupSchedule, check_group_fits
 
 __all__ = [
     "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "validate_allreduce", "validate_eager", "validate_hierarchical",
@@ -78,6 +78,7 @@ def _choice(options: Mapping[str, Any], key: str, choices: tuple[str, ...], defa
 def _divisor(options: Mapping[str, Any], key: str, world_size: int) -> None:
     value = _int(options, key, 1)
     assert value is not None
+    check_group_fits(value, world_size, f"averaging.{key}")
     if world_size % value != 0:
         raise ValueError(
             f"averaging.{key}={value} must be a positive divisor of the world size {world_size}; "
