@@ -33,7 +33,7 @@ def main(steps: int = 40, use_ddp: bool = True) -> None:
     hook_state = None
     if use_ddp:
         model = DDP(net)
-        hook_state = PostLocalState(warmup_steps=5)  # 5 steps of synchronous SGD, then no gradient traffic
+        hook_state = PostLocalState(warmup_steps=0)  # no gradient traffic: WAGMA averages the models
         model.register_comm_hook(hook_state, post_local_hook)
 
     group_size = 2 if world % 2 == 0 else world  # S must divide the world size

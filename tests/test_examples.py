@@ -60,6 +60,7 @@ def _torchrun(script: str, nproc: int, *args: str) -> str:
         capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "UserWarning" not in proc.stderr, proc.stderr[-3000:]  # a recipe trips none of the guard rails
     return proc.stdout
 
 
