@@ -16,6 +16,7 @@ from test_app import _cfg, _compose, _train_worker
 from wagma.app.config import ConfigError
 from wagma.app.metrics import CSV_COLUMNS, MetricsWriter, read_csv, read_metrics, tensorboard_tag
 from wagma.app.progress import Progress, progress_every
+from wagma.app.run import format_summary
 from wagma.app.train import train
 from wagma.testing import run_workers, run_workers_outcomes
 
@@ -252,3 +253,14 @@ def test_a_failing_run_leaves_complete_metrics_csv_and_tensorboard_files(tmp_pat
     assert [r["step"] for r in read_metrics(tmp_path, 0)] == steps
     assert [int(r["step"]) for r in read_csv(tmp_path)] == steps
     assert [s for s, _ in _scalars(tmp_path)["train/loss"]] == steps
+
+
+def test_the_printed_summary_separates_start_up_from_training_and_shows_the_staleness():
+    summary = {
+        "policy": "wagma", "world_size": 4, "steps": 300, "test_accuracy": 0.97, "samples_per_s": 30000.0,
+        "mean_wait_s": 0.0035, "mean_step_s": 0.0042, "global_reductions": 27, "local_reductions": 273,
+        "staleness": 0.37, "staleness_max": 3, "startup_s": 2.25, "train_s": 2.5, "finish_s": 0.15, "wall_s": 4.9,
+    }
+    text = format_summary(summary)
+    assert "mean staleness 0.37 rounds (max 3)" in text
+    assert "wall time     4.9 s (start-up 2.2 s, training 2.5 s)" in text
