@@ -33,8 +33,8 @@ from types import TracebackType
 from typing import Any
 
 __all__ = [
-    "CSV_COLUMNS", "MetricsWriter", "SUMMARY_KEYS", "metrics_path", "read_csv", "read_metrics", "tensorboard_tag",
-    "write_summary",
+    "CSV_COLUMNS", "MetricsWriter", "SUMMARY_KEYS", "metrics_path", "preload_tensorboard", "read_csv", "read_metrics",
+    "tensorboard_tag", "write_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,19 @@ def _jsonable(value: Any) -> Any:
 
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def preload_tensorboard() -> None:
+    """Import TensorBoard's writer now, if installed (silently otherwise: :class:`MetricsWriter` warns).
+
+    The rank that writes events calls it before a collective of its start-up, so the import (0.2 s
+    idle, seconds under load) does not delay its first step -- which the other ranks would count as
+    time waited in theirs.
+    """
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _open_tensorboard(log_dir: Path, purge_step: int | None) -> Any:

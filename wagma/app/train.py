@@ -67,7 +67,7 @@ from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import BatchIterator, load_dataset
 from wagma.gpu_metrics import GpuMetrics
 from wagma.app.imbalance import Imbalance, build_imbalance
-from wagma.app.metrics import MetricsWriter, write_summary
+from wagma.app.metrics import MetricsWriter, preload_tensorboard, write_summary
 from wagma.app.models import build_model
 from wagma.app.progress import Progress, progress_every
 from wagma.app.policies import ModelAveragingPolicy
@@ -145,6 +145,8 @@ def _train(
     # Model: built from each rank's seed, then made identical by rank 0's broadcast.
     model_cfg = group_options(cfg, "model")
     net = build_model(model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg).to(device)
+    if rank == 0:  # rank 0 writes the events; importing them before this collective keeps step 1 unaffected
+        preload_tensorboard()
     _broadcast_from_rank0(net)
 
     policy = build_policy(group_options(cfg, "averaging"), rank=rank, world_size=world_size, device=device)
