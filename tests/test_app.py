@@ -10,13 +10,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from wagma.app.checkpoint import latest_step
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.data import DATASET_INFO, load_dataset
 from wagma.app.imbalance import build_imbalance
 from wagma.app.launch import hydra_rank_overrides
-from wagma.app.metrics import SUMMARY_KEYS, read_metrics, write_summary
+from wagma.app.metrics import SUMMARY_KEYS, read_csv, read_metrics, write_summary
 from wagma.app.models import build_model
 from wagma.app.policy import AllreducePolicy, Policy, build_policy
 from wagma.testing import WorkerError, run_workers, run_workers_outcomes
@@ -207,8 +208,15 @@ def test_kill_and_resume_gives_the_same_model_as_an_uninterrupted_run(tmp_path, 
         assert sa["data"] == sb["data"] and sa["policy_state"] == sb["policy_state"] == {"global_reductions": 40}
         for k, v in sa["optimizer"]["state"].items():
             assert torch.equal(v["momentum_buffer"], sb["optimizer"]["state"][k]["momentum_buffer"])
-        # The steps the killed run did after its checkpoint are recorded once.
-        assert [r["step"] for r in read_metrics(broken, rank)] == list(range(1, 41))
+        # The steps the killed run did after its checkpoint are recorded once; the clocks go on.
+        records = read_metrics(broken, rank)
+        assert [r["step"] for r in records] == list(range(1, 41))
+        assert [r["time"] for r in records] == sorted(r["time"] for r in records)
+        assert records[20]["elapsed_s"] > records[19]["elapsed_s"]  # continued from the checkpoint's, not 0
+    assert [int(r["step"]) for r in read_csv(broken)] == list(range(1, 41))
+    acc = EventAccumulator(str(broken / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 41))  # the killed run's 21..25 purged
     assert json.loads((straight / "summary.json").read_text())["test_accuracy"] == summaries[0]["test_accuracy"]
 
 
