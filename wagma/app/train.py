@@ -14,13 +14,16 @@ Read top to bottom, it does:
    may with ``resume_policy_change=true``, its state then starts fresh); with ``resume=false``, refuse a
    run directory that holds an earlier run's checkpoints or metrics rather than overwrite them;
 5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
-   ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record; evaluate every
-   ``eval_every`` steps; measure the consensus distance every ``consensus_every`` steps
-   (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every ``checkpoint_every`` steps; on a
-   CUDA device, records also carry ``gpu_*`` telemetry sampled every ``telemetry_interval_s``
-   (:mod:`wagma.gpu_metrics`);
+   ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record (every rank its JSON lines,
+   rank 0 also ``metrics.csv`` and TensorBoard events: :mod:`wagma.app.metrics`) and show progress on rank 0
+   (:mod:`wagma.app.progress`); evaluate every ``eval_every`` steps; measure the consensus distance every
+   ``consensus_every`` steps (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every
+   ``checkpoint_every`` steps; on a CUDA device, records also carry ``gpu_*`` telemetry sampled every
+   ``telemetry_interval_s`` (:mod:`wagma.gpu_metrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
-   write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
+   write ``summary.json`` (with the time split ``startup_s`` / ``train_s`` / ``finish_s``, see
+   :func:`_summary`) and ``model.pt`` (the finalized model's state dict). The metrics files are closed
+   in a ``finally``, so a failing run leaves them complete.
 
 When a step fails (one of its collectives -- averaging, evaluation, consensus, checkpoint -- timed out,
 a peer died), every rank that sees it raises a ``RuntimeError`` naming the ranks that did not arrive at
