@@ -1,6 +1,7 @@
 """What people look at: JSON lines with timestamps, metrics.csv, TensorBoard events, the summary's times, progress."""
 
 import io
+import itertools
 import json
 import logging
 import math
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from test_app import _cfg, _compose, _train_worker
+
 from wagma.app.config import ConfigError
 from wagma.app.metrics import CSV_COLUMNS, MetricsWriter, read_csv, read_metrics, tensorboard_tag
 from wagma.app.progress import Progress, progress_every
@@ -63,7 +64,7 @@ def test_every_record_has_a_wall_clock_time_and_elapsed_training_seconds(tmp_pat
     times = [r["time"] for r in records]
     elapsed = [r["elapsed_s"] for r in records]
     assert all(before <= t <= after for t in times) and times == sorted(times)
-    assert all(b - a >= 0.009 for a, b in zip(elapsed, elapsed[1:]))
+    assert all(b - a >= 0.009 for a, b in itertools.pairwise(elapsed))
     assert 100.0 < elapsed[0] < elapsed[-1] < 100.0 + (after - before) + 0.01
     with pytest.raises(ValueError, match="elapsed_s must be >= 0"):
         MetricsWriter(tmp_path, 1, elapsed_s=-1.0)
@@ -108,10 +109,11 @@ def test_tensorboard_events_hold_the_scalar_tags_and_a_resume_replaces_the_steps
 
 def test_without_tensorboard_one_warning_and_the_metrics_go_on(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    with caplog.at_level(logging.WARNING, logger="wagma.app.metrics"):
-        with MetricsWriter(tmp_path, 0, with_csv=True, with_tensorboard=True) as w:
-            for step in range(1, 4):
-                w.write(step, loss=1.0)
+    with caplog.at_level(logging.WARNING, logger="wagma.app.metrics"), MetricsWriter(
+        tmp_path, 0, with_csv=True, with_tensorboard=True
+    ) as w:
+        for step in range(1, 4):
+            w.write(step, loss=1.0)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "tensorboard is not installed" in warnings[0] and "wagma[app]" in warnings[0]
     assert "\n" not in warnings[0]

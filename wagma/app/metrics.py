@@ -27,14 +27,21 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 __all__ = [
-    "CSV_COLUMNS", "MetricsWriter", "SUMMARY_KEYS", "metrics_path", "preload_tensorboard", "read_csv", "read_metrics",
-    "tensorboard_tag", "write_summary",
+    "CSV_COLUMNS",
+    "SUMMARY_KEYS",
+    "MetricsWriter",
+    "metrics_path",
+    "preload_tensorboard",
+    "read_csv",
+    "read_metrics",
+    "tensorboard_tag",
+    "write_summary",
 ]
 
 log = logging.getLogger(__name__)
