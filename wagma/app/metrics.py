@@ -235,9 +235,16 @@ class MetricsWriter:
         """
         if self._tb is None:
             return
-        for key, value in _jsonable(fields).items():
-            if key not in _NOT_SCALARS and _is_scalar(value):
-                self._tb.add_scalar(tensorboard_tag(key), value, global_step=int(step), walltime=walltime)
+        from tensorboard.compat.proto.summary_pb2 import Summary  # installed: self._tb exists
+
+        values = [
+            Summary.Value(tag=tensorboard_tag(key), simple_value=float(value))
+            for key, value in _jsonable(fields).items() if key not in _NOT_SCALARS and _is_scalar(value)
+        ]
+        # One event for the whole record: SummaryWriter.add_scalar makes one per value, ~15x the cost on
+        # rank 0's step path (measured on the loaded 2-core machine: 2.8-3.6 ms against 0.2 ms per record of
+        # 15 fields; the JSON line alone costs 0.03 ms).
+        self._tb._get_file_writer().add_summary(Summary(value=values), int(step), walltime)
 
     def flush(self) -> None:
         """Push buffered records to disk.
