@@ -155,7 +155,7 @@ def collect(run_dir: Path, world_size: int, target: float) -> dict[str, Any]:
         "consensus": consensus or None,
         "final_consensus": consensus[-1]["consensus"] if consensus else None,
         "accuracy_curve": curve,
-        "train_s": summary.get("train_s"),
+        "train_s": summary.get("step_time_s"),  # the slowest rank's summed step times
         "wall_s": summary.get("wall_s"),
         "policy_stats": stats,
     }

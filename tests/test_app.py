@@ -10,13 +10,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from wagma.app.checkpoint import latest_step
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.data import DATASET_INFO, load_dataset
 from wagma.app.imbalance import build_imbalance
 from wagma.app.launch import hydra_rank_overrides
-from wagma.app.metrics import SUMMARY_KEYS, MetricsWriter, read_metrics, write_summary
+from wagma.app.metrics import SUMMARY_KEYS, read_csv, read_metrics, write_summary
 from wagma.app.models import build_model
 from wagma.app.policies import AllreducePolicy, Policy, build_policy
 from wagma.testing import WorkerError, run_workers, run_workers_outcomes
@@ -54,6 +55,7 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
     }
     assert cfg.consensus_every == 0 and cfg.telemetry_interval_s > 0
+    assert cfg.eval_every > 0 and cfg.progress and cfg.progress_every is None  # periodic evaluation by default
 
 
 # Every averaging option and experiment preset is composed, validated and built in tests/test_policies.py.
@@ -115,19 +117,6 @@ def test_unknown_model_and_bad_arguments_raise_value_error():
         build_model("mlp", (1, 8, 8), 10, depth=3)
 
 
-def test_metrics_writer_appends_and_truncates_for_resume(tmp_path):
-    with MetricsWriter(tmp_path, 2) as w:
-        for step in range(1, 6):
-            w.write(step, loss=torch.tensor(1.0 / step), wait_s=0.001, extra_field=[1, 2], bad=float("nan"))
-    records = read_metrics(tmp_path, 2)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert records[1] == {"step": 2, "rank": 2, "loss": 0.5, "wait_s": 0.001, "extra_field": [1, 2], "bad": None}
-    with MetricsWriter(tmp_path, 2, keep_through=3) as w:  # resumed from the checkpoint of step 3
-        w.write(4, loss=0.1)
-    assert [r["step"] for r in read_metrics(tmp_path, 2)] == [1, 2, 3, 4]
-    assert (tmp_path / "metrics_rank2.jsonl").exists()
-
-
 def test_summary_needs_its_keys(tmp_path):
     with pytest.raises(ValueError, match="summary lacks"):
         write_summary(tmp_path, {"policy": "allreduce"})
@@ -176,6 +165,7 @@ def test_train_end_to_end_on_three_ranks(tmp_path):
     assert summary["policy"] == "allreduce" and summary["world_size"] == 3 and summary["steps"] == 90
     assert summary["global_reductions"] == 90 and summary["test_accuracy"] >= 0.9
     assert summary["samples_per_s"] > 0 and summary["mean_wait_s"] >= 0 and summary["wall_s"] > 0
+    assert 0 < summary["train_s"] < summary["wall_s"] and 0 < summary["startup_s"] < summary["wall_s"]
     assert all(s["test_accuracy"] == summary["test_accuracy"] for s in summaries)
     for rank in range(3):
         records = read_metrics(tmp_path, rank)
@@ -218,8 +208,15 @@ def test_kill_and_resume_gives_the_same_model_as_an_uninterrupted_run(tmp_path, 
         assert sa["data"] == sb["data"] and sa["policy_state"] == sb["policy_state"] == {"global_reductions": 40}
         for k, v in sa["optimizer"]["state"].items():
             assert torch.equal(v["momentum_buffer"], sb["optimizer"]["state"][k]["momentum_buffer"])
-        # The steps the killed run did after its checkpoint are recorded once.
-        assert [r["step"] for r in read_metrics(broken, rank)] == list(range(1, 41))
+        # The steps the killed run did after its checkpoint are recorded once; the clocks go on.
+        records = read_metrics(broken, rank)
+        assert [r["step"] for r in records] == list(range(1, 41))
+        assert [r["time"] for r in records] == sorted(r["time"] for r in records)
+        assert records[20]["elapsed_s"] > records[19]["elapsed_s"]  # continued from the checkpoint's, not 0
+    assert [int(r["step"]) for r in read_csv(broken)] == list(range(1, 41))
+    acc = EventAccumulator(str(broken / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 41))  # the killed run's 21..25 purged
     assert json.loads((straight / "summary.json").read_text())["test_accuracy"] == summaries[0]["test_accuracy"]
 
 
@@ -285,7 +282,8 @@ def test_torchrun_writes_one_run_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing else, e.g. no outputs/
     names = sorted(p.name for p in run_dir.iterdir())
     assert names == [
-        ".hydra", "checkpoints", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "model.pt", "summary.json", "train.log",
+        ".hydra", "checkpoints", "metrics.csv", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "model.pt", "summary.json",
+        "tensorboard", "train.log",
     ]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 40 and summary["test_accuracy"] > 0.8

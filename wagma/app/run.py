@@ -192,7 +192,7 @@ def stopping_signal(code: int) -> signal.Signals | None:
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """A few lines for the terminal: policy, accuracy, throughput, waiting, reductions, wall time."""
+    """A few lines for the terminal: policy, accuracy, throughput, waiting, reductions, staleness, time."""
     wait_ms = 1e3 * float(summary.get("mean_wait_s") or 0.0)
     step_ms = 1e3 * float(summary.get("mean_step_s") or 0.0)
     lines = [
@@ -202,8 +202,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"throughput    {float(summary['samples_per_s'] or 0.0):,.0f} samples/s",
         f"time waited   {wait_ms:.2f} ms per step of {step_ms:.2f} ms",
         f"reductions    {summary['global_reductions']} global, {summary.get('local_reductions', 0)} local, "
-        f"mean staleness {float(summary.get('staleness') or 0.0):.2f} rounds",
-        f"wall time     {float(summary['wall_s']):.1f} s",
+        f"mean staleness {float(summary.get('staleness') or 0.0):.2f} rounds (max {summary.get('staleness_max', 0)})",
+        f"wall time     {float(summary['wall_s']):.1f} s (start-up {float(summary.get('startup_s') or 0.0):.1f} s, "
+        f"training {float(summary.get('train_s') or 0.0):.1f} s)",
         f"outputs       {summary.get('run_dir', '?')}",
     ]
     return "\n".join(lines)

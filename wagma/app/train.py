@@ -14,13 +14,16 @@ Read top to bottom, it does:
    may with ``resume_policy_change=true``, its state then starts fresh); with ``resume=false``, refuse a
    run directory that holds an earlier run's checkpoints or metrics rather than overwrite them;
 5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
-   ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record; evaluate every
-   ``eval_every`` steps; measure the consensus distance every ``consensus_every`` steps
-   (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every ``checkpoint_every`` steps; on a
-   CUDA device, records also carry ``gpu_*`` telemetry sampled every ``telemetry_interval_s``
-   (:class:`wagma.telemetry.GpuMetrics`);
+   ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record (every rank its JSON lines,
+   rank 0 also ``metrics.csv`` and TensorBoard events: :mod:`wagma.app.metrics`) and show progress on rank 0
+   (:mod:`wagma.app.progress`); evaluate every ``eval_every`` steps; measure the consensus distance every
+   ``consensus_every`` steps (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every
+   ``checkpoint_every`` steps; on a CUDA device, records also carry ``gpu_*`` telemetry sampled every
+   ``telemetry_interval_s`` (:class:`wagma.telemetry.GpuMetrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
-   write ``summary.json`` and ``model.pt`` (the finalized model's state dict).
+   write ``summary.json`` (with the time split ``startup_s`` / ``train_s`` / ``finish_s``, see
+   :func:`_summary`) and ``model.pt`` (the finalized model's state dict). The metrics files are closed
+   in a ``finally``, so a failing run leaves them complete.
 
 When a step fails (one of its collectives -- averaging, evaluation, consensus, checkpoint -- timed out,
 a peer died), every rank that sees it raises a ``RuntimeError`` naming the ranks that did not arrive at
@@ -67,8 +70,9 @@ from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import BatchIterator, load_dataset
 from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import Imbalance, build_imbalance
-from wagma.app.metrics import MetricsWriter, write_summary
+from wagma.app.metrics import MetricsWriter, preload_tensorboard, write_summary
 from wagma.app.models import build_model
+from wagma.app.progress import Progress, progress_every
 from wagma.app.policies import ModelAveragingPolicy
 from wagma.app.policies import AllreducePolicy, Policy, build_policy
 from wagma.app.roll_call import RollCall
@@ -99,6 +103,7 @@ def train(cfg: DictConfig, *, step_callback: StepCallback | None = None) -> dict
     """
     started = time.perf_counter()
     validate_config(cfg, launch.env_world_size())
+    progress_every(cfg.get("progress_every"), int(cfg.steps))  # checked here too: before any communication
     run_dir = _resolve_run_dir(cfg)
     ctx = launch.init_distributed(str(cfg.device), timeout_s=float(cfg.get("dist_timeout_s", 300.0)))
     try:
@@ -116,6 +121,7 @@ class _Totals:
     compute_s: float = 0.0
     wait_s: float = 0.0
     imbalance_s: float = 0.0
+    elapsed_s: float = 0.0  # wall seconds since the run's first step, as of the last checkpoint
 
     def add(self, timings: dict[str, float]) -> None:
         self.steps += 1
@@ -142,11 +148,15 @@ def _train(
     # Model: built from each rank's seed, then made identical by rank 0's broadcast.
     model_cfg = group_options(cfg, "model")
     net = build_model(model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg).to(device)
+    if rank == 0:  # rank 0 writes the events; importing them before this collective keeps step 1 unaffected
+        preload_tensorboard()
     _broadcast_from_rank0(net)
 
     policy = build_policy(group_options(cfg, "averaging"), rank=rank, world_size=world_size, device=device)
     meter: ConsensusMeter | None = None
     gpu = GpuMetrics(device, float(cfg.get("telemetry_interval_s", 0.0)))
+    writer: MetricsWriter | None = None
+    progress: Progress | None = None
     try:
         model = policy.wrap(net)
         consensus_every = int(cfg.get("consensus_every", 0))
@@ -158,6 +168,8 @@ def _train(
         fingerprint = _fingerprint(cfg)
 
         def save(step: int) -> None:
+            if writer is not None:
+                totals.elapsed_s = writer.elapsed_s
             state = {
                 "step": step, "world_size": world_size, "model": net.state_dict(),
                 "optimizer": optimizer.state_dict(), "data": batches.state_dict(), "rng": capture_rng_state(),
@@ -193,12 +205,21 @@ def _train(
         clock = _GradReadyClock(net.parameters())
         loss_fn = nn.CrossEntropyLoss()
         log_every, eval_every, ckpt_every = int(cfg.log_every), int(cfg.eval_every), int(cfg.checkpoint_every)
-        bar = _progress_bar(enabled=rank == 0 and bool(cfg.get("progress", True)), total=steps, initial=start_step)
         window: list[dict[str, float]] = []
         compute_s = 0.0
         model.train()
         roll_call = RollCall(rank, world_size, report_s=float(cfg.get("failure_report_s", 3.0)))
-        with MetricsWriter(run_dir, rank, keep_through=start_step) as writer, roll_call.watching():
+        # Rank 0 also writes metrics.csv and TensorBoard events; closed (flushed) in the finally below.
+        writer = MetricsWriter(
+            run_dir, rank, keep_through=start_step, elapsed_s=totals.elapsed_s, with_csv=rank == 0,
+            with_tensorboard=rank == 0,
+        )
+        progress = Progress(
+            total=steps, initial=start_step, every=progress_every(cfg.get("progress_every"), steps),
+            samples_per_step=batch_size * world_size, enabled=rank == 0 and bool(cfg.get("progress", True)),
+        )
+        first_step = time.perf_counter()
+        with roll_call.watching():
             for step in range(start_step, steps):
                 done = step + 1
                 roll_call.begin(step)
@@ -214,18 +235,19 @@ def _train(
                     extra["consensus"] = meter.measure(net.parameters())
                 if eval_every and done % eval_every == 0 and done < steps:
                     extra["test_accuracy"], extra["test_loss"] = evaluate(net, x_test, y_test, rank, world_size)
+                record: dict[str, Any] | None = None
                 if done % log_every == 0 or done == steps or extra:
                     record = _window_record(window, batch_size) | _policy_fields(policy) | extra | gpu.fields()
                     writer.write(done, **record)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", wait_ms=f"{1e3 * record['wait_s']:.1f}")
                     window = []
                 if ckpt_every and done % ckpt_every == 0 and done < steps:
                     save(done)
-                bar.update(1)
+                progress.update(done, record)
                 if step_callback is not None:
                     step_callback(done, timings)
-        bar.close()
+        progress.close()
         clock.remove()
+        phases = (first_step - started, time.perf_counter() - first_step)  # start-up, training
 
         # The end: save the training state as it is (a later resume with more steps continues this
         # exact trajectory), then let the policy produce the model to keep, evaluate and summarise it.
@@ -234,8 +256,10 @@ def _train(
         trained_stats = policy.stats()
         policy.finalize(model, optimizer)
         test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
+        writer.add_scalars(steps, {"test_accuracy": test_accuracy, "test_loss": test_loss})
         summary = _summary(
-            cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started
+            cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started,
+            phases,
         )
         summary["resumed_from"] = resume_from
         summary["restarts"] = launch.restart_count()
@@ -243,15 +267,22 @@ def _train(
             torch.save(net.state_dict(), run_dir / "model.pt")
             write_summary(run_dir, summary)
             log.info(
-                "test accuracy %.4f, %.0f samples/s, mean wait %.2f ms/step, wall %.1f s -> %s",
-                test_accuracy, summary["samples_per_s"], 1e3 * summary["mean_wait_s"], summary["wall_s"], run_dir,
+                "test accuracy %.4f, %.0f samples/s, mean wait %.2f ms/step, wall %.1f s (start-up %.1f s, "
+                "training %.1f s) -> %s", test_accuracy, summary["samples_per_s"], 1e3 * summary["mean_wait_s"],
+                summary["wall_s"], summary["startup_s"], summary["train_s"], run_dir,
             )
         return summary
     finally:
-        gpu.close()
-        if meter is not None:
-            meter.close()
-        policy.close()
+        try:  # the metrics first: a failing run leaves complete files even if a close below raises
+            if progress is not None:
+                progress.close()
+            if writer is not None:
+                writer.close()
+        finally:
+            gpu.close()
+            if meter is not None:
+                meter.close()
+            policy.close()
 
 
 def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
@@ -434,12 +465,20 @@ def _policy_fields(policy: Policy) -> dict[str, Any]:
 def _summary(
     cfg: DictConfig, policy: Policy, trained_stats: dict[str, Any], imbalance: Imbalance, totals: _Totals,
     world_size: int, test_accuracy: float, test_loss: float, run_dir: Path, started: float,
+    phases: tuple[float, float],
 ) -> dict[str, Any]:
     """Rank totals gathered on every rank, reduced to the run's numbers.
 
     ``global_reductions`` and ``local_reductions`` count the reductions of the training steps (rank 0's
-    ``trained_stats``, taken before ``policy.finalize``); ``staleness`` and ``fresh_fraction`` are means
-    over the ranks; ``policy_stats`` is rank 0's final account, finalize's own reduction included.
+    ``trained_stats``, taken before ``policy.finalize``); ``staleness`` (the run's one staleness figure)
+    and ``fresh_fraction`` are means over the ranks, ``staleness_max`` the largest staleness of any rank;
+    ``policy_stats`` is rank 0's final account, finalize's own reduction included.
+
+    Time, this rank's clock, this attempt: ``startup_s`` from :func:`train`'s start to the first step
+    (config check, process group, data, model, policy, resume), ``train_s`` from the first step to the end
+    of the last (evaluations and checkpoints in between included), ``finish_s`` the rest (final
+    checkpoint, ``finalize``, final evaluation, gathering); ``wall_s`` is their sum. ``step_time_s`` is
+    the slowest rank's sum of step times over the whole run (resumes included), ``samples_per_s``'s base.
     """
     per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
     dist.all_gather_object(per_rank, dataclasses.asdict(totals) | {"policy": trained_stats})
@@ -447,6 +486,7 @@ def _summary(
     slowest_s = max(t["train_s"] for t in per_rank)
     mean_compute_s = sum(t["compute_s"] for t in per_rank) / (world_size * steps_run)
     stats = policy.stats()
+    wall_s = time.perf_counter() - started
     return {
         "policy": policy.name,
         "world_size": world_size,
@@ -463,10 +503,14 @@ def _summary(
         "global_reductions": trained_stats.get("global_reductions", 0),
         "local_reductions": trained_stats.get("local_reductions", 0),
         "staleness": sum(float(t["policy"].get("staleness", 0.0)) for t in per_rank) / world_size,
+        "staleness_max": max(int(t["policy"].get("staleness_max", 0)) for t in per_rank),
         "fresh_fraction": sum(float(t["policy"].get("fresh_fraction", 1.0)) for t in per_rank) / world_size,
         "policy_stats": stats,
-        "train_s": slowest_s,
-        "wall_s": time.perf_counter() - started,
+        "step_time_s": slowest_s,
+        "startup_s": phases[0],
+        "train_s": phases[1],
+        "finish_s": wall_s - phases[0] - phases[1],
+        "wall_s": wall_s,
         "dataset": str(cfg.data.name),
         "model": str(cfg.model.name),
         "optimizer": str(cfg.optim.name),
@@ -475,17 +519,3 @@ def _summary(
         "seed": int(cfg.seed),
         "run_dir": str(run_dir),
     }
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None: ...
-    def set_postfix(self, **kwargs: Any) -> None: ...
-    def close(self) -> None: ...
-
-
-def _progress_bar(*, enabled: bool, total: int, initial: int) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
