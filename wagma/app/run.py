@@ -26,6 +26,7 @@ import logging.config
 import os
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -114,6 +115,25 @@ def _quiet_elastic_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """Put back the handlers the elastic agent replaces (it turns SIGTERM/SIGINT/SIGHUP/SIGQUIT into exceptions).
+
+    Between the jobs of a sweep, a signal then acts as usual (ends the process) instead of raising an
+    exception that Hydra would record as one failed job and go on.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    previous = {sig: signal.getsignal(sig) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _root_cause(err: Exception, directory: Path) -> tuple[int, str]:
     """Exit status and one line from a ``ChildFailedError``: the first failure's message, with its rank.
 
@@ -155,7 +175,7 @@ def launch_local(
     job.run_dir = str(directory)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks, without its warning
     try:
-        with _quiet_elastic_logs():
+        with _quiet_elastic_logs(), _signal_handlers_restored():
             elastic_launch(_launch_config(int(cfg.nproc), int(cfg.max_restarts)), rank_main)(job, logging_config)
     except SignalException as exc:
         return LocalRun(128 + int(exc.sigval), None, directory, f"stopped by {signal.Signals(exc.sigval).name}")
