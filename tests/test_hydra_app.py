@@ -135,6 +135,21 @@ def test_missing_dependency_names_the_extra_also_through_an_exception_chain(modu
     assert info.value.name == "wagma_no_such_module"
 
 
+def test_a_rank_that_misses_an_optional_module_fails_with_the_one_line(monkeypatch):
+    import wagma.app.train
+    from wagma.app.run import rank_main
+
+    def train_without_tensorboard(cfg: object) -> None:
+        raise ModuleNotFoundError("No module named 'tensorboard'", name="tensorboard")
+
+    monkeypatch.setattr(wagma.app.train, "train", train_without_tensorboard)
+    with pytest.raises(RuntimeError) as info:
+        rank_main(None, None)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "wagma's training application needs tensorboard (module 'tensorboard' is missing): pip install 'wagma[app]'"
+    )
+
+
 def test_a_sweep_without_matplotlib_skips_the_plots_with_one_line(tmp_path, monkeypatch, capsys):
     job = tmp_path / "0_averaging=allreduce"
     job.mkdir()
@@ -187,6 +202,17 @@ def test_a_multirun_starts_fresh_ranks_per_job_and_ends_with_a_table_and_plots(t
     # Fresh ranks per job: each job's summary is its own world of 2, with its own process group.
     summaries = [r["summary"] for r in rows if r["summary"]]
     assert all(s["world_size"] == 2 and s["steps"] == 20 for s in summaries)
+
+
+@pytest.mark.slow
+def test_a_multirun_under_torchrun_is_refused_once(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           "-m", "averaging=allreduce,local_sgd", "progress=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=170)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert output.count("-m (a sweep) under torchrun would run every job inside the same ranks") == 1, output[-3000:]
+    assert not list(tmp_path.glob("sweep/*/metrics_rank*.jsonl"))
 
 
 @pytest.mark.slow
