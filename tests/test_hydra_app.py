@@ -227,3 +227,16 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
     assert [r["summary"]["policy"] for r in rows] == ["allreduce", "local_sgd"]
     assert all(r["exit"] == 0 and r["summary"]["steps"] == 10 for r in rows)
     assert (out / ".submitit").is_dir()  # the jobs ran through submitit, in processes of their own
+
+
+def test_the_accuracy_curve_follows_the_periodic_evaluations_in_training_time(tmp_path):
+    records = [{"step": 10, "step_s": 0.1}, {"step": 20, "step_s": 0.2, "test_accuracy": 0.5},
+               {"step": 30, "step_s": 0.1, "test_accuracy": 0.7}]
+    (tmp_path / "metrics_rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n{\"step\": 3")
+    row = {"dir": str(tmp_path), "summary": {"test_accuracy": 0.8, "wall_s": 9.0}}
+    times, accuracies = sweep._accuracy_curve(row)
+    assert times == pytest.approx([3.0, 4.0, 4.0]) and accuracies == pytest.approx([50.0, 70.0, 80.0])
+    stamped = [dict(r, time=1000.0 + 2 * i) for i, r in enumerate(records)]  # wall-clock stamps win
+    (tmp_path / "metrics_rank0.jsonl").write_text("\n".join(json.dumps(r) for r in stamped))
+    times, _ = sweep._accuracy_curve(row)
+    assert times == pytest.approx([3.0, 5.0, 5.0])

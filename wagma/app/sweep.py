@@ -4,7 +4,7 @@
 multirun ends, it reads the ``job.json`` every job left in its directory (:mod:`wagma.app.run`) and the
 job's ``summary.json``, prints a table (policy, test accuracy, throughput, time waited per step, global and
 local reductions, wall time), writes all of it to ``<sweep dir>/sweep.json``, and draws
-``accuracy_vs_time.png`` (test accuracy against training wall time, one line per job) and
+``accuracy_vs_time.png`` (test accuracy against the wall time of the training steps, one line per job) and
 ``throughput.png`` (samples/s per job) into the sweep directory; without matplotlib the plots are skipped
 with one line. It works with every Hydra launcher, the SLURM one included, because it reads files, not
 the jobs' return values. If a job failed, the sweep exits with status 1 after the report.
@@ -70,13 +70,15 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _accuracy_curve(row: Mapping[str, Any]) -> tuple[list[float], list[float]]:
-    """(seconds, test accuracy) of one job: rank 0's periodic evaluations, then the final one at ``wall_s``.
+    """(seconds of training, test accuracy) of one job: rank 0's periodic evaluations, then the final one.
 
-    A record's time is its ``time`` stamp (seconds since the epoch, relative to the first record's start)
-    when it has one, else the sum of ``step_s`` over the steps so far.
+    A record's time is its wall-clock ``time`` stamp relative to the start of the first step when records
+    carry one, else the sum of ``step_s`` over the steps so far; the final evaluation sits at the last
+    record's time (the summary's ``wall_s`` when there are no records).
     """
     summary = row["summary"]
     times, accuracies = [], []
+    now = None
     path = Path(row["dir"]) / "metrics_rank0.jsonl"
     if path.is_file():
         elapsed, last_step, origin = 0.0, 0, None
@@ -84,17 +86,20 @@ def _accuracy_curve(row: Mapping[str, Any]) -> tuple[list[float], list[float]]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                continue  # a line cut short by a killed rank
             step = int(rec.get("step", last_step))
             elapsed += float(rec.get("step_s") or 0.0) * max(step - last_step, 0)
             last_step = step
-            if isinstance(rec.get("time"), (int, float)):
-                origin = float(rec["time"]) - elapsed if origin is None else origin
+            stamp = rec.get("time")
+            if isinstance(stamp, (int, float)):
+                origin = float(stamp) - elapsed if origin is None else origin
+                now = float(stamp) - origin
+            else:
+                now = elapsed
             if rec.get("test_accuracy") is not None:
-                now = float(rec["time"]) - origin if origin is not None and "time" in rec else elapsed
                 times.append(now)
                 accuracies.append(100 * float(rec["test_accuracy"]))
-    times.append(float(summary["wall_s"]))
+    times.append(now if now is not None else float(summary["wall_s"]))
     accuracies.append(100 * float(summary["test_accuracy"]))
     return times, accuracies
 
@@ -116,7 +121,7 @@ def plot(rows: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
     for row in done:
         times, accuracies = _accuracy_curve(row)
         ax.plot(times, accuracies, marker="o", label=row["job"])
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("accuracy vs wall time")
     ax.grid(alpha=0.3)
