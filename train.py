@@ -69,7 +69,18 @@ def main(cfg: DictConfig) -> int | None:
     return None
 
 
+def _refuse_dashed_launcher_flags(argv: list[str]) -> None:
+    """``--nproc 4`` (the flag of the old wrapper, and of torchrun) is ``nproc=4`` here: say so in one line."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in ("--nproc", "--nproc_per_node", "--nproc-per-node", "--max-restarts", "--max_restarts"):
+            key = "max_restarts" if "restarts" in flag else "nproc"
+            print(f"error: train.py takes Hydra overrides: use {key}=N instead of {flag}", file=sys.stderr)
+            sys.exit(2)
+
+
 if __name__ == "__main__":
+    _refuse_dashed_launcher_flags(sys.argv[1:])
     sys.argv += launch.hydra_rank_overrides(sys.argv[1:], launch.env_rank())
     with reported_missing_dependencies("train.py"), launch.exit_at_once_on_failure(), \
             launch.failures_reported_by_rank0():

@@ -82,6 +82,14 @@ def test_a_bad_launch_argument_or_config_is_one_line_and_exit_status_2(tmp_path,
     assert not list(tmp_path.glob("outputs/*/*/metrics_rank*.jsonl"))
 
 
+@pytest.mark.parametrize("args,key", [(("--nproc", "0"), "nproc"), (("--nproc=2",), "nproc"),
+                                      (("--max-restarts", "1"), "max_restarts")])
+def test_a_dashed_launcher_flag_is_one_line_naming_the_override(tmp_path, args, key):
+    proc = _train(tmp_path, *args, timeout=60)
+    assert proc.returncode == 2 and len(_lines(proc.stderr)) == 1, proc.stderr
+    assert f"use {key}=N instead of {args[0].split('=')[0]}" in proc.stderr
+
+
 def test_every_config_problem_is_on_the_one_line(tmp_path):
     proc = _train(tmp_path, "nproc=0", "max_restarts=-2", timeout=60)
     assert proc.returncode == 2
