@@ -194,10 +194,11 @@ def test_python_train_py_starts_its_own_ranks_and_prints_the_summary(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # two jobs of fresh ranks: about 45 s alone, several minutes on a loaded 2-core machine
 def test_a_multirun_starts_fresh_ranks_per_job_and_ends_with_a_table_and_plots(tmp_path):
     out = tmp_path / "sweep"
     proc = _train(tmp_path, "-m", "averaging=allreduce,local_sgd", "steps=20,0", "nproc=2", "progress=false",
-                  f"hydra.sweep.dir={out}", timeout=300)
+                  f"hydra.sweep.dir={out}", timeout=450)
     assert proc.returncode == 1, proc.stderr[-3000:]  # the two steps=0 jobs fail their check, the others run
     rows = json.loads((out / "sweep.json").read_text())
     assert [(r["summary"] or {}).get("policy") for r in rows] == ["allreduce", None, "local_sgd", None]
@@ -224,11 +225,12 @@ def test_a_multirun_under_torchrun_is_refused_once(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # two submitit jobs: about 70 s alone, several minutes on a loaded 2-core machine
 def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     out = tmp_path / "sweep"
     proc = _train(tmp_path, "-m", "hydra/launcher=submitit_local", "averaging=allreduce,local_sgd", "nproc=1",
-                  "steps=10", "progress=false", f"hydra.sweep.dir={out}", timeout=300)
+                  "steps=10", "progress=false", f"hydra.sweep.dir={out}", timeout=450)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
     rows = json.loads((out / "sweep.json").read_text())
