@@ -62,7 +62,7 @@ def rank_main(cfg: DictConfig, logging_config: Mapping[str, Any] | None) -> None
 
     A missing optional module becomes a one-line ``RuntimeError`` (the elastic launcher records it).
     """
-    from wagma.app.train import train  # imported in the rank: the parent needs none of the training stack
+    from wagma.app.train import train  # imported in the rank: the parent only checks the config
 
     rank = int(os.environ.get("RANK", "0"))
     if logging_config:
