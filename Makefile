@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/python -m wagma.app.run $(ARGS)
+	$(VENV)/bin/python train.py $(ARGS)
 
 test:
 	bash .ci/run

@@ -1,37 +1,54 @@
-"""Train with wagma: ``torchrun --standalone --nproc_per_node=4 train.py [hydra overrides]``.
+"""Train with wagma: ``python train.py [hydra overrides]`` (4 local ranks unless ``nproc=N``).
 
-The work happens in :func:`wagma.app.train.train`; this file only hands it the composed config. Under
-torchrun every rank resolves the same run directory (``outputs/<date>/<time>`` from the job's start
-time, or ``hydra.run.dir=DIR``), only rank 0 writes Hydra's ``.hydra/`` and log file there, and a bad
-config is reported once, by rank 0, with exit status 2 on every rank. Any other failure is recorded with
-torch.distributed.elastic's ``@record``: the exception (for a failed step, naming the ranks that did not
-arrive) goes to torchrun's error file, so torchrun's final report shows the real cause. With
-``torchrun --max-restarts N`` a restarted job resumes from its newest complete checkpoint. See
-:mod:`wagma.app.launch`.
+Hydra is the parent. ``python train.py`` composes the config once, checks it (a bad one is one line and
+exit status 2, before any rank starts), starts ``nproc`` local ranks through torch.distributed's elastic
+launcher, each training with that config, and prints the run's summary (:mod:`wagma.app.run`).
+``python train.py -m averaging=wagma,allreduce`` is a sweep: every job starts fresh ranks, and the sweep
+ends with a comparison table and plots (:mod:`wagma.app.sweep`, a Hydra callback).
+``python train.py --help`` lists the config groups, ``--cfg job`` prints the config.
+
+Under torchrun (``torchrun --standalone --nproc_per_node=4 train.py [overrides]``; ``RANK`` and
+``WORLD_SIZE`` set) every rank runs Hydra itself and trains in place: every rank resolves the same run
+directory, only rank 0 writes Hydra's ``.hydra/`` and log file there, and a bad config is reported once,
+by rank 0, with exit status 2 on every rank. Any other failure is recorded with torch.distributed.elastic's
+``@record``, so torchrun's final report shows the real cause; with ``--max-restarts N`` a restarted job
+resumes from its newest complete checkpoint. See :mod:`wagma.app.launch`.
 """
 
 from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing.errors import record
+from wagma.app.deps import reported_missing_dependencies
 
-from wagma.app import launch
-from wagma.app.config import ConfigError
-from wagma.app.train import train
+with reported_missing_dependencies("train.py"):
+    import hydra
+    from omegaconf import DictConfig
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from wagma.app import launch
+    from wagma.app.config import ConfigError
 
 launch.register_resolvers()
 
 
 @record
 def run(cfg: DictConfig) -> None:
-    """Train; end a bad config with one message and exit status 2 (no error file: every rank shares it).
+    """Train this rank (under torchrun); end a bad config with one message and exit status 2.
 
     Any other exception is written to ``$TORCHELASTIC_ERROR_FILE`` (torchrun's report) and re-raised.
     """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from wagma.app.train import train
+
     try:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise ConfigError(
+                "-m (a sweep) under torchrun would run every job inside the same ranks; run the sweep as "
+                "`python train.py -m ...`, which starts fresh ranks for each job"
+            )
         train(cfg)
     except ConfigError as err:
         if launch.env_rank() == 0:
@@ -40,13 +57,31 @@ def run(cfg: DictConfig) -> None:
 
 
 @hydra.main(config_path="configs", config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    """Hydra's task function: :func:`run` with the composed config."""
-    launch.release_stderr()
-    run(cfg)
+def main(cfg: DictConfig) -> int | None:
+    """Hydra's task function: train this rank under torchrun, else start the job's local ranks."""
+    with reported_missing_dependencies("train.py"):
+        if not launch.under_launcher():
+            from wagma.app.run import run_job
+
+            return run_job(cfg)
+        launch.release_stderr()
+        run(cfg)
+    return None
+
+
+def _refuse_dashed_launcher_flags(argv: list[str]) -> None:
+    """``--nproc 4`` (the flag of the old wrapper, and of torchrun) is ``nproc=4`` here: say so in one line."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in ("--nproc", "--nproc_per_node", "--nproc-per-node", "--max-restarts", "--max_restarts"):
+            key = "max_restarts" if "restarts" in flag else "nproc"
+            print(f"error: train.py takes Hydra overrides: use {key}=N instead of {flag}", file=sys.stderr)
+            sys.exit(2)
 
 
 if __name__ == "__main__":
+    _refuse_dashed_launcher_flags(sys.argv[1:])
     sys.argv += launch.hydra_rank_overrides(sys.argv[1:], launch.env_rank())
-    with launch.exit_at_once_on_failure(), launch.failures_reported_by_rank0():
+    with reported_missing_dependencies("train.py"), launch.exit_at_once_on_failure(), \
+            launch.failures_reported_by_rank0():
         main()

@@ -1,4 +1,4 @@
-"""Launching and failing for real: torchrun with frozen and killed ranks, elastic restarts, signals to wagma.app.run."""
+"""Launching and failing for real: torchrun and ``python train.py`` with frozen and killed ranks, elastic restarts, signals."""
 
 from __future__ import annotations
 
@@ -283,19 +283,38 @@ def test_max_restarts_resumes_a_job_that_lost_a_rank_and_finishes_its_steps(tmp_
 # --- point 10: signals and a vanished run directory ------------------------------------------------
 
 
+def _train_py(cwd: Path, *overrides: str, **kwargs: object) -> subprocess.Popen[str]:
+    """``python train.py`` (Hydra the parent, starting its own ranks) with ``overrides``."""
+    return _start(cwd, [sys.executable, str(ROOT / "train.py"), *overrides, "progress=false"], **kwargs)
+
+
+def _spawned_ranks(parent: int, nproc: int) -> list[int]:
+    """The pids of the ``nproc`` ranks the elastic launcher spawned below ``parent``, once all run."""
+
+    def ranks() -> list[int]:
+        found = []
+        for pid in descendants(parent):
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+        return found if len(found) == nproc else []
+
+    return _wait_until(ranks, 60, f"{nproc} spawned ranks")  # type: ignore[return-value]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_wagma_run_ends_torchrun_and_every_rank(tmp_path, sig):
+def test_a_signal_to_python_train_py_ends_every_rank(tmp_path, sig):
     run_dir = tmp_path / "run"
-    proc = _start(tmp_path, [
-        sys.executable, "-m", "wagma.app.run", "--nproc", "2", "progress=false", "averaging=allreduce", "steps=1000000",
-        f"hydra.run.dir={run_dir}",
-    ], start_new_session=True)
+    proc = _train_py(tmp_path, "nproc=2", "averaging=allreduce", "steps=1000000", f"hydra.run.dir={run_dir}",
+                     start_new_session=True)
     try:
-        _rank_pids(proc.pid, 2)
+        _spawned_ranks(proc.pid, 2)
         _wait_until(lambda: _has_records(run_dir / "metrics_rank1.jsonl"), 90, "training to start")
         tree = descendants(proc.pid)
-        assert len(tree) >= 3  # torchrun and its two ranks
+        assert len(tree) >= 2  # the two ranks (and multiprocessing's resource tracker)
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the foreground process group
         else:
@@ -303,13 +322,34 @@ def test_a_signal_to_wagma_run_ends_torchrun_and_every_rank(tmp_path, sig):
         signalled = time.monotonic()
         code = proc.wait(timeout=30)
         _wait_until(lambda: not any(_alive(pid) for pid in tree), 5, "every process of the run to end")
-        print(f"{sig.name}: wagma.app.run and its {len(tree)} processes ended {time.monotonic() - signalled:.1f} s later")
+        print(f"{sig.name}: train.py and its {len(tree)} processes ended {time.monotonic() - signalled:.1f} s later")
     finally:
         for pid in [proc.pid, *descendants(proc.pid)]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert code == 128 + sig
-    assert f"wagma-train: stopped by {sig.name}; torchrun and its ranks were ended" in _output(tmp_path)
+    assert code == 128 + sig, _output(tmp_path)[-3000:]
+    assert f"wagma: stopped by {sig.name}; the ranks were ended" in _output(tmp_path)
+    assert json.loads((run_dir / "job.json").read_text())["exit"] == 128 + sig
+
+
+@pytest.mark.slow
+def test_python_train_py_max_restarts_resumes_a_job_that_lost_a_rank(tmp_path):
+    steps, run_dir = 300, tmp_path / "run"
+    proc = _train_py(tmp_path, "nproc=2", "max_restarts=1", "averaging=allreduce", f"steps={steps}",
+                     "checkpoint_every=20", "imbalance=persistent", "imbalance.base_s=0.01", f"hydra.run.dir={run_dir}")
+    try:
+        ranks = _spawned_ranks(proc.pid, 2)
+        _wait_until(lambda: list(run_dir.glob("checkpoints/step_*/meta.json")), 90, "a complete checkpoint")
+        os.kill(ranks[-1], signal.SIGKILL)
+        proc.wait(timeout=150)
+    finally:
+        for pid in descendants(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, _output(tmp_path)[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["restarts"] == 1
+    assert summary["resumed_from"] is not None and 20 <= summary["resumed_from"] < steps
+    assert [r["step"] for r in read_metrics(run_dir, 0)] == list(range(1, steps + 1))
 
 
 def test_metrics_writer_raises_when_the_run_directory_is_deleted(tmp_path):
@@ -349,10 +389,8 @@ def test_a_run_directory_deleted_mid_run_fails_every_rank_clearly(tmp_path):
 @pytest.mark.slow
 def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
     out = tmp_path / "sweep"
-    proc = _start(tmp_path, [
-        sys.executable, "-m", "wagma.app.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd",
-        "steps=1000000", "progress=false",
-    ])
+    proc = _train_py(tmp_path, "-m", "nproc=2", "averaging=allreduce,local_sgd", "steps=1000000",
+                     f"hydra.sweep.dir={out}")
     try:
         _wait_until(lambda: list(out.glob("*/metrics_rank1.jsonl")), 90, "the first job to train")
         tree = descendants(proc.pid)
@@ -363,7 +401,8 @@ def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
         for pid in [proc.pid, *descendants(proc.pid)]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert code == 128 + signal.SIGTERM
-    rows = json.loads((out / "sweep.json").read_text())
-    assert [r["exit"] for r in rows] == [128 + signal.SIGTERM]  # the second job never started
-    assert "wagma-sweep: stopped by SIGTERM" in _output(tmp_path)
+    assert code == 128 + signal.SIGTERM, _output(tmp_path)[-3000:]
+    jobs = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert len(jobs) == 1 and jobs[0].startswith("0_averaging=allreduce")  # the second job never started
+    assert json.loads((out / jobs[0] / "job.json").read_text())["exit"] == 128 + signal.SIGTERM
+    assert "wagma: stopped by SIGTERM" in _output(tmp_path)

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,8 @@ from wagma.app.imbalance import build_imbalance
 from wagma.app.metrics import SUMMARY_KEYS, read_metrics
 from wagma.app.models import build_model
 from wagma.app.policies import Policy, build_policy, validate_policy_config
-from wagma.app.run import format_summary, split_run_dir, torchrun_command
-from wagma.app.sweep import expand, format_table, split_top_level
+from wagma.app.run import format_summary
+from wagma.app.sweep import collect, format_table
 from wagma.testing import run_workers, run_workers_outcomes
 from wagma.app.train import train
 
@@ -343,24 +341,16 @@ def test_gpu_metrics_are_a_silent_no_op_on_the_cpu():
 # --- the commands -------------------------------------------------------------------------------------
 
 
-def test_sweep_expands_comma_lists_outside_brackets():
-    assert split_top_level("a,[1,2],'x,y',b") == ["a", "[1,2]", "'x,y'", "b"]
-    assert expand(["averaging=allreduce,wagma", "steps=10", "imbalance.ranks=[0,1]", "seed=1,2"]) == [
-        ["averaging=allreduce", "steps=10", "imbalance.ranks=[0,1]", "seed=1"],
-        ["averaging=allreduce", "steps=10", "imbalance.ranks=[0,1]", "seed=2"],
-        ["averaging=wagma", "steps=10", "imbalance.ranks=[0,1]", "seed=1"],
-        ["averaging=wagma", "steps=10", "imbalance.ranks=[0,1]", "seed=2"],
-    ]
-    with pytest.raises(ValueError, match="empty value"):
-        expand(["averaging=a,,b"])
-
-
-def test_run_command_wraps_torchrun_with_four_ranks_and_one_run_dir():
-    rest, run_dir = split_run_dir(["averaging=local_sgd", "hydra.run.dir=/tmp/x"])
-    assert rest == ["averaging=local_sgd"] and run_dir == Path("/tmp/x")
-    cmd = torchrun_command(rest, run_dir)
-    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    assert cmd[5] == str(ROOT / "train.py") and cmd[6:] == ["averaging=local_sgd", "hydra.run.dir=/tmp/x"]
+def test_sweep_labels_jobs_by_the_overrides_that_vary_and_tabulates_failures(tmp_path):
+    for num, policy, code in ((1, "local_sgd", 2), (0, "allreduce", 0)):
+        job = tmp_path / f"{num}_job"
+        job.mkdir()
+        (job / "job.json").write_text(json.dumps({"num": num, "overrides": [f"averaging={policy}", "steps=20"],
+                                                  "exit": code}))
+        (job / "summary.json").write_text(json.dumps({"policy": policy}))
+    rows = collect(tmp_path)
+    assert [r["job"] for r in rows] == ["0_averaging=allreduce", "1_averaging=local_sgd"]
+    assert rows[0]["summary"] == {"policy": "allreduce"} and rows[1]["summary"] is None  # failed: no summary
     table = format_table([
         {"job": "00_a", "exit": 0, "summary": {
             "policy": "local_sgd", "test_accuracy": 0.97, "samples_per_s": 1000.0, "mean_wait_s": 0.002,
@@ -372,38 +362,6 @@ def test_run_command_wraps_torchrun_with_four_ranks_and_one_run_dir():
     assert lines[0].split()[:4] == ["job", "policy", "acc", "%"]
     assert lines[2].split() == ["00_a", "local_sgd", "97.00", "1,000", "2.00", "38", "0", "9.0"]
     assert lines[3].split() == ["01_b", "failed", "(exit", "status", "2)"]
-
-
-def _command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=170)
-
-
-@pytest.mark.slow
-def test_wagma_run_trains_under_torchrun_and_prints_the_summary(tmp_path):
-    proc = _command(
-        "-m", "wagma.app.run", "--nproc", "2", "averaging=local_sgd", "steps=40", "progress=false", cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dirs = list((tmp_path / "outputs").glob("*/*"))
-    assert len(run_dirs) == 1 and (run_dirs[0] / "summary.json").exists()
-    assert "policy        local_sgd on 2 rank(s), 40 steps" in proc.stdout
-    assert "test accuracy" in proc.stdout and "time waited" in proc.stdout
-
-
-@pytest.mark.slow
-def test_wagma_sweep_runs_one_torchrun_per_policy_and_tabulates(tmp_path):
-    out = tmp_path / "sweep"
-    proc = _command(
-        "-m", "wagma.app.sweep", "--nproc", "2", "--out", str(out), "averaging=allreduce,local_sgd,bogus", "steps=20",
-        "progress=false", cwd=tmp_path,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]  # the bogus job fails, the others run
-    rows = json.loads((out / "sweep.json").read_text())
-    assert [r["summary"]["policy"] if r["summary"] else None for r in rows] == ["allreduce", "local_sgd", None]
-    assert "failed (exit status 1)" in proc.stdout
-    assert (out / "00_averaging-allreduce" / "summary.json").exists()
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ from wagma.app.imbalance import build_imbalance
 from wagma.app.models import build_model
 from wagma.app.policies import validate_policy_config
 
-__all__ = ["ConfigError", "KNOWN_OPTIMIZERS", "build_optimizer", "group_options", "validate_config"]
+__all__ = [
+    "ConfigError", "KNOWN_OPTIMIZERS", "build_optimizer", "group_options", "validate_config", "validate_launch",
+]
 
 KNOWN_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
 _GROUPS: tuple[str, ...] = ("data", "model", "optim", "imbalance", "averaging")
@@ -29,7 +31,18 @@ _TOP_LEVEL: tuple[str, ...] = (
 
 
 class ConfigError(ValueError):
-    """The configuration cannot be run; the message lists every problem found."""
+    """The configuration cannot be run; the message lists every problem found, one per line.
+
+    ``problems`` holds them as a list; :meth:`one_line` joins them for a terminal report.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems) if problems is not None else [message]
+
+    def one_line(self) -> str:
+        """``"invalid configuration: <problem>; <problem>"``."""
+        return "invalid configuration: " + "; ".join(p.replace("\n", " ") for p in self.problems)
 
 
 def group_options(cfg: DictConfig | Mapping[str, Any], group: str) -> dict[str, Any]:
@@ -96,7 +109,8 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
         plain = dict(cfg)
     missing = [k for k in (*_TOP_LEVEL, *_GROUPS) if k not in plain]
     if missing:
-        raise ConfigError(f"the config lacks the keys {missing}; compose it from configs/config.yaml")
+        message = f"the config lacks the keys {missing}; compose it from configs/config.yaml"
+        raise ConfigError(message, [message])
     if world_size < 1:
         problems.append(f"world size must be >= 1, got {world_size}")
     _nonneg_int(plain, "steps", 1, problems)
@@ -154,4 +168,19 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
             problems.append(str(exc))
 
     if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), problems)
+
+
+def validate_launch(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Check the keys of a ``python train.py`` launch: ``nproc`` (local ranks, >= 1) and ``max_restarts`` (>= 0).
+
+    They matter only when ``train.py`` starts the ranks itself (not under torchrun, whose flags decide).
+
+    Raises:
+        ConfigError: listing every problem.
+    """
+    problems: list[str] = []
+    _nonneg_int(cfg, "nproc", 1, problems)
+    _nonneg_int(cfg, "max_restarts", 0, problems)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), problems)

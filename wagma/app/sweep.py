@@ -1,80 +1,52 @@
-"""A sweep in one command: ``python -m wagma.app.sweep averaging=allreduce,local_sgd,wagma imbalance=random_k``.
+"""The end of a sweep (``python train.py -m ...``): a comparison table, ``sweep.json`` and plots.
 
-Every override whose value holds top-level commas (``key=a,b,c``; commas inside ``[...]``, ``(...)``,
-``{...}`` or quotes do not count) is a sweep axis; the sweep runs one torchrun job per combination of the
-axes (their Cartesian product, first axis slowest), one after the other, each into
-``OUT/<n>_<key>-<value>_.../``, and prints a table of the jobs' summaries: policy, test accuracy,
-throughput, time waited per step, global and local reductions, wall time. ``OUT`` is
-``multirun/<date>/<time>`` unless ``--out`` says otherwise; ``OUT/sweep.json`` keeps every job's
-overrides, exit status and summary. A failed job is reported in the table and the sweep goes on; the
-exit status is then 1.
-
-Why not Hydra's ``-m``: under torchrun every rank runs Hydra, so ``torchrun train.py -m ...`` would run
-all jobs inside the same ranks, one process group after another, and Hydra's launchers start no torchrun
-per job. This script starts a fresh torchrun (fresh processes, fresh rendezvous) per job instead.
+:class:`SweepReport` is a Hydra callback (``hydra.callbacks.sweep_report`` in ``configs/config.yaml``). When a
+multirun ends, it reads the ``job.json`` every job left in its directory (:mod:`wagma.app.run`) and the
+job's ``summary.json``, prints a table (policy, test accuracy, throughput, time waited per step, global and
+local reductions, wall time), writes all of it to ``<sweep dir>/sweep.json``, and draws
+``accuracy_vs_time.png`` (test accuracy against the wall time of the training steps, one line per job) and
+``throughput.png`` (samples/s per job) into the sweep directory; without matplotlib the plots are skipped
+with one line. It works with every Hydra launcher, the SLURM one included, because it reads files, not
+the jobs' return values. If a job failed, the sweep exits with status 1 after the report.
 """
 
 from __future__ import annotations
 
-import datetime
-import itertools
 import json
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wagma.app.run import argument_parser, run, stopping_signal, torchrun_command
+from wagma.app.deps import missing_dependency
 
-__all__ = ["expand", "format_table", "main", "split_top_level"]
+__all__ = ["SweepReport", "collect", "format_table", "plot"]
 
-_CLOSERS = {"[": "]", "(": ")", "{": "}"}
-
-
-def split_top_level(value: str) -> list[str]:
-    """Split ``value`` at commas outside brackets and quotes: ``"a,[1,2],b"`` -> ``["a", "[1,2]", "b"]``."""
-    parts, depth, quote, start = [], [], "", 0
-    for i, ch in enumerate(value):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in _CLOSERS:
-            depth.append(_CLOSERS[ch])
-        elif depth and ch == depth[-1]:
-            depth.pop()
-        elif ch == "," and not depth:
-            parts.append(value[start:i])
-            start = i + 1
-    parts.append(value[start:])
-    return parts
+JOB_FILE = "job.json"  # the same name as wagma.app.run.JOB_FILE; not imported, to keep this module light
 
 
-def expand(overrides: Sequence[str]) -> list[list[str]]:
-    """The jobs of a sweep: one list of plain overrides per combination of the comma-valued ones.
+def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per job of the sweep in ``sweep_dir``: ``job`` (label), ``overrides``, ``exit``, ``error``, ``summary``, ``dir``.
 
-    Raises:
-        ValueError: for an empty value in a list (``averaging=a,,b``).
+    Jobs are ordered by their number; a job's label is its number and the overrides that vary between jobs.
     """
-    axes: list[list[str]] = []
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        values = split_top_level(value) if sep else [value]
-        if sep and len(values) > 1:
-            if any(not v.strip() for v in values):
-                raise ValueError(f"sweep override {override!r} has an empty value between its commas")
-            axes.append([f"{key}={v.strip()}" for v in values])
-        else:
-            axes.append([override])
-    return [list(job) for job in itertools.product(*axes)]
-
-
-def _job_name(index: int, job: Sequence[str], swept: set[str]) -> str:
-    parts = [o for o in job if o.partition("=")[0] in swept] or ["job"]
-    # Hydra's override grammar (hydra.run.dir=...) allows no '=' and few symbols in a path: keep it plain.
-    label = re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(p.replace("=", "-") for p in parts))[:80]
-    return f"{index:02d}_{label}"
+    jobs = []
+    for path in Path(sweep_dir).glob(f"*/{JOB_FILE}"):
+        record = json.loads(path.read_text())
+        summary_path = path.parent / "summary.json"
+        summary = json.loads(summary_path.read_text()) if record.get("exit") == 0 and summary_path.is_file() else None
+        jobs.append(record | {"summary": summary, "dir": str(path.parent)})
+    jobs.sort(key=lambda r: int(r.get("num", 0)))
+    counts: dict[str, set[str]] = {}
+    for job in jobs:
+        for override in job.get("overrides", []):
+            key, _, value = override.partition("=")
+            counts.setdefault(key, set()).add(value)
+    varying = {k for k, values in counts.items() if len(values) > 1 or len(jobs) == 1}
+    for job in jobs:
+        shown = [o for o in job.get("overrides", []) if o.partition("=")[0] in varying]
+        job["job"] = f"{job.get('num', 0)}_" + (",".join(shown) or "defaults")
+    return jobs
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -97,35 +69,114 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wagma.app.sweep [--nproc N] [--out DIR] [--dry-run] [overrides...]``."""
-    parser = argument_parser("wagma-sweep", "Run one torchrun job per combination of comma-separated override values.")
-    parser.add_argument("--out", type=Path, default=None, help="sweep directory (default: multirun/<date>/<time>)")
-    args = parser.parse_intermixed_args(argv)
-    jobs = expand(args.overrides)
-    swept = {o.partition("=")[0] for o in args.overrides if len(split_top_level(o.partition("=")[2])) > 1}
-    now = datetime.datetime.now()
-    out = args.out or Path("multirun") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
-    names = [_job_name(i, job, swept) for i, job in enumerate(jobs)]
-    if args.dry_run:
-        for name, job in zip(names, jobs):
-            print(" ".join(torchrun_command(job, out / name, args.nproc)))
-        return 0
-    rows: list[dict[str, Any]] = []
-    for i, (name, job) in enumerate(zip(names, jobs)):
-        print(f"[{i + 1}/{len(jobs)}] {' '.join(job) or '(defaults)'} -> {out / name}", flush=True)
-        code, summary, _ = run(job, nproc=args.nproc, run_dir=out / name)
-        rows.append({"job": name, "overrides": job, "exit": code, "summary": summary})
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
-        if (stopped := stopping_signal(code)) is not None:  # SIGTERM/Ctrl-C ends the sweep, not only this job
-            print(f"wagma-sweep: stopped by {stopped.name} during {name}; results so far: {out / 'sweep.json'}",
-                  file=sys.stderr)
-            return code
-    print("\n" + format_table(rows))
-    print(f"\nsweep results: {out / 'sweep.json'}")
-    return 0 if all(r["summary"] is not None for r in rows) else 1
+def _accuracy_curve(row: Mapping[str, Any]) -> tuple[list[float], list[float]]:
+    """(seconds of training, test accuracy) of one job: rank 0's periodic evaluations, then the final one.
+
+    A record's time is its wall-clock ``time`` stamp relative to the start of the first step when records
+    carry one, else the sum of ``step_s`` over the steps so far; the final evaluation sits at the last
+    record's time (the summary's ``wall_s`` when there are no records).
+    """
+    summary = row["summary"]
+    times, accuracies = [], []
+    now = None
+    path = Path(row["dir"]) / "metrics_rank0.jsonl"
+    if path.is_file():
+        elapsed, last_step, origin = 0.0, 0, None
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed rank
+            step = int(rec.get("step", last_step))
+            elapsed += float(rec.get("step_s") or 0.0) * max(step - last_step, 0)
+            last_step = step
+            stamp = rec.get("time")
+            if isinstance(stamp, (int, float)):
+                origin = float(stamp) - elapsed if origin is None else origin
+                now = float(stamp) - origin
+            else:
+                now = elapsed
+            if rec.get("test_accuracy") is not None:
+                times.append(now)
+                accuracies.append(100 * float(rec["test_accuracy"]))
+    times.append(now if now is not None else float(summary["wall_s"]))
+    accuracies.append(100 * float(summary["test_accuracy"]))
+    return times, accuracies
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def plot(rows: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
+    """Draw ``accuracy_vs_time.png`` and ``throughput.png`` of the finished jobs into ``out_dir``.
+
+    Raises:
+        ModuleNotFoundError: without matplotlib.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r.get("summary") is not None]
+    out = Path(out_dir)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in done:
+        times, accuracies = _accuracy_curve(row)
+        ax.plot(times, accuracies, marker="o", label=row["job"])
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("accuracy vs wall time")
+    ax.grid(alpha=0.3)
+    if done:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    accuracy_png = out / "accuracy_vs_time.png"
+    fig.savefig(accuracy_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 0.5 * max(len(done), 2) + 1.5))
+    labels = [f"{r['job']} ({r['summary']['policy']})" for r in done]
+    ax.barh(labels, [float(r["summary"]["samples_per_s"] or 0.0) for r in done])
+    ax.invert_yaxis()
+    ax.set_xlabel("throughput (samples/s)")
+    ax.set_title("throughput per job")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    throughput_png = out / "throughput.png"
+    fig.savefig(throughput_png, dpi=120)
+    plt.close(fig)
+    return [accuracy_png, throughput_png]
+
+
+def report(sweep_dir: str | Path) -> int:
+    """Print the table of the sweep in ``sweep_dir``, write ``sweep.json`` and the plots; 1 if a job failed."""
+    out = Path(sweep_dir)
+    rows = collect(out)
+    if not rows:
+        print(f"wagma sweep: no job left a {JOB_FILE} in {out}", file=sys.stderr)
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print("\n" + format_table(rows), flush=True)
+    try:
+        pngs = plot(rows, out)
+        print(f"\nsweep results: {out / 'sweep.json'}; plots: {', '.join(str(p) for p in pngs)}", flush=True)
+    except ImportError as exc:
+        message = missing_dependency(exc, "the sweep's plots")
+        if message is None:
+            raise
+        print(f"\nsweep results: {out / 'sweep.json'}; plots skipped: {message}", flush=True)
+    return 0 if all(r.get("summary") is not None for r in rows) else 1
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # wagma.app needs Hydra anyway (train.py says so); keep this module importable without it
+    Callback = object  # type: ignore[assignment,misc]
+
+
+class SweepReport(Callback):  # type: ignore[misc,valid-type]
+    """Hydra callback: :func:`report` on the sweep directory when a multirun ends (exit status 1 if a job failed)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        code = report(config.hydra.sweep.dir)
+        if code:
+            sys.exit(code)
