@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.engine import SYNCS, WaitAvoidingGroupAllreduce
 from wagma.schedule import GroupSchedule
 
 __all__ = ["Network", "SimResult", "ZERO_NETWORK", "protocol_bound", "simulate", "SIMULATED_POLICIES"]
@@ -149,7 +149,10 @@ class _Sim:
             self.schedule = (GroupSchedule.create(str(sched), p, int(o.get("group_size", 2))) if isinstance(sched, str)
                              else GroupSchedule.from_partitions(sched))
             self.warmup = 0
-            self.blocking_sync = str(o.get("sync", "barrier")) == "barrier"
+            sync = o.get("sync", "barrier")
+            if sync not in SYNCS:
+                raise ValueError(f"wagma's sync must be one of {SYNCS}, got {sync!r}")
+            self.blocking_sync = sync == "barrier"
         elif self.name.startswith("eager"):
             self.tau = int(o.get("sync_period", 32))
             self.warmup = int(o.get("warmup_iters", 2))
@@ -287,7 +290,7 @@ def simulate(
             that sync rounds fall where the library puts them).
 
     Raises:
-        ValueError: an unknown policy, or a trace that is not a non-negative ``(P, N)`` array with N >= 1.
+        ValueError: an unknown policy or wagma ``sync``, or a trace that is not a non-negative ``(P, N)`` array with N >= 1.
     """
     trace = np.asarray(compute_s, dtype=np.float64)
     if trace.ndim != 2 or trace.shape[1] < 1 or trace.shape[0] < 1 or (trace < 0).any() or not np.isfinite(trace).all():
