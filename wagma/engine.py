@@ -161,8 +161,9 @@ class WaitAvoidingGroupAllreduce:
             max_lead = sync_period
         if not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= max(sync_period, 0):
             raise ValueError(
-                f"max_lead must be an int in [0, sync_period={sync_period}] (a sync round needs the fresh "
-                f"tensor, so the thread can never lead by more), got {max_lead!r}"
+                f"max_lead must be an int in [0, sync_period={sync_period}] (a blocking sync round needs the "
+                f"fresh tensor, so the thread can never lead by more; under sync='wait_avoiding' max_lead is the "
+                f"staleness bound, kept within the sync period), got {max_lead!r}"
             )
         if sync not in SYNCS:
             raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")

@@ -64,7 +64,7 @@ class WagmaAverager(AveragerBase):
             as such). ``S`` equal to the world size is allowed and means one group of every rank: every
             round is then a wait-avoiding *global* average (the progress thread still lets a late rank
             contribute its snapshot), not a group average; the sync rounds differ only in being blocking
-            and fully fresh.
+            and fully fresh (under ``sync="barrier"``; under ``"wait_avoiding"`` only in their mixing).
         sync_period: rounds between sync rounds, the global averages (every ``(sync_period + 1)``-th round is
             one; 0: every round). Also bounds staleness, through ``max_lead <= sync_period``.
         params: the model's parameters (``model.parameters()``, tensors or ``optimizer.param_groups``),
