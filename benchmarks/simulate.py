@@ -10,12 +10,15 @@ The protocols are those of the library, with the library's own round rules:
   warm-up steps ``s < w`` are DDP steps. Final flush: a global mean, unless the last step was one.
 - ``hierarchical`` / ``hierarchical_momentum``: fixed contiguous blocks of ``local_group_size`` ranks
   average every ``local_period`` steps, all ranks every ``global_period`` (both firing: global only).
-- ``wagma``: round k = step k; rounds with ``k % (tau + 1) == tau`` are blocking global means; the other
-  rounds are wait-avoiding group allreduces in the groups of :class:`wagma.schedule.GroupSchedule`
+- ``wagma``: round k = step k; rounds with ``k % (tau + 1) == tau`` are global means (sync rounds); the
+  other rounds are wait-avoiding group allreduces in the groups of :class:`wagma.schedule.GroupSchedule`
   (the library's schedule object, not a re-implementation): the first main thread to reach round k
   activates it for everyone; every rank's progress thread runs the rounds in order, at most
   ``max_lead`` rounds ahead of its main thread, and exchanges in its group as soon as round k is
   activated and every member's thread is there; a main thread waits only for its own group's result.
+  With ``sync: barrier`` (the default) a sync round is blocking: every thread waits for its own main
+  thread to reach it. With ``sync: wait_avoiding`` a sync round is run like the group rounds, over all
+  ranks: activated by the first arrival, each thread at most ``max_lead`` rounds ahead of its main thread.
 - ``eager_solo`` / ``eager_majority``: the first ``warmup_iters`` steps are DDP steps; round
   ``r = step - warmup_iters`` is a partial allreduce over all ranks run by the progress threads,
   activated by the first arrival (solo) or by the round's initiator, drawn exactly as the library's
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.engine import SYNCS, WaitAvoidingGroupAllreduce
 from wagma.schedule import GroupSchedule
 
 __all__ = ["Network", "SimResult", "ZERO_NETWORK", "protocol_bound", "simulate", "SIMULATED_POLICIES"]
@@ -146,6 +149,10 @@ class _Sim:
             self.schedule = (GroupSchedule.create(str(sched), p, int(o.get("group_size", 2))) if isinstance(sched, str)
                              else GroupSchedule.from_partitions(sched))
             self.warmup = 0
+            sync = o.get("sync", "barrier")
+            if sync not in SYNCS:
+                raise ValueError(f"wagma's sync must be one of {SYNCS}, got {sync!r}")
+            self.blocking_sync = sync == "barrier"
         elif self.name.startswith("eager"):
             self.tau = int(o.get("sync_period", 32))
             self.warmup = int(o.get("warmup_iters", 2))
@@ -154,6 +161,7 @@ class _Sim:
             who = types.SimpleNamespace(seed=int(o.get("seed", 0)), world_size=p)
             self.initiator: Callable[[int], int] | None = (
                 (lambda k: WaitAvoidingGroupAllreduce.initiator(who, k)) if majority else None)
+            self.blocking_sync = True
         else:
             self.warmup = int(o.get("warmup_steps", 0))
         lead = o.get("max_lead")
@@ -181,6 +189,10 @@ class _Sim:
 
     def _is_sync(self, k: int) -> bool:
         return k % (self.tau + 1) == self.tau
+
+    def _is_blocking(self, k: int) -> bool:
+        """Whether round ``k`` waits for every rank's fresh contribution (a sync round under ``sync: barrier``)."""
+        return self.blocking_sync and self._is_sync(k)
 
     def _group(self, rank: int, k: int) -> tuple[int, ...]:
         return self.schedule.group_of(rank, k) if self.name == "wagma" else tuple(range(self.p))
@@ -226,7 +238,7 @@ class _Sim:
             k = self._round(step)
             sync = self._is_sync(k)
             self._arrival(rank, k).succeed()
-            if not sync and k not in self._triggered and (
+            if not self._is_blocking(k) and k not in self._triggered and (
                     self.name == "wagma" or self.initiator is None or self.initiator(k) == rank):
                 self._triggered.add(k)
                 event = self._activation(k)
@@ -240,11 +252,11 @@ class _Sim:
             k = self._round(self.first + i)
             if k < 0:
                 continue
-            sync = self._is_sync(k)
-            needed = k if sync else k - self.lead
+            sync, blocking = self._is_sync(k), self._is_blocking(k)
+            needed = k if blocking else k - self.lead
             if needed >= max(0, self._round(self.first)):
                 yield self._arrival(rank, needed)
-            if not sync:
+            if not blocking:
                 yield self._activation(k)
             group = tuple(range(self.p)) if sync else self._group(rank, k)
             yield self.coll.join(("round", k, group), len(group), self.net.allreduce_s(len(group), self.nbytes))
@@ -278,7 +290,7 @@ def simulate(
             that sync rounds fall where the library puts them).
 
     Raises:
-        ValueError: an unknown policy, or a trace that is not a non-negative ``(P, N)`` array with N >= 1.
+        ValueError: an unknown policy or wagma ``sync``, or a trace that is not a non-negative ``(P, N)`` array with N >= 1.
     """
     trace = np.asarray(compute_s, dtype=np.float64)
     if trace.ndim != 2 or trace.shape[1] < 1 or trace.shape[0] < 1 or (trace < 0).any() or not np.isfinite(trace).all():

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 AVERAGING = sorted(p.stem for p in (CONFIGS / "averaging").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+PRESETS = {"wagma_relaxed": "wagma"}  # averaging options that preset another policy's keys: option -> policy name
 CPU = torch.device("cpu")
 
 
@@ -47,13 +48,15 @@ def _options(policy: str, **changes: object) -> dict:
 
 def test_the_averaging_options_and_experiment_presets_exist():
     assert set(AVERAGING) == {
-        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
+        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed", "eager_solo",
+        "eager_majority",
     }
     assert {"wagma_random_k", "eager_solo_random_k", "allreduce_random_k"} <= set(EXPERIMENTS)
     wagma = _compose("averaging=wagma").averaging
     assert (wagma.group_size, wagma.order, wagma.mixing, wagma.schedule, wagma.max_lead) == (
         2, "average_then_step", "reference", "auto", None,
     )
+    assert wagma.sync == "barrier" and _compose("averaging=wagma_relaxed").averaging.sync == "wait_avoiding"
     assert _compose("averaging=eager_solo").averaging.sync_period == 32
     assert _compose("averaging=eager_majority").averaging.mode == "majority"
 
@@ -61,10 +64,10 @@ def test_the_averaging_options_and_experiment_presets_exist():
 @pytest.mark.parametrize("option", AVERAGING)
 def test_every_averaging_option_composes_validates_and_builds(option):
     cfg = _compose(f"averaging={option}")
-    assert cfg.averaging.name == option
+    assert cfg.averaging.name == PRESETS.get(option, option)
     validate_config(cfg, 4)
     policy = build_policy(group_options(cfg, "averaging"), rank=0, world_size=4, device=CPU)
-    assert isinstance(policy, Policy) and policy.name == option
+    assert isinstance(policy, Policy) and policy.name == cfg.averaging.name
     policy.close()
 
 
@@ -110,6 +113,7 @@ KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momen
         ("wagma", {"order": "step_average"},
          "averaging.order must be one of average_then_step, step_then_average; got 'step_average'"),
         ("wagma", {"mixing": "gossip"}, "averaging.mixing must be one of reference, mean; got 'gossip'"),
+        ("wagma", {"sync": "lazy"}, "averaging.sync must be one of barrier, wait_avoiding; got 'lazy'"),
         ("wagma", {"max_lead": 11}, r"averaging.max_lead must be null or an integer in \[0, sync_period=10\], got 11"),
         ("eager_solo", {"max_lead": 33}, r"averaging.max_lead must be null or an integer in \[0, sync_period=32\], got 33"),
         ("wagma", {"sync_period": -1}, "averaging.sync_period must be >= 0, got -1"),
@@ -224,7 +228,7 @@ def test_every_policy_trains_digits_on_four_ranks_to_90_percent_with_its_default
     summaries = run_workers(_train_worker, 4, cfg, timeout_s=170)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(SUMMARY_KEYS) <= set(summary)
-    assert summary["policy"] == option and summary["world_size"] == 4 and summary["steps"] == 300
+    assert summary["policy"] == PRESETS.get(option, option) and summary["world_size"] == 4 and summary["steps"] == 300
     assert summary["test_accuracy"] >= 0.9, summary
     assert summary["samples_per_s"] > 0 and summary["mean_wait_s"] >= 0 and summary["wall_s"] > 0
     assert all(s["test_accuracy"] == summary["test_accuracy"] for s in summaries)

@@ -129,6 +129,8 @@ def test_eager_majority_waits_for_the_initiator_and_solo_for_nobody():
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="cannot simulate policy 'gossip'"):
         simulate({"name": "gossip"}, np.ones((2, 2)))
+    with pytest.raises(ValueError, match="wagma's sync must be one of .*'lazy'"):
+        simulate({"name": "wagma", "sync": "lazy"}, np.ones((2, 2)))
     with pytest.raises(ValueError, match=r"\(P, N\) array"):
         simulate({"name": "allreduce"}, np.ones(3))
     with pytest.raises(ValueError, match="non-negative"):
@@ -153,3 +155,57 @@ def test_paper_extrapolation_and_pending_validation(tmp_path):
     kept = scale.main(["--validate-only", "--steps", "3", "--regime", str(tmp_path / "none.json"),
                        "--out", str(tmp_path)])
     assert kept["records"] == recs and kept["setting"]["steps"] == 12
+
+
+# -- issue 13 point 4: wagma with sync="wait_avoiding" -----------------------------------------------------------
+
+
+def _wait_avoiding_recurrence(c: np.ndarray, groups, tau: int, lead: int) -> float:
+    """The zero-cost protocol of sync="wait_avoiding" as a plain max-plus recurrence (no SimPy): rank i
+    arrives at call k at A[i, k]; round k is activated by the first arrival; rank m's thread joins round k
+    after its round k-1 and once its main thread published call k - lead; a group's exchange ends when its
+    last member joins (sync rounds: the group of all ranks); a main thread leaves call k when it has
+    arrived and its group's exchange ended."""
+    p, n = c.shape
+    arrive, joined_prev = np.zeros((p, n)), np.zeros(p)
+    leave = np.zeros(p)
+    for k in range(n):
+        arrive[:, k] = leave + c[:, k]
+        act = arrive[:, k].min()
+        join = np.maximum.reduce([joined_prev, arrive[:, k - lead] if k >= lead else np.zeros(p), np.full(p, act)])
+        partition = [tuple(range(p))] if k % (tau + 1) == tau else groups(k)
+        done = np.zeros(p)
+        for group in partition:
+            done[list(group)] = join[list(group)].max()
+        joined_prev = done
+        leave = np.maximum(arrive[:, k], done)
+    return float(leave.max())  # the final flush and barrier wait for the slowest rank
+
+
+@pytest.mark.parametrize("p, lead, seed", [(8, 0, 1), (8, 2, 2), (8, 10, 3), (6, 3, 10)])
+def test_wait_avoiding_bound_matches_its_recurrence(p, lead, seed):
+    from wagma.schedule import GroupSchedule
+
+    n, tau = 40, 10
+    delays = _random_k_trace(p, n, k=1, seed=seed)
+    schedule = GroupSchedule.create("auto", p, 2)
+    options = {"name": "wagma", "group_size": 2, "sync_period": tau, "max_lead": lead, "sync": "wait_avoiding"}
+    got = protocol_bound(options, T, delays)
+    want = _wait_avoiding_recurrence(T + delays, lambda k: schedule.groups(k), tau, lead)
+    assert got.total_s == pytest.approx(want, abs=1e-12)
+    if lead > 0:  # on these traces the barrier costs more: the recurrence is not the barrier's by accident
+        assert protocol_bound(options | {"sync": "barrier"}, T, delays).total_s > want + 0.05
+
+
+@pytest.mark.parametrize("p", [8, 16])
+def test_wait_avoiding_sync_reaches_the_issue_target_where_the_barrier_cannot(p):
+    """Issue 13 point 4 at the protocol level (T = 100 ms, random_k1 with d = T, tau = 10, 200 steps): the
+    barrier's bound stays below 0.9 of the no-wait ideal T + mean delay, the wait-avoiding sync's is >= 0.92,
+    and it never beats the ideal."""
+    delays = _random_k_trace(p, 200, k=1, d=T, seed=1)
+    ideal_ms = 1e3 * (T + delays.mean())
+    base = {"name": "wagma", "group_size": 2, "sync_period": 10}
+    barrier = protocol_bound(base, T, delays).ms_per_step
+    relaxed = protocol_bound(base | {"sync": "wait_avoiding"}, T, delays).ms_per_step
+    assert ideal_ms / barrier < 0.9
+    assert 0.92 <= ideal_ms / relaxed <= 1.0 + 1e-9, (ideal_ms, relaxed, barrier)

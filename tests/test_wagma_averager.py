@@ -247,6 +247,7 @@ def _bad_args_worker(rank, world):
         "order": dict(group_size=2, sync_period=2, order="sideways"),
         "lead": dict(group_size=2, sync_period=2, max_lead=3),
         "schedule": dict(group_size=2, sync_period=2, schedule="ring"),
+        "sync": dict(group_size=2, sync_period=2, sync="lazy"),
     }
     return error_messages({
         name: lambda kw=kwargs: WagmaAverager(params=model.parameters(), timeout=TIMEOUT, **kw).close()
@@ -262,6 +263,7 @@ def test_bad_arguments_raise_value_errors():
     assert "average_then_step" in errors["order"]
     assert "max_lead" in errors["lead"]
     assert "schedule" in errors["schedule"]
+    assert "'barrier', 'wait_avoiding'" in errors["sync"] and "'lazy'" in errors["sync"]
 
 
 # -- issue 12: parameters bound by identity, fp16 sums, one reduction per round --------------------------------
@@ -366,3 +368,98 @@ def _dropped_worker(rank, world):
 def test_a_dropped_averager_stops_its_threads_and_releases_its_groups():
     for alive, groups in run_workers(_dropped_worker, 2):
         assert alive == [False] and groups == [False], (alive, groups)
+
+
+# -- issue 13 point 4: sync="wait_avoiding", a sync round that is not a barrier ----------------------------------
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _relaxed_worker(rank, world, rounds, sleeps, sync_period, max_lead):
+    """Rounds of sync="wait_avoiding" where rank ``r`` sleeps ``sleeps(r, step)`` before each step."""
+    model = _tagged(rank)
+    records = []
+    with WagmaAverager(
+        2, sync_period, params=model.parameters(), max_lead=max_lead, sync="wait_avoiding", timeout=TIMEOUT
+    ) as avg:
+        for step in range(rounds):
+            time.sleep(sleeps(rank, step))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * (rank + 1))  # a rank-dependent local "update": the replicas drift apart
+            before, fresh_before = _flat(model), avg.stats.fresh_contributions
+            t0 = time.perf_counter()
+            kind = avg.average_parameters(model.parameters())
+            wait = time.perf_counter() - t0
+            records.append((kind, wait, avg.stats.fresh_contributions > fresh_before, before, _flat(model)))
+        stats = avg.stats.as_dict()
+    return records, stats
+
+
+def _persistent(slow: int, delay_s: float):
+    return lambda rank, step: delay_s if rank == slow else 0.0
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_wait_avoiding_sync_bounds_staleness_with_a_persistently_slow_rank(world):
+    """Rank P-1 sleeps before every step, so it falls behind as far as the protocol lets it: its
+    contributions reach, and never pass, the staleness bound L = max_lead (docstring, point 1); sync rounds
+    are not barriers: the slow rank joins them late, with its published model; and the closed form of
+    point 3 holds at every sync round: the fresh ranks hold the same mean m, a late rank (w + P m)/(P + 1),
+    so the consensus distance after a sync round is at most max ||w_late - m||^2 / (P + 1)^2."""
+    rounds, sync_period, lead, delay = 16, 3, 2, 0.08
+    out = run_workers(_relaxed_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead,
+                      timeout_s=90)
+    for rank, (_, stats) in enumerate(out):
+        hist = {int(k): v for k, v in stats["staleness_hist"].items()}
+        assert max(hist) <= lead, (rank, hist)
+        assert sum(hist.values()) == rounds
+        assert stats["global_reductions"] == rounds // (sync_period + 1)
+    slow_hist = {int(k): v for k, v in out[world - 1][1]["staleness_hist"].items()}
+    assert max(slow_hist) == lead, slow_hist  # the slow rank does fall behind up to the bound
+    late_syncs = 0
+    for step in range(rounds):
+        kinds = {out[r][0][step][0] for r in range(world)}
+        if step % (sync_period + 1) != sync_period:
+            assert kinds == {"local"}
+            continue
+        assert kinds == {"global"}
+        fresh = [r for r in range(world) if out[r][0][step][2]]
+        late = [r for r in range(world) if not out[r][0][step][2]]
+        assert fresh, f"sync round {step}: no rank was fresh"
+        m = out[fresh[0]][0][step][4]
+        for r in fresh:
+            assert torch.equal(out[r][0][step][4], m), (step, r)
+        for r in late:
+            w = out[r][0][step][3]
+            torch.testing.assert_close(out[r][0][step][4], (w + world * m) / (world + 1))
+        after = torch.stack([out[r][0][step][4] for r in range(world)])
+        consensus = (after - after.mean(0)).pow(2).sum(1).mean().item()
+        bound = max([(out[r][0][step][3] - m).pow(2).sum().item() for r in late], default=0.0) / (world + 1) ** 2
+        assert consensus <= bound + 1e-9, (step, consensus, bound)
+        late_syncs += bool(late)
+    assert late_syncs >= 2, "the slow rank should have joined sync rounds late (not a barrier)"
+
+
+def _random_sleeper(world: int, rounds: int, delay_s: float):
+    shared = random.Random(5)
+    sleepers = [shared.randrange(world) for _ in range(rounds)]
+    return lambda rank, step: delay_s if sleepers[step] == rank else 0.0
+
+
+def test_wait_avoiding_sync_rounds_do_not_wait_for_a_late_rank():
+    """One random rank per step sleeps (random_k1): under sync="barrier" every sync round would cost the
+    ranks that did not sleep about the delay; under "wait_avoiding" they do not wait for it there either."""
+    world, rounds, sync_period, delay = 4, 16, 3, 0.2
+    sleeps = _random_sleeper(world, rounds, delay)
+    out = run_workers(_relaxed_worker, world, rounds, sleeps, sync_period, sync_period, timeout_s=90)
+    sync_waits = [
+        rec[1] for rank, (records, _) in enumerate(out) for step, rec in enumerate(records)
+        if rec[0] == "global" and sleeps(rank, step) == 0.0
+    ]
+    assert len(sync_waits) == (world - 1) * rounds // (sync_period + 1)
+    assert sorted(sync_waits)[len(sync_waits) // 2] < delay / 4, sorted(sync_waits)
+    for _, stats in out:
+        assert max(int(k) for k in stats["staleness_hist"]) <= sync_period

@@ -12,8 +12,11 @@ Protocol, for call k on rank i (call k of every rank is round k):
    order. For round k it waits until its own main thread is at most ``max_lead`` rounds behind, then
    for the round's activation, then takes whatever the rank has published *at that moment* (a
    consistent snapshot: published tensors are immutable, pending buffers are swapped out under the
-   lock), writes its progress record and allreduces the snapshot in round k's group. Sync rounds skip
-   activation: the thread waits for its own main thread's fresh tensor and allreduces over all ranks.
+   lock), writes its progress record and allreduces the snapshot in round k's group. Sync rounds are over
+   all ranks. With ``sync="barrier"`` (the default) they skip activation: the thread waits for its own
+   main thread's fresh tensor. With ``sync="wait_avoiding"`` they run exactly like the other rounds
+   (triggered by the first arrival, the thread at most ``max_lead`` rounds ahead of its main thread),
+   so a late rank joins them with what it published last.
 4. The main thread waits for round k's result, which the thread keeps, tagged with its round, until
    the main thread consumes it: every round exactly once, in order, however late the rank is.
 
@@ -42,9 +45,13 @@ import torch.distributed as dist
 from wagma.engine_core import Done, EngineCore, initiator_of, is_sync
 from wagma.schedule import GroupSchedule
 
-__all__ = ["RoundResult", "WaitAvoidingGroupAllreduce"]
+__all__ = ["SYNCS", "RoundResult", "WaitAvoidingGroupAllreduce"]
 
 Trigger = Literal["any", "initiator"]
+Sync = Literal["barrier", "wait_avoiding"]
+#: How a sync round runs: "barrier" (blocking, fresh tensors of all ranks) or "wait_avoiding" (triggered by
+#: the first arrival like the group rounds; a late rank contributes its last published tensor).
+SYNCS: tuple[str, ...] = ("barrier", "wait_avoiding")
 _instance_ids = itertools.count()
 
 
@@ -54,7 +61,8 @@ class RoundResult:
 
     Attributes:
         round: the round this call ran (call k is round k).
-        is_sync: whether it was a blocking global round over all ranks with fresh tensors.
+        is_sync: whether it was a sync round: a global round over all ranks (blocking, with fresh tensors,
+            unless the engine's ``sync`` is ``"wait_avoiding"``; then ``fresh`` says whether this rank's was).
         group: the ranks that exchanged in this round (all ranks on a sync round).
         sum: the sum of the group members' contributions to this round (owned by the caller).
         fresh: whether this call's tensor went into the exchange.
@@ -98,7 +106,11 @@ class WaitAvoidingGroupAllreduce:
             allreduces of fresh tensors (0: every round). Bounds staleness.
         max_lead: how many rounds the progress thread may run ahead of its main thread (0: it waits
             for the main thread every round). Defaults to ``sync_period``; each round of lead can
-            hold one result buffer until the main thread consumes it.
+            hold one result buffer until the main thread consumes it. It bounds staleness: a rank's
+            contribution to round k is its call ``k - max_lead`` or newer, on every round.
+        sync: ``"barrier"`` (sync rounds block until every rank's fresh tensor is in) or
+            ``"wait_avoiding"`` (sync rounds are global rounds run like the group rounds: no rank waits
+            for another to arrive; the staleness bound ``max_lead`` holds for them too).
         timeout: bound of every wait: collectives, store calls, and the main thread's wait for a result.
         trigger: ``"any"`` (the first rank to arrive triggers the round: WAGMA, eager-SGD solo) or
             ``"initiator"`` (one rank per round, drawn from ``seed`` identically on every rank,
@@ -122,6 +134,7 @@ class WaitAvoidingGroupAllreduce:
         sync_period: int,
         max_lead: int | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+        sync: Sync = "barrier",
         trigger: Trigger = "any",
         seed: int = 0,
         accumulate: bool = False,
@@ -148,9 +161,12 @@ class WaitAvoidingGroupAllreduce:
             max_lead = sync_period
         if not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= max(sync_period, 0):
             raise ValueError(
-                f"max_lead must be an int in [0, sync_period={sync_period}] (a sync round needs the fresh "
-                f"tensor, so the thread can never lead by more), got {max_lead!r}"
+                f"max_lead must be an int in [0, sync_period={sync_period}] (a blocking sync round needs the "
+                f"fresh tensor, so the thread can never lead by more; under sync='wait_avoiding' max_lead is the "
+                f"staleness bound, kept within the sync period), got {max_lead!r}"
             )
+        if sync not in SYNCS:
+            raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
         if trigger not in ("any", "initiator"):
             raise ValueError(f"trigger must be 'any' or 'initiator', got {trigger!r}")
         if not isinstance(initial, torch.Tensor):
@@ -166,6 +182,7 @@ class WaitAvoidingGroupAllreduce:
         self.sync_period = sync_period
         self.max_lead = max_lead
         self.timeout = timeout
+        self.sync: Sync = sync
         self.trigger = trigger
         self.seed = int(seed)
         self.accumulate = accumulate
@@ -188,7 +205,7 @@ class WaitAvoidingGroupAllreduce:
         return self._core.thread
 
     def is_sync_round(self, k: int) -> bool:
-        """Whether round ``k`` is a blocking global round."""
+        """Whether round ``k`` is a sync round (global; blocking unless ``sync="wait_avoiding"``)."""
         return is_sync(k, self.sync_period)
 
     def initiator(self, k: int) -> int:
@@ -297,7 +314,7 @@ class WaitAvoidingGroupAllreduce:
             ) from core.error
 
     def _maybe_trigger(self, k: int) -> float | None:
-        if self.is_sync_round(k) or (self.trigger == "initiator" and self.initiator(k) != self.rank):
+        if self._core.blocking(k) or (self.trigger == "initiator" and self.initiator(k) != self.rank):
             return None
         core = self._core
         with core.cond:

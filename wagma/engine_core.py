@@ -70,6 +70,7 @@ class EngineCore:
         self.rank, self.world_size, self.schedule = eng.rank, eng.world_size, eng.schedule
         self.sync_period, self.max_lead, self.accumulate = eng.sync_period, eng.max_lead, eng.accumulate
         self.timeout, self.device = eng.timeout, eng.device
+        self.blocking_sync = eng.sync == "barrier"
         self.cuda = self.device.type == "cuda"
         self.trigger_phase = (
             "waiting for any rank to trigger round {k}" if eng.trigger == "any"
@@ -119,6 +120,10 @@ class EngineCore:
     def group_of(self, k: int) -> tuple[int, ...]:
         return self.all if is_sync(k, self.sync_period) else self.schedule.group_of(self.rank, k)
 
+    def blocking(self, k: int) -> bool:
+        """Whether round ``k`` waits for every rank's fresh tensor instead of being activated."""
+        return self.blocking_sync and is_sync(k, self.sync_period)
+
     # ------------------------------------------------------------------------------------ main side
     def publish(self, tensor: torch.Tensor, k: int) -> None:
         if self.accumulate:
@@ -165,10 +170,10 @@ class EngineCore:
             self.cond.notify_all()
 
     def next_wait(self, k: int) -> int | None:
-        if self.sync_period == 0:  # every round is a sync round: no round is ever activated
+        if self.sync_period == 0 and self.blocking_sync:  # every round blocks: no round is ever activated
             return None
         with self.cond:
-            while is_sync(k, self.sync_period) or self.activated >= k:  # no key, or started here already
+            while self.blocking(k) or self.activated >= k:  # no key, or started here already
                 k += 1
             self.watching = k
             return None if self.stop else k
@@ -196,14 +201,14 @@ class EngineCore:
     def loop(self) -> None:
         k = self.start
         while True:
-            sync = is_sync(k, self.sync_period)
-            needed = k if sync else k - self.max_lead
+            sync, blocking = is_sync(k, self.sync_period), self.blocking(k)
+            needed = k if blocking else k - self.max_lead
             with self.cond:
                 self.thread_round = k
                 self.phase = f"waiting for this rank's main thread to reach round {needed}"
                 while not self.stop and self.arrived < needed:
                     self.cond.wait()
-                if not sync:
+                if not blocking:
                     self.phase = self.trigger_phase.format(k=k, i=initiator_of(self.seed, k, self.world_size))
                     while not self.stop and self.error is None and self.activated < k:
                         self.cond.wait()

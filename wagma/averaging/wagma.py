@@ -10,7 +10,16 @@ exchange started at that member, and the rank mixes with its fresh model::
 A rank whose fresh model made it into the exchange counts itself twice in the reference mixing; a late rank
 counts its stale snapshot once and its fresh model once, so nothing it computed is lost. Under mean mixing a
 fully fresh group ends identical; a late rank there falls back to the reference form, for the same reason.
-Every ``(sync_period + 1)``-th round is a blocking global mean of fresh models: all replicas become equal.
+Every ``(sync_period + 1)``-th round is a *sync round*, a global mean over all P ranks. How it runs is the
+``sync`` option:
+
+- ``sync="barrier"`` (the default, DESIGN §2.2): a blocking global mean of fresh models, ``a = sum / P``;
+  every rank waits for the last one to arrive, and all replicas become equal.
+- ``sync="wait_avoiding"``: the sync round is run like the group rounds with the group of all ranks: the
+  first rank to arrive triggers it for everyone, and a rank still computing takes part through its
+  progress thread with the model it published last. A rank whose fresh model made it in takes the mean
+  ``sum / P``; a late rank mixes ``(w + sum) / (P + 1)``, so nothing it computed is lost. No rank ever
+  waits for another to *arrive*; staleness stays bounded by ``max_lead`` (proof in :class:`WagmaAverager`).
 
 The model passed at construction is published right away: until a rank's first call, that is what its
 progress thread contributes (never zeros).
@@ -27,11 +36,11 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.groups import DEFAULT_TIMEOUT, require_initialized
-from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.engine import SYNCS, Sync, WaitAvoidingGroupAllreduce
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 
-__all__ = ["ORDERS", "WagmaAverager"]
+__all__ = ["ORDERS", "SYNCS", "WagmaAverager"]
 
 Mixing = Literal["reference", "mean"]
 Order = Literal["average_then_step", "step_then_average"]
@@ -42,7 +51,8 @@ _SCHEDULE_KINDS = ("auto", "butterfly", "mixed_radix")
 
 
 class WagmaAverager(AveragerBase):
-    """WAGMA-SGD model averaging: wait-avoiding group averages with a global average every ``sync_period + 1`` rounds.
+    """WAGMA-SGD model averaging: wait-avoiding group averages with a global average every ``sync_period + 1`` rounds
+    (blocking by default; wait-avoiding with ``sync="wait_avoiding"``).
 
     Construct it on every rank, in the same order (it creates its communicators and starts a progress
     thread), with the model already identical on all ranks (broadcast from rank 0). Then call
@@ -54,9 +64,9 @@ class WagmaAverager(AveragerBase):
             as such). ``S`` equal to the world size is allowed and means one group of every rank: every
             round is then a wait-avoiding *global* average (the progress thread still lets a late rank
             contribute its snapshot), not a group average; the sync rounds differ only in being blocking
-            and fully fresh.
-        sync_period: rounds between blocking global averages (every ``(sync_period + 1)``-th round is one;
-            0: every round). Also bounds staleness.
+            and fully fresh (under ``sync="barrier"``; under ``"wait_avoiding"`` only in their mixing).
+        sync_period: rounds between sync rounds, the global averages (every ``(sync_period + 1)``-th round is
+            one; 0: every round). Also bounds staleness, through ``max_lead <= sync_period``.
         params: the model's parameters (``model.parameters()``, tensors or ``optimizer.param_groups``),
             published at once as this rank's first contribution.
         buffers: e.g. ``model.buffers()``; floating-point ones are averaged too when ``average_buffers``.
@@ -65,8 +75,33 @@ class WagmaAverager(AveragerBase):
         mixing: ``"reference"`` ((w + group sum) / (S + 1)) or ``"mean"`` (group sum / S when fresh).
         order: ``"average_then_step"`` (the reference) or ``"step_then_average"``; informs callers.
         average_buffers: average floating-point buffers with the parameters.
-        max_lead: rounds the progress thread may run ahead of its main thread (default ``sync_period``).
+        max_lead: rounds the progress thread may run ahead of its main thread (default ``sync_period``);
+            the staleness bound L below.
+        sync: ``"barrier"`` (default: every sync round is a blocking mean of fresh models) or
+            ``"wait_avoiding"`` (a sync round is a global round that the first rank to arrive triggers;
+            late ranks contribute their last published model).
         timeout: bound of every wait (collectives, the wait for a round's result).
+
+    **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
+    rank i's k-th call of :meth:`average_parameters` its call k (round k); call k publishes the model
+    rank i has at that call.
+
+    1. *Every model that enters any round k, sync rounds included, is at most L rounds old:* what rank i
+       contributes to round k is its published model of a call v >= k - L, so its staleness k - v is
+       at most L. Proof: only rank i's progress thread contributes for rank i, and it does so with the
+       snapshot it reads when it starts round k; it starts round k only once rank i's main thread has
+       published call k - L (the lead bound, checked for every round in this mode), and a snapshot is
+       only ever replaced by a newer call's. Hence v >= k - L. (Under ``"barrier"`` the same holds for
+       group rounds, and sync rounds are fresh: v = k.) Every contribution is counted in
+       ``stats.staleness_hist``, whose largest key is therefore <= L.
+    2. *No rank runs more than τ + L calls ahead of any other:* let rank i finish call k (its
+       :meth:`average_parameters` returned round k's result) and let s be the last sync round <= k, so
+       s > k - (τ + 1). Round s is an allreduce over all P ranks that rank i's thread ran before round k,
+       so every rank's thread started round s, so by 1. every rank had published call s - L >= k - τ - L.
+       The fast ranks are held back only there, by the slowest rank's lead bound, never by a barrier.
+    3. *Consensus after a sync round:* the ranks whose fresh model made it in hold the same model
+       m = sum / P exactly; a late rank holds m + (w - m) / (P + 1), i.e. within 1/(P + 1) of its
+       own distance to m, which by 1. and 2. is a bounded number of local steps and group mixes.
     """
 
     def __init__(
@@ -81,6 +116,7 @@ class WagmaAverager(AveragerBase):
         order: Order = "average_then_step",
         average_buffers: bool = True,
         max_lead: int | None = None,
+        sync: Sync = "barrier",
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
     ) -> None:
         group_size = check_int("group_size", group_size, 1)
@@ -89,6 +125,8 @@ class WagmaAverager(AveragerBase):
             raise ValueError(f"mixing: expected 'reference' or 'mean', found {mixing!r}")
         if order not in ORDERS:
             raise ValueError(f"order: expected one of {ORDERS}, found {order!r}")
+        if sync not in SYNCS:
+            raise ValueError(f"sync: expected one of {SYNCS}, found {sync!r}")
         if max_lead is not None:
             max_lead = check_int("max_lead", max_lead, 0)
             if max_lead > sync_period:
@@ -105,6 +143,7 @@ class WagmaAverager(AveragerBase):
         self.mixing: Mixing = mixing
         self.order: Order = order
         self.max_lead = max_lead
+        self.sync: Sync = sync
         self.schedule = _build_schedule(schedule, self.world_size, group_size)
         self._tensors = self.tensors_to_average(params, buffers)
         if not self._tensors:
@@ -122,7 +161,7 @@ class WagmaAverager(AveragerBase):
         self._engines[:] = [
             WaitAvoidingGroupAllreduce(
                 self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
-                timeout=self.timeout, start_round=start_round,
+                sync=self.sync, timeout=self.timeout, start_round=start_round,
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]
@@ -147,7 +186,8 @@ class WagmaAverager(AveragerBase):
             res = engine(wide)
             results.append(res)
             size = len(res.group)
-            if res.is_sync or (self.mixing == "mean" and res.fresh):
+            # A sync round under "barrier" is always fresh; under "wait_avoiding" a late rank mixes as in a group round.
+            if (res.is_sync or self.mixing == "mean") and res.fresh:
                 wide.copy_(res.sum).div_(size)
             else:
                 wagma_combine_(wide, res.sum, float(size + 1))

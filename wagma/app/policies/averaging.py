@@ -229,7 +229,9 @@ class WagmaPolicy(ModelAveragingPolicy):
 
     Args:
         group_size: ranks per averaging group S.
-        sync_period: τ; every (τ+1)-th round is a blocking global mean.
+        sync_period: τ; every (τ+1)-th round is a global mean (a sync round).
+        sync: how sync rounds run (:data:`wagma.app.policies.options.WAGMA_SYNCS`): ``"barrier"`` (blocking,
+            fresh models) or ``"wait_avoiding"`` (triggered by the first arrival; staleness <= ``max_lead``).
         schedule: ``"auto"``, ``"butterfly"``, ``"mixed_radix"`` or explicit partitions (list of rounds,
             each a list of groups of ranks).
         mixing: how a round combines models (:data:`wagma.app.policies.options.WAGMA_MIXINGS`).
@@ -252,12 +254,14 @@ class WagmaPolicy(ModelAveragingPolicy):
         order: str = "average_then_step",
         average_buffers: bool = True,
         max_lead: int | None = None,
+        sync: str = "barrier",
         **kwargs: Any,
     ) -> None:
         super().__init__(warmup_steps=0, **kwargs)
         self.group_size, self.sync_period = int(group_size), int(sync_period)
         self.schedule, self.mixing, self.order = schedule, mixing, order
         self.average_buffers, self.max_lead = bool(average_buffers), max_lead
+        self.sync = sync
 
     def build_averager(self, net: nn.Module) -> _Averager:
         schedule: str | GroupSchedule = (
@@ -267,7 +271,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             self.group_size, self.sync_period, params=list(net.named_parameters()),
             buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
-            timeout=timeout(self.timeout_s),
+            sync=self.sync, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

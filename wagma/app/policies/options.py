@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from wagma.engine import SYNCS
 from wagma.schedule import GroupSchedule, check_group_fits
 
 __all__ = [
-    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "validate_allreduce", "validate_eager", "validate_hierarchical",
+    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "WAGMA_SYNCS", "validate_allreduce", "validate_eager", "validate_hierarchical",
     "validate_hierarchical_momentum", "validate_local_sgd", "validate_wagma",
 ]
 
@@ -24,6 +25,9 @@ __all__ = [
 ORDERS: tuple[str, ...] = ("average_then_step", "step_then_average")
 #: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), DESIGN §2.2).
 WAGMA_MIXINGS: tuple[str, ...] = ("reference", "mean")
+#: How WAGMA's sync rounds run: ``barrier`` (blocking, fresh models: DESIGN §2.2) or ``wait_avoiding``
+#: (triggered by the first arrival like the group rounds; staleness bounded by ``max_lead``); the engine's own.
+WAGMA_SYNCS: tuple[str, ...] = SYNCS
 #: eager-SGD partial allreduce modes (DESIGN §2.4).
 EAGER_MODES: tuple[str, ...] = ("solo", "majority")
 #: Keys every DDP-wrapping policy accepts.
@@ -97,7 +101,7 @@ _HIERARCHICAL_KEYS = (
 )
 _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
-    "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", *_COMMON_KEYS,
+    "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", *_COMMON_KEYS,
 )
 _EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", *_COMMON_KEYS)
 
@@ -155,7 +159,7 @@ def validate_hierarchical_momentum(options: Mapping[str, Any], world_size: int) 
 
 
 def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
-    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, ``max_lead`` <= ``sync_period``.
+    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, sync, ``max_lead`` <= ``sync_period``.
 
     The schedule is built (cheaply, without communication) so one that does not mix every rank with
     every other is refused here.
@@ -167,6 +171,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _max_lead(options, sync_period)
     _choice(options, "mixing", WAGMA_MIXINGS, "reference")
     _choice(options, "order", ORDERS, "average_then_step")
+    _choice(options, "sync", WAGMA_SYNCS, "barrier")
     _flag(options, "average_buffers")
     _common(options)
     schedule = options.get("schedule", "auto")
