@@ -1,7 +1,7 @@
 """Processes as Linux's ``/proc`` shows them: start times and process trees (no torch import: cheap to load).
 
-Used by :mod:`wagma.app.launch` (one start time for every rank and restart of a torchrun job) and by
-:mod:`wagma.app.run` (finding every process of a run it must stop). Elsewhere than Linux the functions
+Used by :mod:`wagma.app.launch` (one start time for every rank and restart of a torchrun job) and by the
+fault tests (every process of a run, to stop it and to check none is left). Elsewhere than Linux the functions
 answer "unknown" (None, or an empty list).
 """
 
