@@ -71,7 +71,7 @@ from wagma.metrics import MetricsWriter, write_summary
 from wagma.models import build_model
 from wagma.policies import ModelAveragingPolicy
 from wagma.policy import AllreducePolicy, Policy, build_policy
-from wagma.roll_call import RollCall
+from wagma.roll_call import FINAL, RollCall
 
 __all__ = ["StepCallback", "evaluate", "train"]
 
@@ -229,11 +229,14 @@ def _train(
 
         # The end: save the training state as it is (a later resume with more steps continues this
         # exact trajectory), then let the policy produce the model to keep, evaluate and summarise it.
-        if start_step < steps or resume_from is None:
-            save(steps)
-        trained_stats = policy.stats()
-        policy.finalize(model, optimizer)
-        test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
+        # Collectives too: the roll call names a rank that froze or died here as well.
+        roll_call.begin(FINAL)
+        with roll_call.watching():
+            if start_step < steps or resume_from is None:
+                save(steps)
+            trained_stats = policy.stats()
+            policy.finalize(model, optimizer)
+            test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
         summary = _summary(
             cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started
         )
