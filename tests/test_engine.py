@@ -304,6 +304,27 @@ def test_many_engines_and_ranks_connecting_at_once_with_a_short_timeout():
         assert shared == [2] * engines and all(own), (o.rank, shared, own)
 
 
+def _absent_at_start_worker(rank, world):
+    import wagma.engine_store as engine_store
+
+    engine_store.CONNECT_S = 2.0  # the start meeting's deadline (60 s in earnest)
+    if rank == 1:
+        time.sleep(4.0)  # never constructs its engine
+        return None
+    try:
+        WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", world, 3), torch.zeros(1), sync_period=0,
+                                   timeout=datetime.timedelta(seconds=1))
+    except TimeoutError as exc:
+        return str(exc)
+    return "constructed"
+
+
+def test_a_rank_that_never_starts_its_engine_is_named_by_the_start_meeting():
+    outs = run_workers(_absent_at_start_worker, 3)
+    for rank in (0, 2):
+        assert "start meeting" in outs[rank] and "rank(s) [1] did not open its store clients" in outs[rank], outs
+
+
 def test_a_store_client_that_cannot_connect_raises_a_clear_timeout():
     from wagma.engine_store import _clone
 
