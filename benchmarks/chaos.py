@@ -17,8 +17,10 @@ After the fault the harness records, per run:
 - ``survivor_s`` / ``max_survivor_s``: seconds from the fault until each other rank's process ended;
 - ``named_rank``: whether the job's output names the faulty rank as the cause: torchrun's failure
   report for a rank that died, and for a frozen rank a survivor's error saying it did not arrive;
-- ``resumed``: whether the run then finished its configured steps from a checkpoint, by an elastic
-  restart (``--max-restarts 1``, ``restart="elastic"``) or by a second launch with ``resume=true``;
+- ``resumed``: whether the run was then resumed to completion: an elastic restart (``--max-restarts 1``,
+  ``restart="elastic"``) or a second launch with ``resume=true`` finished its configured steps;
+  ``resumed_from``: the step it continued from (0 when the fault struck before the first complete
+  checkpoint: the relaunch then rightly trained from the start);
 - ``bitwise``: for synchronous policies (allreduce), whether that final model equals, bit for bit,
   the model of an uninterrupted run of the same configuration (``None`` for the others).
 
@@ -210,6 +212,28 @@ def _final_model(run_dir: Path) -> dict[str, Any] | None:
     return torch.load(path, weights_only=True) if path.is_file() else None
 
 
+def came_back(summary: dict[str, Any] | None, written_at: float | None, struck_at: float,
+              steps: int) -> tuple[bool, int | None]:
+    """Whether the run was resumed to completion after the fault, and from which step (``resumed``, ``resumed_from``).
+
+    Resumed to completion: a summary of all ``steps`` was written after the fault (``written_at`` and
+    ``struck_at`` are ``time.time()`` values), i.e. by the relaunch or the elastic restart. It resumed from the
+    checkpoint its summary names, or from step 0 (``resumed_from`` 0) when the fault struck before the first
+    complete checkpoint and the relaunch, correctly, trained from the start.
+    """
+    if summary is None or written_at is None or written_at < struck_at or int(summary.get("steps", -1)) != steps:
+        return False, None
+    start = summary.get("resumed_from")
+    return True, 0 if start is None else int(start)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
 def _summary(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / "summary.json"
     try:
@@ -255,7 +279,7 @@ def run_one(spec: Spec, root: Path, timeout_s: float, grace_s: float = 30.0) -> 
     record["during_checkpoint"] = in_checkpoint(run_dir)
     steps = [int(p.parent.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*/meta.json")]
     record["struck_at_step"] = max(steps, default=0)
-    struck = time.monotonic()
+    struck, struck_wall = time.monotonic(), time.time()
     os.kill(pids[spec.victim], getattr(signal, spec.fault))
 
     # The survivors: when did each end (raised, or was ended by torchrun once another rank failed)?
@@ -298,10 +322,8 @@ def run_one(spec: Spec, root: Path, timeout_s: float, grace_s: float = 30.0) -> 
             _kill_session(again)
         record["restart"] = "resume" if not elastic else "elastic, then resume"
         record["exit_resume"] = again.returncode
-    summary = _summary(run_dir)
-    record["resumed"] = bool(summary and summary.get("resumed_from") is not None
-                             and int(summary.get("steps", -1)) == spec.steps)
-    record["resumed_from"] = summary.get("resumed_from") if summary else None
+    record["resumed"], record["resumed_from"] = came_back(_summary(run_dir), _mtime(run_dir / "summary.json"),
+                                                          struck_wall, spec.steps)
     record["named_rank"] = named(_job_text(run_dir), spec)
     record["bitwise"] = None
     if spec.policy in SYNCHRONOUS and record["resumed"]:
@@ -332,7 +354,8 @@ def markdown(records: list[dict[str, Any]], command: str) -> str:
         f"{statistics.median(ratios):.2f}, {max(ratios):.2f} |" if ratios else "| survivors' end / timeout | - |",
         f"| faulty rank named, SIGSTOP runs | {sum(r['named_rank'] for r in stop)} of {len(stop)} |",
         f"| faulty rank named, SIGKILL/SIGTERM runs | {sum(r['named_rank'] for r in dead)} of {len(dead)} |",
-        f"| run finished from a checkpoint after the fault | {sum(r['resumed'] for r in ok)} of {len(ok)} |",
+        f"| run resumed to completion after the fault | {sum(r['resumed'] for r in ok)} of {len(ok)} "
+        f"({sum(r['resumed'] and r.get('resumed_from') == 0 for r in ok)} from step 0: struck before a checkpoint) |",
         f"| synchronous policies: resumed model bitwise equal | {sum(bool(r['bitwise']) for r in sync)} of {len(sync)} |",
         f"| faults that landed inside a checkpoint | {sum(bool(r.get('during_checkpoint')) for r in ok)} |",
         "",

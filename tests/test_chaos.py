@@ -51,6 +51,23 @@ def test_a_dead_rank_is_named_by_torchruns_record_of_its_signal():
     assert not chaos.named(survivor, _spec("SIGTERM", 3))
 
 
+def test_a_relaunch_that_finished_the_run_counts_as_resumed_even_from_step_0():
+    struck = 1000.0
+    # Struck before the first complete checkpoint: the relaunch trained from step 0 and finished (run 17).
+    assert chaos.came_back({"steps": 60, "resumed_from": None}, struck + 30, struck, 60) == (True, 0)
+    assert chaos.came_back({"steps": 60, "resumed_from": 20}, struck + 30, struck, 60) == (True, 20)
+    # Not resumed: no summary, a summary of fewer steps, or one the first launch wrote before the fault.
+    assert chaos.came_back(None, None, struck, 60) == (False, None)
+    assert chaos.came_back({"steps": 40, "resumed_from": 20}, struck + 30, struck, 60) == (False, None)
+    assert chaos.came_back({"steps": 60, "resumed_from": None}, struck - 1, struck, 60) == (False, None)
+    records = [{"index": i, "policy": "wagma", "world_size": 8, "fault": "SIGKILL", "victim": 1, "at_s": 1.0,
+                "timeout_s": 5.0, "hung": False, "max_survivor_s": 1.0, "named_rank": True, "resumed": True,
+                "resumed_from": start, "bitwise": None} for i, start in enumerate((0, 20))]
+    summary = chaos.markdown(records, "cmd")
+    assert "| run resumed to completion after the fault | 2 of 2 (1 from step 0" in summary
+    assert "Runs that missed a target" not in summary
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_allreduce_rank_is_survived_named_and_resumed_to_the_uninterrupted_model(tmp_path):

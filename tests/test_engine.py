@@ -271,6 +271,75 @@ def test_store_keys_stay_bounded_and_none_is_left_after_close(sync_period):
         assert max(counts) <= 30, counts
 
 
+# ------------------------------------------------------------------------- many clients connecting at once
+def _burst_worker(rank, world, engines):
+    # Every rank opens its engines at once, with a 2 s timeout: 3 store clients per engine and rank. On this
+    # machine a burst of connects makes some stall for about 5 s (chaos campaign, P=8). Before the fix a clone
+    # inherited the 2 s store timeout as its connect deadline, its failure was swallowed (the engine shared one
+    # connection instead) and its peers' group creation, which waits for a late member only 2 s, failed.
+    timeout = datetime.timedelta(seconds=2)
+    sched = GroupSchedule.create("auto", world, 2)
+    t0 = time.monotonic()
+    engs = [WaitAvoidingGroupAllreduce(sched, torch.zeros(1), sync_period=0, timeout=timeout) for _ in range(engines)]
+    built_s = time.monotonic() - t0
+    try:
+        sums = [eng(torch.full((1,), float(rank))).sum.item() for eng in engs]
+        shared = [len({id(eng._core.channel._sets), id(eng._core.channel._waits)}) for eng in engs]
+        own = [eng._core.channel._waits.underlying_store is not dist.distributed_c10d._get_default_store()
+               for eng in engs]
+    finally:
+        for eng in engs:
+            eng.close()
+    return built_s, sums, shared, own
+
+
+def test_many_engines_and_ranks_connecting_at_once_with_a_short_timeout():
+    world, engines = 8, 3
+    outs = run_workers_outcomes(_burst_worker, world, engines, timeout_s=120, collective_timeout_s=2.0)
+    failed = {o.rank: o.error.strip().splitlines()[-1] for o in outs if not o.ok}
+    assert not failed, f"engine construction failed under a burst of store connects: {failed}"
+    for o in outs:
+        built_s, sums, shared, own = o.value
+        assert sums == [sum(range(world))] * engines, (o.rank, sums)  # sync_period=0: every round is global
+        assert shared == [2] * engines and all(own), (o.rank, shared, own)
+
+
+def _absent_at_start_worker(rank, world):
+    import wagma.engine_store as engine_store
+
+    engine_store.CONNECT_S = 2.0  # the start meeting's deadline (60 s in earnest)
+    if rank == 1:
+        time.sleep(4.0)  # never constructs its engine
+        return None
+    try:
+        WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", world, 3), torch.zeros(1), sync_period=0,
+                                   timeout=datetime.timedelta(seconds=1))
+    except TimeoutError as exc:
+        return str(exc)
+    return "constructed"
+
+
+def test_a_rank_that_never_starts_its_engine_is_named_by_the_start_meeting():
+    outs = run_workers(_absent_at_start_worker, 3)
+    for rank in (0, 2):
+        assert "start meeting" in outs[rank] and "rank(s) [1] did not open its store clients" in outs[rank], outs
+
+
+def test_a_store_client_that_cannot_connect_raises_a_clear_timeout():
+    from wagma.engine_store import _clone
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=5))
+    client.set_timeout(datetime.timedelta(seconds=3))
+    clone = _clone(client, 10.0, datetime.timedelta(seconds=1), "here")
+    assert clone is not client and clone.timeout == datetime.timedelta(seconds=1)
+    assert client.timeout == datetime.timedelta(seconds=3)  # the parent's own timeout is back
+    del server  # nobody listens any more: a new client cannot connect
+    with pytest.raises((TimeoutError, RuntimeError), match="could not open a client of the c10d store at here"):
+        _clone(client, 1.0, datetime.timedelta(seconds=1), "here")
+    assert client.timeout == datetime.timedelta(seconds=3)
+
+
 # --------------------------------------------------------------------------------------- failures
 def _dying_worker(rank, world, die_at):
     sched = GroupSchedule.create("auto", world, 2)

@@ -161,9 +161,11 @@ def test_roll_call_does_not_wait_when_every_rank_reports():
         assert message is None and waited < 3.0  # nobody is missing: the caller re-raises its own error
 
 
-def test_roll_call_rejects_a_negative_wait():
+def test_roll_call_rejects_a_negative_wait_and_an_unknown_step():
     with pytest.raises(ValueError, match="report_s must be >= 0"):
         RollCall(0, 1, report_s=-1.0, store=dist.HashStore())
+    with pytest.raises(ValueError, match="step must be an int >= 0 or 'final'"):
+        RollCall(0, 1, store=dist.HashStore()).begin("end")
 
 
 def _train_freezing_in_checkpoint(rank: int, world_size: int, cfg: object) -> str:
@@ -194,6 +196,45 @@ def test_a_rank_frozen_before_a_checkpoint_is_named_too(tmp_path):
     assert not outcomes[2].ok  # frozen, then killed by the harness
     for rank in (0, 1):
         assert "rank(s) [2] did not arrive at step 9" in outcomes[rank].value, outcomes[rank]
+
+
+def _train_freezing_in_final_phase(rank: int, world_size: int, cfg: object, where: str) -> str:
+    import wagma.train as train_module
+
+    original = getattr(train_module, where)
+
+    def freeze_rank2(*args: object, **kwargs: object) -> object:
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen for real, after the loop, before the final collective
+        return original(*args, **kwargs)
+
+    setattr(train_module, where, freeze_rank2)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"pid/{rank}", str(os.getpid()))
+    try:
+        train(cfg)
+    except RuntimeError as err:
+        if rank == 0:  # the survivors have had their say: end the frozen rank, as an operator would
+            os.kill(int(store.get("pid/2")), signal.SIGKILL)
+        return str(err)
+    return "finished"
+
+
+@pytest.mark.parametrize("where", ["save_checkpoint", "evaluate"])
+def test_a_rank_frozen_in_the_final_phase_is_named_too(tmp_path, where):
+    # checkpoint_every=0 and eval_every=0: the final checkpoint and the test evaluation are the only calls.
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("config", overrides=[
+            "averaging=allreduce", "steps=20", "progress=false", "checkpoint_every=0", "eval_every=0",
+            "failure_report_s=1", f"run_dir={tmp_path / 'run'}",
+        ])
+    outcomes = run_workers_outcomes(_train_freezing_in_final_phase, 3, cfg, where, timeout_s=60,
+                                    collective_timeout_s=4)
+    assert not outcomes[2].ok  # frozen, then killed by rank 0
+    for rank in (0, 1):
+        message = outcomes[rank].value
+        assert outcomes[rank].ok and "rank(s) [2] did not arrive at the final phase" in message, outcomes[rank]
+        assert "rank 2 last began the final phase" in message, message
 
 
 # --- failure reporting adds no fixed wait ----------------------------------------------------------

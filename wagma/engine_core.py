@@ -103,6 +103,9 @@ class EngineCore:
         )
         # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
         try:
+            # A rank whose store connects stalled is waited for here, under the connect deadline, rather than by
+            # the group creation below, which gives a late member only the (possibly short) engine timeout.
+            self.channel.meet()
             self.groups, self.global_pg = _communicators(self.schedule, self.rank, self.timeout)
             if self.global_pg is not None:
                 # Gloo connects a group's members inside its constructor: a rank that returned first and

@@ -13,6 +13,14 @@ So the main thread only ever calls ``set``; the watcher thread's blocking ``wait
 deadlines of those who wait on it; and every other call goes through :class:`StoreCaller`, which runs
 it on a thread of its own and gives up after a deadline.
 
+Connecting: each rank opens 3 clients of the store per engine (``set`` s, the watcher's waits, the
+caller), all ranks at about the same time. Such a burst (8 ranks, 32 connects and more) made some connects
+stall for about 5 s on the 2-core test machine, so a clone connects under :data:`CONNECT_S` (not the
+engine's timeout, which a clone would inherit as its connect deadline), and :meth:`ActivationChannel.meet`
+waits, under the same deadline, for every rank's first progress record before the communicators are
+created: a rank slowed by its connects delays the others instead of failing their group creation, which
+waits for a late member only as long as the engine's timeout.
+
 Keys, under the engine's prefix:
 
 - ``act/k``: round k's activation. A rank that reaches round k before it has seen the round start
@@ -45,6 +53,9 @@ __all__ = ["ActivationChannel", "StoreCaller"]
 _IDLE_WAIT = datetime.timedelta(seconds=60)
 # Rank 0 deletes used activation keys every this many rounds.
 _COLLECT_EVERY = 8
+# Deadline of opening the channel's store clients and of the start meeting (at least the engine's timeout).
+# A connect made while every rank opens its clients stalls for about 5 s at times on a loaded machine.
+CONNECT_S = 60.0
 
 
 class StoreCaller:
@@ -107,12 +118,35 @@ class StoreCaller:
         self._queue.put(None)
 
 
-def _clone(store: dist.Store) -> dist.Store:
-    """A store client of its own: one connection serializes its calls, and the watcher blocks in wait()."""
-    try:
-        return store.clone()
-    except (AttributeError, RuntimeError, NotImplementedError):
+def _clone(store: dist.Store, connect_s: float, timeout: datetime.timedelta, address: str) -> dist.Store:
+    """A store client of its own: one connection serializes its calls, and the watcher blocks in wait().
+
+    The clone connects under ``connect_s``, not the engine's timeout: a clone inherits its parent's
+    timeout as its connect deadline, and on a loaded machine a connect made in a burst (every rank opening
+    its clients at once) has been measured to stall for about 5 s, which failed jobs whose timeout was 5 s.
+    Once connected, the clone's calls are bounded by ``timeout`` again. A store that cannot be cloned (a
+    Python store) is shared; a clone that cannot connect raises instead of silently sharing the parent's
+    connection (the watcher's blocking wait would then stall every other call on it).
+    """
+    if not hasattr(store, "clone"):
         return store
+    parent_timeout = store.timeout
+    store.set_timeout(datetime.timedelta(seconds=connect_s))
+    try:
+        clone = store.clone()
+    except NotImplementedError:
+        return store
+    except RuntimeError as exc:  # DistNetworkError, DistStoreError: the connect or its validation failed
+        kind = TimeoutError if "timed out" in str(exc) or "timeout" in str(exc) else RuntimeError
+        raise kind(
+            f"could not open a client of the c10d store at {address} within {connect_s:.0f} s (each engine opens "
+            f"3 per rank): the store's host may be overloaded, frozen or gone; check it, or the machine's load "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+    finally:
+        store.set_timeout(parent_timeout)
+    clone.set_timeout(timeout)
+    return clone
 
 
 def _address(store: dist.Store) -> str:
@@ -154,9 +188,11 @@ class ActivationChannel:
         self._diagnose_s = min(1.0, timeout.total_seconds() / 4)
         self._timeout_s = timeout.total_seconds()
         self._start = start_round
-        self._sets = dist.PrefixStore(prefix, _clone(store))  # set() only: never blocks
-        self._waits = dist.PrefixStore(prefix, _clone(store))  # the watcher's blocking waits
-        self._caller = StoreCaller(dist.PrefixStore(prefix, _clone(store)), f"wagma-store-{prefix.strip('/')}")
+        self.connect_s = max(CONNECT_S, self._timeout_s)
+        clients = [_clone(store, self.connect_s, timeout, self.address) for _ in range(3)]
+        self._sets = dist.PrefixStore(prefix, clients[0])  # set() only: never blocks
+        self._waits = dist.PrefixStore(prefix, clients[1])  # the watcher's blocking waits
+        self._caller = StoreCaller(dist.PrefixStore(prefix, clients[2]), f"wagma-store-{prefix.strip('/')}")
         self._floor = start_round  # rank 0's collector: act keys below it are deleted
         self.record(start_round - 1, start_round, start_round - 1)
         self._on_activated, self._next_wait, self._on_error = on_activated, next_wait, on_error
@@ -167,6 +203,33 @@ class ActivationChannel:
     def start(self) -> None:
         """Start the watcher thread (after every rank has written its first progress record)."""
         self._watcher.start()
+
+    def meet(self) -> None:
+        """Wait, at most ``connect_s``, until every rank has opened its clients and written its first record.
+
+        Called before the communicators are created: their creation waits for every member only as long as the
+        engine's timeout, so a rank whose connects stalled would make its peers fail; here it only delays them.
+
+        Raises:
+            TimeoutError: naming the ranks whose first record did not appear in time.
+        """
+        keys = self._progress_keys()
+        wait = datetime.timedelta(seconds=self.connect_s)
+        try:
+            self._caller.call("the start meeting", lambda s: s.wait(keys, wait), self.connect_s + self._diagnose_s)
+        except (TimeoutError, RuntimeError) as exc:
+            try:
+                there = self._caller.call(
+                    "a check of the progress records", lambda s: [s.check([k]) for k in keys], self._diagnose_s
+                )
+                missing = f"rank(s) {[r for r, ok in enumerate(there) if not ok]} did not"
+            except (TimeoutError, RuntimeError):
+                missing = "which ranks did not is unknown (the store could not be read either); some rank did not"
+            raise TimeoutError(
+                f"rank {self.rank}: the engine's start meeting in the c10d store at {self.address} did not complete "
+                f"within {self.connect_s:.0f} s: {missing} open its store clients and write its first progress "
+                f"record; check that every rank constructs its engines in the same order ({exc})"
+            ) from exc
 
     # ------------------------------------------------------------------------ per round, O(1) each
     def trigger(self, k: int) -> None:

@@ -3,7 +3,9 @@
 A collective that times out says only that it timed out (gloo), or names a peer only where the policy's
 engine knows it. The training loop therefore keeps a roll call in the default process group's c10d store:
 
-- every rank publishes the step it begins (one store ``set`` per step: ``step/<rank>``);
+- every rank publishes the step it begins (one store ``set`` per step: ``step/<rank>``), and
+  :data:`FINAL` as it begins the final phase after the loop (final checkpoint, the policy's finalize, the
+  test evaluation: collectives too, where a frozen rank must be named as well);
 - a rank whose step fails publishes that (``failed/<rank>``) and waits, at most ``report_s``, for the
   other ranks' reports. Ranks blocked in the same broken collective fail within about the same timeout and
   report at once, so the wait ends early unless a rank really is missing;
@@ -27,11 +29,23 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["RollCall"]
+__all__ = ["FINAL", "RollCall"]
 
 log = logging.getLogger(__name__)
 
 _calls = itertools.count()  # every rank creates its roll calls in the same order: one namespace each
+
+#: The "step" of the final phase after the training loop (see :meth:`RollCall.begin`).
+FINAL = "final"
+
+Step = int | str  # a 0-based step, or FINAL
+
+
+def _at(step: Step | None) -> str:
+    """How a message names a step: ``step 12``, or ``the final phase`` for :data:`FINAL`."""
+    if step is None:
+        return "step ?"
+    return "the final phase (final checkpoint, finalize, test evaluation)" if step == FINAL else f"step {step}"
 
 
 class RollCall:
@@ -50,16 +64,19 @@ class RollCall:
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(f"wagma/roll_call/{next(_calls)}/", base)
         self.rank, self.world_size, self.report_s = rank, world_size, float(report_s)
-        self._step: int | None = None
+        self._step: Step | None = None
 
-    def begin(self, step: int) -> None:
-        """Publish that this rank begins ``step`` (0-based); :meth:`watching` blames a failure on it."""
+    def begin(self, step: Step) -> None:
+        """Publish that this rank begins ``step`` (0-based, or :data:`FINAL`); :meth:`watching` blames a failure on it."""
+        if not (step == FINAL or (isinstance(step, int) and not isinstance(step, bool) and step >= 0)):
+            raise ValueError(f"step must be an int >= 0 or {FINAL!r}, got {step!r}")
         self._step = step
         self._store.set(f"step/{self.rank}", str(step))
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Around the training loop: turn an ``Exception`` into :meth:`failure`'s error for the step last begun."""
+        """Around the training loop and the final phase: turn an ``Exception`` into :meth:`failure`'s error for the
+        step last begun (a step, or :data:`FINAL`)."""
         try:
             yield
         except Exception as err:
@@ -73,8 +90,9 @@ class RollCall:
             log.error("%s", failure)
             raise failure from err
 
-    def failure(self, step: int, error: BaseException) -> RuntimeError | None:
-        """Report that ``step`` failed here with ``error``; return the error to raise, naming the absent ranks.
+    def failure(self, step: Step, error: BaseException) -> RuntimeError | None:
+        """Report that ``step`` (or :data:`FINAL`) failed here with ``error``; return the error to raise, naming the
+        absent ranks.
 
         Returns None when every other rank reported a failure as well: none is missing.
 
@@ -88,14 +106,14 @@ class RollCall:
             last = {r: self._last_step(r) for r in absent}
         except Exception as store_error:  # noqa: BLE001 - the report must not hide the original error
             return RuntimeError(
-                f"step {step} failed on rank {self.rank}, and the roll call that names the ranks that did not "
+                f"{_at(step)} failed on rank {self.rank}, and the roll call that names the ranks that did not "
                 f"arrive failed too ({type(store_error).__name__}: {store_error}); cause: {cause}"
             )
         if not absent:
             return None
-        began = ", ".join(f"rank {r} last began step {'?' if s is None else s}" for r, s in last.items())
+        began = ", ".join(f"rank {r} last began {_at(s)}" for r, s in last.items())
         return RuntimeError(
-            f"step {step} failed on rank {self.rank}: rank(s) {absent} did not arrive at step {step} -- they sent "
+            f"{_at(step)} failed on rank {self.rank}: rank(s) {absent} did not arrive at {_at(step)} -- they sent "
             f"no failure report within {self.report_s:g} s, so they died, froze (SIGSTOP) or hang elsewhere "
             f"({began}); check those ranks and their hosts; cause here: {cause}"
         )
@@ -114,6 +132,9 @@ class RollCall:
             except Exception:  # noqa: BLE001 - DistStoreError on time: the next look returns
                 pass
 
-    def _last_step(self, rank: int) -> int | None:
+    def _last_step(self, rank: int) -> Step | None:
         key = f"step/{rank}"
-        return int(self._store.get(key).decode()) if self._store.check([key]) else None
+        if not self._store.check([key]):
+            return None
+        value = self._store.get(key).decode()
+        return value if value == FINAL else int(value)

@@ -75,7 +75,7 @@ from wagma.app.models import build_model
 from wagma.app.progress import Progress, progress_every
 from wagma.app.policies import ModelAveragingPolicy
 from wagma.app.policies import AllreducePolicy, Policy, build_policy
-from wagma.app.roll_call import RollCall
+from wagma.app.roll_call import FINAL, RollCall
 
 __all__ = ["StepCallback", "evaluate", "train"]
 
@@ -251,12 +251,15 @@ def _train(
 
         # The end: save the training state as it is (a later resume with more steps continues this
         # exact trajectory), then let the policy produce the model to keep, evaluate and summarise it.
-        if start_step < steps or resume_from is None:
-            save(steps)
-        trained_stats = policy.stats()
-        policy.finalize(model, optimizer)
-        test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
-        writer.add_scalars(steps, {"test_accuracy": test_accuracy, "test_loss": test_loss})
+        # Collectives too: the roll call names a rank that froze or died here as well.
+        roll_call.begin(FINAL)
+        with roll_call.watching():
+            if start_step < steps or resume_from is None:
+                save(steps)
+            trained_stats = policy.stats()
+            policy.finalize(model, optimizer)
+            test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
+            writer.add_scalars(steps, {"test_accuracy": test_accuracy, "test_loss": test_loss})
         summary = _summary(
             cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started,
             phases,
