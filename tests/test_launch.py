@@ -447,3 +447,57 @@ def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
     assert len(jobs) == 1 and jobs[0].startswith("0_averaging=allreduce")  # the second job never started
     assert json.loads((out / jobs[0] / "job.json").read_text())["exit"] == 128 + signal.SIGTERM
     assert "wagma: stopped by SIGTERM" in _output(tmp_path)
+
+
+# --- start-up: every rank meets the others before the (short-timeout) process group is created ---------
+
+
+def test_meet_returns_once_every_rank_arrived_and_names_the_ones_that_did_not():
+    import threading
+
+    store = dist.HashStore()
+    late = threading.Timer(0.3, launch.meet, args=(store, 2, 3, 5.0))
+    late.start()
+    threading.Thread(target=launch.meet, args=(store, 1, 3, 5.0), daemon=True).start()
+    started = time.monotonic()
+    launch.meet(store, 0, 3, 5.0)  # returns when rank 2 arrives, 0.3 s later
+    assert 0.25 < time.monotonic() - started < 3.0
+    late.join()
+
+    lonely = dist.HashStore()
+
+    def rank0() -> None:
+        with pytest.raises(TimeoutError):  # rank 0 gives up too
+            launch.meet(lonely, 0, 3, 0.5)
+
+    threading.Thread(target=rank0, daemon=True).start()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 3 did not start within 1 s"):
+        launch.meet(lonely, 2, 3, 0.6)
+
+
+_LATE_START = """
+import os, sys, time, torch, torch.distributed as dist
+from wagma.app import launch
+if os.environ["RANK"] == "0":
+    time.sleep(float(sys.argv[1]))  # a rank slow to start (imports, a stalled store connect, load)
+ctx = launch.init_distributed("cpu", timeout_s=2.0)
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"rank {ctx.rank}: sum {int(t.item())}")
+launch.shutdown(ctx)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_that_starts_late_does_not_fail_a_group_with_a_short_timeout(tmp_path):
+    # Before the meeting, rank 1 created the group alone and gave up on rank 0 after the group's 2 s timeout.
+    script = tmp_path / "late_start.py"
+    script.write_text(_LATE_START)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "5"],
+        capture_output=True, text=True, timeout=100, env=env | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "rank 0: sum 2" in proc.stdout and "rank 1: sum 2" in proc.stdout

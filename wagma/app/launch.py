@@ -46,7 +46,7 @@ from wagma.app.procs import process_start_time
 
 __all__ = [
     "SHARED_FAILURE_EXIT_CODE", "DistContext", "env_rank", "env_world_size", "exit_at_once_on_failure",
-    "failures_reported_by_rank0", "hydra_rank_overrides", "init_distributed", "register_resolvers",
+    "failures_reported_by_rank0", "hydra_rank_overrides", "init_distributed", "meet", "register_resolvers",
     "release_stderr", "restart_count", "shared_start_time", "shutdown", "under_launcher",
 ]
 
@@ -88,17 +88,54 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+#: Seconds every rank of an attempt gets to reach torchrun's store and arrive, before the process group is
+#: created with its own (short) timeout: ranks start unevenly under load (imports, and store connects that
+#: stall ~5 s on a busy machine), and a group created with a 5 s timeout fails on a rank that is 5 s late.
+START_S = 60.0
+
+
+def meet(store: dist.Store, rank: int, world_size: int, deadline_s: float) -> None:
+    """Wait until every rank of ``world_size`` called this with the same ``store``; name the absent ones.
+
+    Each rank sets ``meet/<rank>`` and polls (non-blocking ``check``) until all keys exist.
+
+    Raises:
+        TimeoutError: after ``deadline_s`` seconds, naming the ranks that did not arrive.
+    """
+    store.set(f"meet/{rank}", "1")
+    keys = [f"meet/{r}" for r in range(world_size)]
+    end = time.monotonic() + deadline_s
+    pause = 0.01
+    while not store.check(keys):
+        if time.monotonic() >= end:
+            missing = [r for r in range(world_size) if not store.check([f"meet/{r}"])]
+            raise TimeoutError(
+                f"rank(s) {missing} of {world_size} did not start within {deadline_s:.0f} s (seen from rank {rank}, "
+                f"restart attempt {restart_count()}): they died, hang in start-up, or cannot reach the store at "
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            )
+        time.sleep(pause)
+        pause = min(0.1, pause * 2)
+
+
 def _init_from_torchrun(backend: str, timeout: datetime.timedelta) -> None:
-    """``init_process_group`` from torchrun's environment, its store keys kept apart per restart attempt."""
+    """``init_process_group`` from torchrun's environment, its store keys kept apart per restart attempt.
+
+    Under torchrun's agent store every rank first :func:`meet`\ s the others (within :data:`START_S`, or the
+    group's timeout if longer), so the group's short timeout starts counting only once all ranks are there.
+    """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout)  # rank 0 hosts a fresh store per attempt
         return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    start_s = max(START_S, timeout.total_seconds())
+    base = _torchrun_store(start_s)  # connects under the start deadline, not the group's timeout
     # The agent's store outlives an attempt; without the prefix a restarted group reads the gloo
     # addresses of the group before it and fails to connect ("connectFullMesh failed").
-    store = dist.PrefixStore(f"wagma/attempt_{restart_count()}/", _torchrun_store(timeout.total_seconds()))
-    dist.init_process_group(
-        backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
-    )
+    store = dist.PrefixStore(f"wagma/attempt_{restart_count()}/", base)
+    meet(store, rank, world_size, start_s)
+    base.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 @dataclasses.dataclass(frozen=True)
