@@ -193,7 +193,7 @@ def test_an_order_a_wrapper_would_ignore_is_passed_through_or_warned() -> None:
 
 
 def test_a_config_group_larger_than_the_world_says_so() -> None:
-    from wagma.policy_options import validate_hierarchical, validate_wagma
+    from wagma.app.policies.options import validate_hierarchical, validate_wagma
 
     with pytest.raises(ValueError, match=r"^averaging.group_size 16 is larger than the world \(8 ranks\)"):
         validate_wagma({"group_size": 16, "sync_period": 2}, 8)
@@ -202,7 +202,7 @@ def test_a_config_group_larger_than_the_world_says_so() -> None:
 
 
 def test_an_order_key_for_a_policy_without_order_is_a_config_error() -> None:
-    from wagma.policy_options import validate_local_sgd
+    from wagma.app.policies.options import validate_local_sgd
 
     with pytest.raises(ValueError, match=r"averaging 'local_sgd' takes the keys .* got unknown keys \['order'\]"):
         validate_local_sgd({"period": 2, "order": "average_then_step"}, 2)

@@ -199,7 +199,7 @@ def test_a_rank_frozen_before_a_checkpoint_is_named_too(tmp_path):
 
 
 def _train_freezing_in_final_phase(rank: int, world_size: int, cfg: object, where: str) -> str:
-    import wagma.train as train_module
+    import wagma.app.train as train_module
 
     original = getattr(train_module, where)
 

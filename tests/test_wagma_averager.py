@@ -151,7 +151,9 @@ def test_fast_ranks_do_not_wait_for_a_late_rank_except_on_sync_rounds():
 def check_late_rank_not_waited_for(device: str = "cpu") -> None:
     world, rounds, sync_period, delay = 4, 16, 7, 0.2
     out = run_workers(_straggler_worker, world, rounds, sync_period, delay, device)
-    async_waits = [w for waits, _, _ in out for (_, kind, w, _) in waits if kind == "local"]
+    # From the second round on: the first call also pays one-time costs (binding, the guard rails' search for
+    # a DDP model, ~0.1 s and more on a loaded machine) that are not waiting for a straggler.
+    async_waits = [w for waits, _, _ in out for (step, kind, w, _) in waits if kind == "local" and step > 0]
     # A rank that does not sleep still spends time in averaging only for the exchange itself; with a
     # straggler present most of the time, waiting for it would cost ~delay per round.
     assert sorted(async_waits)[len(async_waits) // 2] < 0.05, sorted(async_waits)
