@@ -183,8 +183,8 @@ def test_python_train_py_starts_its_own_ranks_and_prints_the_summary(tmp_path):
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
     assert len(run_dirs) == 1
     names = sorted(p.name for p in run_dirs[0].iterdir())
-    assert names == [".hydra", "checkpoints", "job.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "model.pt",
-                     "summary.json", "train.log"], names
+    assert names == [".hydra", "checkpoints", "job.json", "metrics.csv", "metrics_rank0.jsonl", "metrics_rank1.jsonl",
+                     "model.pt", "summary.json", "tensorboard", "train.log"], names
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 40 and summary["policy"] == "local_sgd"
     assert "policy        local_sgd on 2 rank(s), 40 steps" in proc.stdout
