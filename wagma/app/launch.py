@@ -97,25 +97,22 @@ START_S = 60.0
 def meet(store: dist.Store, rank: int, world_size: int, deadline_s: float) -> None:
     """Wait until every rank of ``world_size`` called this with the same ``store``; name the absent ones.
 
-    Each rank sets ``meet/<rank>`` and polls (non-blocking ``check``) until all keys exist.
+    Each rank sets ``meet/<rank>`` and waits for all the keys.
 
     Raises:
         TimeoutError: after ``deadline_s`` seconds, naming the ranks that did not arrive.
     """
     store.set(f"meet/{rank}", "1")
     keys = [f"meet/{r}" for r in range(world_size)]
-    end = time.monotonic() + deadline_s
-    pause = 0.01
-    while not store.check(keys):
-        if time.monotonic() >= end:
-            missing = [r for r in range(world_size) if not store.check([f"meet/{r}"])]
-            raise TimeoutError(
-                f"rank(s) {missing} of {world_size} did not start within {deadline_s:.0f} s (seen from rank {rank}, "
-                f"restart attempt {restart_count()}): they died, hang in start-up, or cannot reach the store at "
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            )
-        time.sleep(pause)
-        pause = min(0.1, pause * 2)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=deadline_s))
+    except RuntimeError as exc:  # torch's DistStoreError: the wait timed out
+        missing = [r for r in range(world_size) if not store.check([f"meet/{r}"])]
+        raise TimeoutError(
+            f"rank(s) {missing} of {world_size} did not start within {deadline_s:.0f} s (seen from rank {rank}, "
+            f"restart attempt {restart_count()}): they died, hang in start-up, or cannot reach the store at "
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        ) from exc
 
 
 def _init_from_torchrun(backend: str, timeout: datetime.timedelta) -> None:

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, validate_config, validate_launch
 from wagma.app.deps import missing_dependency, require
+from wagma.app.sweep import JOB_FILE
 
 __all__ = [
     "STOP_GRACE_S", "LocalRun", "format_summary", "launch_local", "rank_main", "run_job", "stopping_signal",
@@ -43,8 +44,6 @@ __all__ = [
 
 #: Seconds the ranks get to stop after SIGTERM/SIGINT before the elastic agent kills them.
 STOP_GRACE_S = 10.0
-#: The file each job of ``python train.py [-m]`` leaves in its directory (read by :mod:`wagma.app.sweep`).
-JOB_FILE = "job.json"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,8 @@ from wagma.app.deps import missing_dependency
 
 __all__ = ["SweepReport", "collect", "format_table", "plot"]
 
-JOB_FILE = "job.json"  # the same name as wagma.app.run.JOB_FILE; not imported, to keep this module light
+#: The file each job of ``python train.py [-m]`` leaves in its directory (written by :mod:`wagma.app.run`).
+JOB_FILE = "job.json"
 
 
 def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
