@@ -227,6 +227,11 @@ def came_back(summary: dict[str, Any] | None, written_at: float | None, struck_a
     return True, 0 if start is None else int(start)
 
 
+def finished_before(written_at: float | None, struck_at: float) -> bool:
+    """Whether the run's summary (``written_at``, a ``time.time()`` value or None) predates the fault."""
+    return written_at is not None and written_at <= struck_at
+
+
 def _mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
@@ -311,7 +316,9 @@ def run_one(spec: Spec, root: Path, timeout_s: float, grace_s: float = 30.0) -> 
         exit_first=proc.returncode,
     )
 
-    if proc.returncode == 0 and not elastic:
+    if finished_before(_mtime(run_dir / "summary.json"), struck_wall) or (proc.returncode == 0 and not elastic):
+        # The run's work was done (rank 0 wrote its summary) before the signal: the fault struck a rank in its
+        # teardown, or not at all. Not a fault run; the launcher's failure report would blame the signal.
         return record | {"error": "the job finished before the fault took effect"}
     # Bring the run back: the elastic restart has already happened inside the first launch, if asked for.
     if not (elastic and proc.returncode == 0):

@@ -68,6 +68,15 @@ def test_a_relaunch_that_finished_the_run_counts_as_resumed_even_from_step_0():
     assert "Runs that missed a target" not in summary
 
 
+def test_a_fault_after_the_summary_was_written_is_not_a_fault_run():
+    # Seed 3's first run: a wagma rank SIGSTOPped 0.3 s after rank 0 wrote the summary (the rank was in its
+    # teardown); the survivors exited 0 and the launcher blamed the harness's final SIGKILL.
+    struck = 1000.0
+    assert chaos.finished_before(struck - 0.3, struck)
+    assert not chaos.finished_before(None, struck)
+    assert not chaos.finished_before(struck + 5, struck)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_allreduce_rank_is_survived_named_and_resumed_to_the_uninterrupted_model(tmp_path):
