@@ -450,8 +450,14 @@ def _bad_use_worker(rank, world):
             "shape": lambda: eng(torch.zeros(3)),
             "dtype": lambda: eng(torch.zeros(2, dtype=torch.float64)),
             "take in replace mode": eng.take,
+            "collect unsubmitted": lambda: eng.collect(0),
         }, raised)
         eng(torch.zeros(2))  # still usable after rejected calls
+        # submit/collect: rounds collected in any order, each once.
+        first, second = eng.submit(torch.zeros(2)), eng.submit(torch.zeros(2))
+        assert (first, second) == (1, 2)
+        assert eng.collect(second).round == 2 and eng.collect(first).round == 1
+        errors |= error_messages({"collect twice": lambda: eng.collect(first)}, raised)
     return errors
 
 
@@ -464,6 +470,8 @@ def test_bad_use_is_rejected_with_clear_messages():
     assert "ValueError" in errors["shape"] and "shape (2,)" in errors["shape"] and "(3,)" in errors["shape"]
     assert "ValueError" in errors["dtype"] and "torch.float64" in errors["dtype"]
     assert "RuntimeError" in errors["take in replace mode"] and "accumulate" in errors["take in replace mode"]
+    assert "ValueError" in errors["collect unsubmitted"] and "(none), found 0" in errors["collect unsubmitted"]
+    assert "ValueError" in errors["collect twice"] and "not collected yet (none), found 1" in errors["collect twice"]
 
 
 def test_needs_initialized_process_group():

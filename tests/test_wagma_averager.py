@@ -179,15 +179,15 @@ def _digits_worker(rank, world, policy, steps):
     if policy == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
-        avg = WagmaAverager(2, 10, params=model.parameters(), timeout=TIMEOUT)
+        avg = WagmaAverager(2, 10, params=model.parameters(), overlap=policy == "wagma_overlap", timeout=TIMEOUT)
     for step in range(steps):
         idx = torch.randint(0, len(y), (32,), generator=g)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        if policy == "wagma":
+        if policy != "ddp":
             avg.average_parameters(model.parameters())  # average, then step (the reference order)
         opt.step()
-    if policy == "wagma":
+    if policy != "ddp":
         avg.synchronize(model.parameters())
         avg.close()
     with torch.no_grad():
@@ -465,3 +465,84 @@ def test_wait_avoiding_sync_rounds_do_not_wait_for_a_late_rank():
     assert sorted(sync_waits)[len(sync_waits) // 2] < delay / 4, sorted(sync_waits)
     for _, stats in out:
         assert max(int(k) for k in stats["staleness_hist"]) <= sync_period
+
+
+# -- issue 13 point 3: overlap=True, a group round's exchange hidden behind the next step --------------------------
+def _overlap_closed_form_worker(rank, world):
+    model = _tagged(rank)
+    kinds, after = [], []
+    with WagmaAverager(2, 5, params=model.parameters(), max_lead=0, overlap=True, timeout=TIMEOUT) as avg:
+        kinds.append(avg.average_parameters(model.parameters()))  # submits round 0 with the tagged model
+        unchanged = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(10.0 * (rank + 1))  # one local step
+        kinds.append(avg.average_parameters(model.parameters()))  # applies round 0, submits round 1
+        after = [p.detach().clone() for p in model.parameters()]
+        group = avg.schedule.group_of(rank, 0)
+        stats = avg.stats.as_dict()
+    return kinds, unchanged, after, group, stats
+
+
+def test_overlap_applies_each_round_one_call_later_as_a_late_rank_mixes():
+    world = 4
+    for rank, (kinds, unchanged, after, group, stats) in enumerate(run_workers(_overlap_closed_form_worker, world)):
+        assert kinds == [None, "local"]  # call 0 only submits; call 1 applies round 0
+        for i, p in enumerate(unchanged):
+            torch.testing.assert_close(p, torch.full_like(p, (rank + 1.0) * (i + 1)))
+        (partner,) = [j for j in group if j != rank]
+        for i, p in enumerate(after):
+            # Round 0 summed the tagged models of the pair; the fresh model (tagged + the local step) mixes in once.
+            fresh = (rank + 1.0) * (i + 1) + 10.0 * (rank + 1)
+            expected = (fresh + (rank + 1.0) * (i + 1) + (partner + 1.0) * (i + 1)) / 3
+            torch.testing.assert_close(p, torch.full_like(p, expected))
+        assert stats["local_reductions"] == 1 and stats["staleness_hist"] == {1: 1}
+
+
+def _overlap_run_worker(rank, world, steps, sync_period):
+    torch.manual_seed(rank)
+    model = _tagged(rank)
+    kinds, synced = [], []
+    with WagmaAverager(2, sync_period, params=model.parameters(), overlap=True, timeout=TIMEOUT) as avg:
+        for step in range(steps):
+            if step % 3 == rank % 3:
+                time.sleep(0.05)  # a straggler now and then: rounds run ahead, results wait to be applied
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+            kind = avg.average_parameters(model.parameters())
+            kinds.append(kind)
+            if kind == "global":
+                synced.append(_flat(model))
+        avg.synchronize(model.parameters())  # collects the round in flight, then a fresh global mean
+        final = _flat(model)
+        stats = avg.stats.as_dict()
+        left = {k: len(e._uncollected) for k, e in enumerate(avg._engines)}
+    return kinds, synced, final, stats, left
+
+
+def test_overlap_keeps_sync_rounds_blocking_and_fresh_and_leaves_no_round_behind():
+    world, steps, sync_period = 4, 14, 4
+    out = run_workers(_overlap_run_worker, world, steps, sync_period)
+    # Rounds 4, 9 are sync rounds (applied at once); every other call applies the round before it, except
+    # the call after a sync round and the first call, which have none.
+    expected = [None, "local", "local", "local", "global", None, "local", "local", "local", "global",
+                None, "local", "local", "local"]
+    for kinds, synced, final, stats, left in out:
+        assert kinds == expected
+        assert left == {0: 0}  # synchronize() collected the round in flight
+        # Two sync rounds and synchronize(); a sync call first applies the group round before it (3 and 8).
+        assert stats["global_reductions"] == 2 + 1 and stats["local_reductions"] == 9 + 2
+        hist = stats["staleness_hist"]  # sync rounds fresh; group rounds applied a call late: 1 + their lag
+        assert hist[0] == 2 and sum(hist.values()) == 13 and all(1 <= s <= sync_period + 1 for s in hist if s)
+    for rank in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[rank][1]))  # identical after each sync round
+        assert torch.equal(out[0][2], out[rank][2])
+
+
+def test_overlap_trains_digits_as_well_as_ddp():
+    world, steps = 4, 250
+    ddp = run_workers(_digits_worker, world, "ddp", steps, timeout_s=120)
+    overlap = run_workers(_digits_worker, world, "wagma_overlap", steps, timeout_s=120)
+    assert len(set(overlap)) == 1
+    assert overlap[0] >= ddp[0] - 0.02, (overlap[0], ddp[0])

@@ -193,6 +193,7 @@ class WaitAvoidingGroupAllreduce:
         self._core = EngineCore(self, initial, base, prefix, start_round)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         self._calls = start_round
+        self._uncollected: dict[int, float | None] = {}  # submitted rounds -> when this rank triggered them
 
     # ----------------------------------------------------------------------------------- public API
     @property
@@ -217,7 +218,20 @@ class WaitAvoidingGroupAllreduce:
         return self._core.group_of(k)
 
     def __call__(self, tensor: torch.Tensor) -> RoundResult:
-        """Publish ``tensor`` (or add it, in accumulate mode), run this rank's next round, return its result."""
+        """Publish ``tensor`` (or add it, in accumulate mode), run this rank's next round, return its result.
+
+        The same as ``engine.collect(engine.submit(tensor))``.
+        """
+        return self.collect(self.submit(tensor))
+
+    def submit(self, tensor: torch.Tensor) -> int:
+        """Publish ``tensor`` (or add it, in accumulate mode) as this rank's next call, trigger its round
+        unless it has started already, and return the round's number without waiting for it.
+
+        Every submitted round must be :meth:`collect`-ed once (its result is held until then), in any
+        order; a blocking sync round's collective still waits for every rank's fresh tensor. Submitting
+        round k + 1 before collecting round k lets round k's exchange overlap the caller's next step.
+        """
         self._check_usable()
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -231,10 +245,21 @@ class WaitAvoidingGroupAllreduce:
         core = self._core
         core.calls = self._calls
         core.publish(tensor, k)
-        triggered_at = self._maybe_trigger(k)
+        self._uncollected[k] = self._maybe_trigger(k)
+        return k
+
+    def collect(self, k: int) -> RoundResult:
+        """Wait (within the timeout) for round ``k``, which this rank submitted, and return its result once."""
+        if k not in self._uncollected:
+            raise ValueError(
+                f"round {k}: expected a round this rank submitted and has not collected yet "
+                f"({sorted(self._uncollected) or 'none'}), found {k}"
+            )
+        self._check_usable()
         t0 = time.perf_counter()
         done = self._wait_result(k)
         wait_s = time.perf_counter() - t0
+        triggered_at = self._uncollected.pop(k)
         if done.event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(done.event)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
+from wagma.averaging.tensors import FlatBuffers
 from wagma.averaging.groups import DEFAULT_TIMEOUT, require_initialized
 from wagma.engine import SYNCS, Sync, WaitAvoidingGroupAllreduce
 from wagma.kernels import wagma_combine_
@@ -80,6 +81,16 @@ class WagmaAverager(AveragerBase):
         sync: ``"barrier"`` (default: every sync round is a blocking mean of fresh models) or
             ``"wait_avoiding"`` (a sync round is a global round that the first rank to arrive triggers;
             late ranks contribute their last published model).
+        overlap: ``False`` (default): a call waits for its round and mixes the result into the model it
+            published. ``True``: a call first applies the round the *previous* call submitted, then submits
+            its own and returns without waiting for it, so the exchange runs while the rank computes its
+            next step. A round's result meets a model that has moved on by one local step, so it is mixed
+            as a late rank's, ``(w + sum) / (S + 1)``: nothing computed is lost, and every contribution
+            is applied one call after its round (``stats.staleness_hist`` counts it 1 older). A blocking
+            sync round (``sync="barrier"``) still runs at once with the fresh, just-mixed model, and
+            :meth:`synchronize` collects the round in flight without applying it (the mean of fresh
+            models supersedes its mix). A resumed run starts without a round in flight: one group mix
+            fewer than an uninterrupted run, so resume is not bitwise equal in this mode.
         timeout: bound of every wait (collectives, the wait for a round's result).
 
     **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
@@ -117,8 +128,11 @@ class WagmaAverager(AveragerBase):
         average_buffers: bool = True,
         max_lead: int | None = None,
         sync: Sync = "barrier",
+        overlap: bool = False,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
     ) -> None:
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap: expected True or False, found {overlap!r}")
         group_size = check_int("group_size", group_size, 1)
         sync_period = check_int("sync_period", sync_period, 0)
         if mixing not in ("reference", "mean"):
@@ -144,6 +158,8 @@ class WagmaAverager(AveragerBase):
         self.order: Order = order
         self.max_lead = max_lead
         self.sync: Sync = sync
+        self.overlap = overlap
+        self._pending: int | None = None  # overlap: the round submitted and not yet applied
         self.schedule = _build_schedule(schedule, self.world_size, group_size)
         self._tensors = self.tensors_to_average(params, buffers)
         if not self._tensors:
@@ -158,6 +174,7 @@ class WagmaAverager(AveragerBase):
         would overflow float16 (or lose bfloat16's few bits) before the division.
         """
         self._close_engines()
+        self._pending = None
         self._engines[:] = [
             WaitAvoidingGroupAllreduce(
                 self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
@@ -180,6 +197,8 @@ class WagmaAverager(AveragerBase):
                 f"WagmaAverager: expected the {len(self._engines)} dtype/device buffer(s) of the bound model, "
                 f"found {len(flat.buffers)}; call bind() on every rank to change the parameters"
             )
+        if self.overlap:
+            return self._overlapped_step(flat)
         results = []
         for buffer, engine in zip(flat.pack(), self._engines):
             wide = _wide(buffer)
@@ -200,6 +219,53 @@ class WagmaAverager(AveragerBase):
         self.stats.record_contribution(first.staleness)
         flat.unpack()
         return kind
+
+    def _overlapped_step(self, flat: FlatBuffers) -> Reduction | None:
+        """``overlap=True``: apply the round submitted by the previous call, then submit this call's round
+        (a blocking sync round instead runs at once, with this rank's fresh, just-mixed model)."""
+        buffers = flat.pack()
+        wides = [_wide(buffer) for buffer in buffers]
+        kind: Reduction | None = None
+        if self._pending is not None:
+            # The model has moved on since it was published: mix as a late rank does, (w + sum) / (S + 1).
+            previous = [engine.collect(self._pending) for engine in self._engines]
+            self._pending = None
+            for wide, res in zip(wides, previous):
+                wagma_combine_(wide, res.sum, float(len(res.group) + 1))
+            first = previous[0]
+            kind = "global" if first.is_sync else "local"
+            self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in previous))
+            self.stats.record_contribution(first.staleness + 1)  # applied one call after its round
+        k = self._engines[0].round
+        if self.sync == "barrier" and self._engines[0].is_sync_round(k):
+            results = [engine(wide) for engine, wide in zip(self._engines, wides)]
+            for wide, res in zip(wides, results):
+                wide.copy_(res.sum).div_(len(res.group))
+            kind = "global"
+            self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
+            self.stats.record_contribution(results[0].staleness)
+        else:
+            for engine, wide in zip(self._engines, wides):
+                engine.submit(wide)
+            self._pending = k
+        for buffer, wide in zip(buffers, wides):
+            if wide is not buffer:
+                buffer.copy_(wide)
+        flat.unpack()
+        return kind
+
+    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+        """Blocking mean over all ranks (for evaluation and checkpoints); with ``overlap``, the round in flight
+        is collected first and not applied: the mean of fresh models supersedes its mix."""
+        self._check_open()
+        self._drain()
+        super().synchronize(params, buffers)
+
+    def _drain(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            for engine in self._engines:
+                engine.collect(pending)
 
     def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
         """Average another set of tensors from now on: rebind and restart the engines at this step.

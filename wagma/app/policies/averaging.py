@@ -239,6 +239,8 @@ class WagmaPolicy(ModelAveragingPolicy):
         average_buffers: also average floating-point buffers.
         max_lead: rounds the progress thread may run ahead of the main thread (``None``: the averager's
             default).
+        overlap: apply each group round's result one step later, so its exchange overlaps the next step
+            (:class:`~wagma.averaging.WagmaAverager`'s ``overlap``).
         **kwargs: ``device``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
     """
 
@@ -255,6 +257,7 @@ class WagmaPolicy(ModelAveragingPolicy):
         average_buffers: bool = True,
         max_lead: int | None = None,
         sync: str = "barrier",
+        overlap: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(warmup_steps=0, **kwargs)
@@ -262,6 +265,7 @@ class WagmaPolicy(ModelAveragingPolicy):
         self.schedule, self.mixing, self.order = schedule, mixing, order
         self.average_buffers, self.max_lead = bool(average_buffers), max_lead
         self.sync = sync
+        self.overlap = bool(overlap)
 
     def build_averager(self, net: nn.Module) -> _Averager:
         schedule: str | GroupSchedule = (
@@ -271,7 +275,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             self.group_size, self.sync_period, params=list(net.named_parameters()),
             buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
-            sync=self.sync, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
+            sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -101,7 +101,8 @@ _HIERARCHICAL_KEYS = (
 )
 _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
-    "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", *_COMMON_KEYS,
+    "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
+    *_COMMON_KEYS,
 )
 _EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", *_COMMON_KEYS)
 
@@ -159,7 +160,7 @@ def validate_hierarchical_momentum(options: Mapping[str, Any], world_size: int) 
 
 
 def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
-    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, sync, ``max_lead`` <= ``sync_period``.
+    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, sync, overlap, ``max_lead`` <= ``sync_period``.
 
     The schedule is built (cheaply, without communication) so one that does not mix every rank with
     every other is refused here.
@@ -173,6 +174,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _choice(options, "order", ORDERS, "average_then_step")
     _choice(options, "sync", WAGMA_SYNCS, "barrier")
     _flag(options, "average_buffers")
+    _flag(options, "overlap")
     _common(options)
     schedule = options.get("schedule", "auto")
     try:
