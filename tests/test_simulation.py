@@ -209,3 +209,21 @@ def test_wait_avoiding_sync_reaches_the_issue_target_where_the_barrier_cannot(p)
     relaxed = protocol_bound(base | {"sync": "wait_avoiding"}, T, delays).ms_per_step
     assert ideal_ms / barrier < 0.9
     assert 0.92 <= ideal_ms / relaxed <= 1.0 + 1e-9, (ideal_ms, relaxed, barrier)
+
+
+def test_wagma_overlap_hides_group_exchanges_shorter_than_a_step():
+    """No delays, T = 0.1 s per step, a group exchange of 12 ms: without overlap every step pays it; with
+    overlap only the blocking sync rounds (and the final round in flight) do."""
+    p, n, tau = 4, 22, 10
+    compute = np.full((p, n), T)
+    net = Network(alpha_s=1e-3, bandwidth_Bps=1e8, activation_s=1e-4)
+    options = {"name": "wagma", "group_size": 2, "sync_period": tau}
+    plain = simulate(options, compute, network=net, nbytes=1e6)
+    overlap = simulate(options | {"overlap": True}, compute, network=net, nbytes=1e6)
+    group_s, global_s = net.allreduce_s(2, 1e6), net.allreduce_s(p, 1e6)
+    syncs = sum(1 for k in range(n) if k % (tau + 1) == tau)
+    assert group_s > 0.01
+    # Plain: every group round on the critical path (plus its activation); overlap: none of them but the last.
+    assert plain.total_s >= n * T + (n - syncs) * group_s + syncs * global_s
+    assert overlap.total_s < n * T + syncs * global_s + group_s + global_s + 0.01
+    assert plain.total_s - overlap.total_s > (n - syncs - 2) * group_s
