@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
 from pathlib import Path
 
@@ -538,7 +539,7 @@ def test_split_group_path_makes_one_split_per_distinct_partition(world, group):
 SHORT = datetime.timedelta(seconds=2)
 
 
-def _freeze_worker(rank, world, how, victim, die_at, own_store):
+def _freeze_worker(rank, world, how, victim, die_at, own_store, trigger="any"):
     """Rank ``victim`` stops (SIGSTOP) or dies (SIGKILL) at call ``die_at``; the others report their error.
 
     With ``own_store`` the engine's store is hosted by rank 0 (the usual torchrun layout), so a frozen
@@ -557,7 +558,8 @@ def _freeze_worker(rank, world, how, victim, die_at, own_store):
     sched = GroupSchedule.create("auto", world, 2)
     # max_lead=0: the victim's thread enters no round its main thread has not reached, so it was last seen
     # in round die_at - 1 whatever the timing.
-    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(8), sync_period=3, max_lead=0, timeout=SHORT, store=store)
+    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(8), sync_period=3, max_lead=0, timeout=SHORT, store=store,
+                                     trigger=trigger)
     t_dead = time.monotonic()
     try:
         for k in range(100):
@@ -602,6 +604,21 @@ def test_frozen_or_dead_rank_is_named_by_every_survivor(how):
     victim, die_at = 3, 5
     outs = run_workers_outcomes(_freeze_worker, 4, how, victim, die_at, False, timeout_s=60)
     _check_survivors(outs, victim, die_at)
+
+
+def test_a_frozen_initiator_fails_its_round_at_the_timeout_not_the_backstop():
+    # eager-SGD majority: only round 4's initiator may start it. Frozen before its call, it never does, so no
+    # collective is in flight whose timeout could fire: the survivors' wait fails at the timeout (2 s), not
+    # at the 1.5 x timeout + 1 s backstop (4 s) that a round already exchanging gets.
+    world, die_at = 4, 4
+    victim = WaitAvoidingGroupAllreduce.initiator(types.SimpleNamespace(seed=0, world_size=world), die_at)
+    outs = run_workers_outcomes(_freeze_worker, world, "stop", victim, die_at, False, "initiator", timeout_s=60)
+    _check_survivors(outs, victim, die_at)
+    for o in outs:
+        if o.rank != victim:
+            msg, _, waited, _ = o.value
+            assert "TimeoutError" in msg and f"triggered by its initiator, rank {victim}" in msg, msg
+            assert waited < 1.5 * SHORT.total_seconds() + 0.5, (o.rank, waited)
 
 
 def test_frozen_store_host_makes_every_survivor_raise_within_the_timeout():

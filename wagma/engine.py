@@ -356,16 +356,21 @@ class WaitAvoidingGroupAllreduce:
                 core.cond.notify_all()
 
     def _wait_result(self, k: int) -> Done:
-        # The thread's own collective timeout normally fires first and explains more; this is the backstop.
+        # Once the round has started, the thread's own collective timeout normally fires first and explains
+        # more; `limit` is the backstop. A round that has not even started after the timeout (its initiator
+        # never triggered it) has no collective in flight to time out: it fails at the timeout.
         limit = self.timeout.total_seconds() * 1.5 + 1.0
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
+        deadline, unstarted = start + limit, start + self.timeout.total_seconds()
         core = self._core
         with core.cond:
             while k not in core.results and core.error is None and not core.stop:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                waiting_trigger = not core.blocking(k) and core.activated < k
+                if now >= deadline or (waiting_trigger and now >= unstarted):
+                    limit = now - start
                     break
-                core.cond.wait(timeout=left)
+                core.cond.wait(timeout=(unstarted if waiting_trigger else deadline) - now)
             if k in core.results:
                 return core.results.pop(k)
             stopped, round_, phase = core.stop and core.error is None, core.thread_round, core.phase

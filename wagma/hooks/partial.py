@@ -55,6 +55,14 @@ class PartialAllreduceState:
             rebuilds its buckets after the first).
         seed: seed of the majority initiator draw (the same on all ranks).
         max_lead: rounds the progress thread may run ahead of its backward passes (default ``sync_period``).
+        overlap: ``False`` (default): iteration r waits for round r (triggered by the first rank to finish
+            its backward pass) and applies its result. ``True``: iteration r submits round r and applies
+            round r - 1's result, which its exchange computed during this iteration's forward/backward, so
+            no rank waits for the exchange. Every rank still applies every round once, in order, the same
+            result on all ranks; gradients are one iteration older when applied (``stats.staleness_hist``
+            counts them one older) and the first partial iteration applies a zero gradient (nothing is in
+            flight yet). Blocking sync rounds stay fully fresh; a rank waits for the slowest at the
+            iteration after one. :meth:`flush` and :meth:`state_dict` take the round in flight along.
         timeout: bound of every wait.
     """
 
@@ -67,6 +75,7 @@ class PartialAllreduceState:
         warmup_iters: int = 2,
         seed: int = 0,
         max_lead: int | None = None,
+        overlap: bool = False,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
     ) -> None:
         if mode not in ("solo", "majority"):
@@ -76,6 +85,11 @@ class PartialAllreduceState:
         self.warmup_iters = check_int("warmup_iters", warmup_iters, 2)
         self.seed = int(seed)
         self.max_lead = max_lead
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap: expected True or False, found {overlap!r}")
+        self.overlap = overlap
+        self._pending: int | None = None  # overlap: the round submitted by the previous iteration
+        self._ready: torch.Tensor | None = None  # overlap: its sum, once collected by state_dict()
         self.timeout = as_timeout(timeout)
         self.params = [p for p in collect_parameters(params) if p.requires_grad]
         if not self.params:
@@ -112,6 +126,7 @@ class PartialAllreduceState:
     def _start_engine(self, residual: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.close()
+        self._pending = None
         schedule = GroupSchedule.from_partitions([[list(range(dist.get_world_size()))]], name="global")
         self.engine = WaitAvoidingGroupAllreduce(
             schedule, residual, sync_period=self.sync_period, max_lead=self.max_lead, timeout=self.timeout,
@@ -160,9 +175,16 @@ class PartialAllreduceState:
 
     def _finish_iteration(self) -> None:
         assert self.engine is not None
-        res = self.engine(self._staging)
-        self._staging.zero_()
-        average = res.sum.div_(self.world_size)
+        if self.overlap:
+            k = self.engine.submit(self._staging)
+            self._staging.zero_()
+            total, res = self._take_in_flight()
+            self._pending = k
+        else:
+            res = self.engine(self._staging)
+            self._staging.zero_()
+            total = res.sum
+        average = total.div_(self.world_size)
         for bucket, future in self._waiting:
             out = torch.empty_like(bucket.buffer())
             base = bucket.buffer().storage_offset()
@@ -177,8 +199,23 @@ class PartialAllreduceState:
         )
         self.iteration += 1
         self.rounds += 1
-        self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
-        self.stats.record_contribution(res.staleness)  # 0 when this rank's fresh gradient made it in
+        if res is not None:
+            lag = 1 if self.overlap else 0  # overlap: applied one iteration after its round
+            self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
+            self.stats.record_contribution(res.staleness + lag)  # 0 when this rank's fresh gradient made it in
+
+    def _take_in_flight(self) -> tuple[torch.Tensor, Any]:
+        """overlap: the sum of the round in flight (and its result; None when state_dict() collected it, or
+        zeros and None when there is none)."""
+        assert self.engine is not None
+        if self._ready is not None:
+            total, self._ready = self._ready, None
+            return total, None
+        if self._pending is None:
+            return torch.zeros(self.numel, dtype=self.sum_dtype, device=self.device), None
+        res = self.engine.collect(self._pending)
+        self._pending = None
+        return res.sum, res
 
     def _after_ddp_finalize(self, values: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Make each parameter's ``.grad`` its (flat) value in ``values()`` once DDP has finished the pass.
@@ -230,12 +267,16 @@ class PartialAllreduceState:
         """
         if self.engine is None or self.group is None:
             raise RuntimeError("this PartialAllreduceState is closed; flush() needs its engine")
+        in_flight, _ = self._take_in_flight() if self.overlap else (None, None)
         residual = self.engine.take()
         # One collective carries the residual and a count of the ranks whose residual is not empty.
         payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
         start = time.perf_counter()
         dist.all_reduce(payload, group=self.group)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
+        if in_flight is not None:  # overlap: the last round's sum, the same on every rank, not applied yet
+            payload[:-1].add_(in_flight)
+            payload[-1] += float(bool(in_flight.ne(0).any()))
         if payload[-1].item() == 0:
             return False
         residual = payload[:-1].div_(self.world_size)
@@ -265,9 +306,16 @@ class PartialAllreduceState:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"iteration", "rounds", "stats", "residual"}``: the residual is copied, not taken."""
+        """``{"iteration", "rounds", "stats", "residual", "in_flight"}``: the residual is copied, not taken;
+        ``in_flight`` (overlap) is the sum of the round the next iteration applies, collected now, or None."""
+        if self._pending is not None and self.engine is not None:
+            # First: the round in flight takes its share of the residual when its exchange starts.
+            self._ready = self.engine.collect(self._pending).sum
+            self._pending = None
         residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.sum_dtype)
-        return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual}
+        in_flight = None if self._ready is None else self._ready.clone()
+        return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual,
+                "in_flight": in_flight}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` and restart the engine at its round with its residual.
@@ -283,7 +331,11 @@ class PartialAllreduceState:
         self.iteration = check_int("iteration", state["iteration"], 0)
         self.rounds = check_int("rounds", state["rounds"], 0)
         self.stats = AveragerStats.from_dict(state["stats"])
+        in_flight = state.get("in_flight")
+        if in_flight is not None and in_flight.numel() != self.numel:
+            raise ValueError(f"state['in_flight']: expected {self.numel} elements, found {in_flight.numel()}")
         self._start_engine(residual)
+        self._ready = None if in_flight is None else in_flight.to(device=self.device, dtype=self.sum_dtype)
 
     def close(self) -> None:
         """Stop the engine's thread and release the groups; idempotent. A context manager does the same."""

@@ -31,6 +31,8 @@ class EagerPolicy(Policy):
         seed: seed of the shared initiator draw (majority).
         max_lead: rounds the hook's progress thread may run ahead of the backward passes
             (``None``: ``sync_period``; 0: every round waits for every rank's fresh gradient).
+        overlap: apply round r's result at iteration r + 1, so its exchange overlaps that iteration
+            (:class:`~wagma.PartialAllreduceState`'s ``overlap``).
         bucket_cap_mb: DDP's gradient bucket size.
         timeout_s: bound of every wait of the hook's engine.
     """
@@ -44,6 +46,7 @@ class EagerPolicy(Policy):
         warmup_iters: int = 2,
         seed: int = 0,
         max_lead: int | None = None,
+        overlap: bool = False,
         bucket_cap_mb: float = 25.0,
         timeout_s: float = 300.0,
     ) -> None:
@@ -51,6 +54,7 @@ class EagerPolicy(Policy):
         self.device, self.mode = device, mode
         self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
         self.max_lead = None if max_lead is None else int(max_lead)
+        self.overlap = bool(overlap)
         self.bucket_cap_mb, self.timeout_s = float(bucket_cap_mb), float(timeout_s)
         self.hook_state: Any = None
         self.steps_done = 0
@@ -58,7 +62,7 @@ class EagerPolicy(Policy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.hook_state = PartialAllreduceState(
             list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
-            seed=self.seed, max_lead=self.max_lead, timeout=timeout(self.timeout_s),
+            seed=self.seed, max_lead=self.max_lead, overlap=self.overlap, timeout=timeout(self.timeout_s),
         )
         ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)

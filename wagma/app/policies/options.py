@@ -104,7 +104,7 @@ _WAGMA_KEYS = (
     "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
     *_COMMON_KEYS,
 )
-_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", *_COMMON_KEYS)
+_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", *_COMMON_KEYS)
 
 
 def validate_allreduce(options: Mapping[str, Any], world_size: int) -> None:
@@ -203,4 +203,5 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     seed = options.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
+    _flag(options, "overlap")
     _common(options)
