@@ -239,7 +239,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-ms", type=float, default=None, help="emulated compute T per step (full: 100)")
     p.add_argument("--params", type=float, nargs="+", default=[0.25e6], help="MLP sizes (default 0.25e6)")
     p.add_argument("--worlds", type=int, nargs="+", default=None, help="world sizes (full: 4 8 16)")
-    p.add_argument("--scenarios", nargs="+", default=None, choices=SCENARIOS)
+    p.add_argument("--scenarios", nargs="+", default=None, choices=(*SCENARIOS, "none"),
+                   help="imbalance scenarios (full: the four with stragglers; 'none' measures the overhead)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (full: 36)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (full: 3)")

@@ -8,7 +8,8 @@
 # simulation.json, simulation.md, simulation_*.png (the simulator validated against them, and the
 # extrapolation to 64..1,024 ranks). Environment: PYTHON (default python), OUT (default
 # benchmarks/results), STEPS (timed steps per run, default 22 = two WAGMA periods), REPS (default 3),
-# SWEEP_STEPS (timed steps of the 2.5 M / 25 M payload runs, default 11 = one WAGMA period), SWEEP=0 skips them;
+# SWEEP_STEPS (timed steps of the 2.5 M / 25 M payload runs, default 11 = one WAGMA period), SWEEP=0 skips them,
+# TARGETS=0 skips the 1 M-parameter target point;
 # for a dry run of the script itself: WORLDS, SCENARIOS, COMPUTE_MS, SCALE_ARGS (extra scale.py options).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,16 @@ else
     "$PY" benchmarks/regime.py --out "$OUT" --report-only
 fi
 
-# 3. The simulator against every run above (seconds); the paper-setting extrapolation already committed in
+# 3. The target point of issue 13 (point 3): 1 M parameters, P = 8 and 16, random_k1 and no imbalance (the
+#    overhead against DDP), the reference policies beside their overlap presets. 20 worlds, about 8-10 min.
+if [ "${TARGETS:-1}" != 0 ]; then
+    "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 1e6 --worlds 8 16 --scenarios random_k1 none \
+        --policies allreduce wagma wagma_overlap eager_solo eager_solo_overlap --steps "$STEPS" --warmup 3 \
+        --reps "$REPS" --out "$OUT" --append
+    echo "target point done after $(( $(date +%s) - start )) s"
+fi
+
+# 4. The simulator against every run above (seconds); the paper-setting extrapolation already committed in
 #    $OUT/simulation.json is kept (without one it is computed: about 2-3 min).
 # shellcheck disable=SC2086
 "$PY" benchmarks/scale.py --regime "$OUT/regime.json" --out "$OUT" --validate-only $SCALE_ARGS

@@ -21,7 +21,8 @@ The protocols are those of the library, with the library's own round rules:
   ranks: activated by the first arrival, each thread at most ``max_lead`` rounds ahead of its main thread.
   With ``overlap: true`` a main thread does not wait for round k at step k: it waits for round k - 1
   (submitted by its previous step) first, then publishes and triggers round k and goes on; a blocking sync
-  round is still waited for at once. The final flush first waits for the round in flight.
+  round is still waited for at once. The final flush first waits for the round in flight. eager with
+  ``overlap: true`` the same, except that every round, sync rounds too, is waited for at the next step.
 - ``eager_solo`` / ``eager_majority``: the first ``warmup_iters`` steps are DDP steps; round
   ``r = step - warmup_iters`` is a partial allreduce over all ranks run by the progress threads,
   activated by the first arrival (solo) or by the round's initiator, drawn exactly as the library's
@@ -156,8 +157,6 @@ class _Sim:
             if sync not in SYNCS:
                 raise ValueError(f"wagma's sync must be one of {SYNCS}, got {sync!r}")
             self.blocking_sync = sync == "barrier"
-            self.overlap = bool(o.get("overlap", False))
-            self.pending: list[int | None] = [None] * p
         elif self.name.startswith("eager"):
             self.tau = int(o.get("sync_period", 32))
             self.warmup = int(o.get("warmup_iters", 2))
@@ -169,6 +168,9 @@ class _Sim:
             self.blocking_sync = True
         else:
             self.warmup = int(o.get("warmup_steps", 0))
+        # overlap (wagma, eager): a step first waits for the round its previous step submitted.
+        self.overlap = self.async_rounds and bool(o.get("overlap", False))
+        self.pending: list[int | None] = [None] * p
         lead = o.get("max_lead")
         self.lead = int(lead) if lead is not None else getattr(self, "tau", 0)
         if self.name.startswith("hierarchical"):
@@ -221,7 +223,7 @@ class _Sim:
             yield from self._exchange(rank, step)
             self.wait[rank] += env.now - arrive
         self.finish[rank] = env.now
-        if getattr(self, "overlap", False) and self.pending[rank] is not None:  # synchronize() collects it first
+        if self.overlap and self.pending[rank] is not None:  # synchronize() / flush() collect it first
             j = self.pending[rank]
             yield self.coll.done(("round", j, tuple(range(self.p)) if self._is_sync(j) else self._group(rank, j)))
         if self.name != "allreduce" and not self._ended_global():
@@ -245,7 +247,7 @@ class _Sim:
         else:  # wagma, eager: the main thread publishes, may trigger, and waits for its round's result
             k = self._round(step)
             sync = self._is_sync(k)
-            overlap = getattr(self, "overlap", False)
+            overlap = self.overlap
             if overlap and self.pending[rank] is not None:  # first the round the previous step submitted
                 j, self.pending[rank] = self.pending[rank], None
                 yield self.coll.done(("round", j, tuple(range(self.p)) if self._is_sync(j) else self._group(rank, j)))
@@ -256,8 +258,8 @@ class _Sim:
                 event = self._activation(k)
                 env_timeout = self.env.timeout(self.net.activation_s)
                 env_timeout.callbacks.append(lambda _e, ev=event: ev.succeed())
-            if overlap and not self._is_blocking(k):
-                self.pending[rank] = k  # not waited for: collected at the next step
+            if overlap and not (name == "wagma" and self._is_blocking(k)):
+                self.pending[rank] = k  # not waited for: collected at the next step (wagma: a barrier sync at once)
                 return
             yield self.coll.done(("round", k, tuple(range(self.p)) if sync else self._group(rank, k)))
 

@@ -227,3 +227,8 @@ def test_wagma_overlap_hides_group_exchanges_shorter_than_a_step():
     assert plain.total_s >= n * T + (n - syncs) * group_s + syncs * global_s
     assert overlap.total_s < n * T + syncs * global_s + group_s + global_s + 0.01
     assert plain.total_s - overlap.total_s > (n - syncs - 2) * group_s
+    # eager-SGD solo the same way: each round's allreduce leaves the critical path, sync rounds too.
+    eager = {"name": "eager_solo", "sync_period": tau, "warmup_iters": 2}
+    eager_plain = simulate(eager, compute, network=net, nbytes=1e6)
+    eager_overlap = simulate(eager | {"overlap": True}, compute, network=net, nbytes=1e6)
+    assert eager_plain.total_s - eager_overlap.total_s > (n - 2 - 2) * global_s
