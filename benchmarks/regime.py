@@ -14,6 +14,10 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
 - ``bound_trace_ms``: the same protocol bound on the recorded compute trace instead of T (per rank and
   step: the sleeps plus the real forward/backward and optimizer step, which on 8-16 ranks sharing 2 cores
   is not small); ``x_bound_trace`` = bound_trace / ms: what communication and the implementation cost;
+- ``breakdown_ms``: where a step goes, means over ranks and steps: ``sleeps`` (T and the injected delay),
+  ``compute`` (the real forward/backward/step), ``averaging`` (the policy on the main thread: DDP's or the
+  hook's wait after the last gradient, the averaging before and after the optimizer step, waits included),
+  ``finalize`` (the final mean or flush, per timed step); ms/step minus their sum is the slowest rank's excess;
 - ``simulated_ms``: :func:`benchmarks.simulate.simulate` on the recorded trace (per rank and step: the
   sleeps, plus the real forward/backward up to its last gradient and the optimizer step) with an alpha-beta
   network calibrated in the same world (allreduce of 1 float and of the model: 5 samples each, the
@@ -131,7 +135,7 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
             imbalance_cfg["seed"] = rep  # a fresh delay trace per repetition, the same for every policy
         imbalance = build_imbalance(imbalance_cfg, rank, world_size)
         compute_s, warmup, steps = spec["compute_ms"] / 1e3, spec["warmup"], spec["steps"]
-        slept, pre, real = [], [], []
+        slept, pre, real, averaging = [], [], [], []
 
         def one_step(step: int, inject: bool) -> None:
             t0 = time.perf_counter()
@@ -146,10 +150,14 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
             optimizer.step()
             t3 = time.perf_counter()
             policy.after_step(optimizer, step)
+            t4 = time.perf_counter()
             if inject:  # the trace the simulator replays: sleeps, and the real compute without any waiting
                 slept.append(delay)
                 pre.append(t1 - t0)
                 real.append((ready[0] - t1) + (t3 - t2))
+                # The policy's time on the main thread: DDP's or the hook's wait after the last gradient, the
+                # averaging before and after the optimizer step (copies, store calls, waiting for results).
+                averaging.append((t2 - ready[0]) + (t4 - t3))
 
         for step in range(warmup):
             one_step(step, inject=False)
@@ -162,7 +170,7 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
         dist.barrier()
         end = time.monotonic()
         return {"rep": rep, "start": start, "finished": finished, "end": end, "slept": slept, "pre": pre,
-                "real": real, "stats": policy.stats()}
+                "real": real, "averaging": averaging, "stats": policy.stats()}
     finally:
         policy.close()
 
@@ -211,6 +219,13 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "bound_trace_ms": simulate(avg, pre + real, network=ZERO_NETWORK, first_step=args.warmup).ms_per_step,
         "simulated_ms": simulate(avg, pre + real, network=net, nbytes=nbytes, first_step=args.warmup).ms_per_step,
         "real_compute_ms": 1e3 * float(real.mean()),
+        # Where a step goes (means over ranks and steps): the sleeps, the real compute, the policy on the main
+        # thread; the final mean or flush per timed step; the rest is the slowest rank's excess over the mean.
+        "breakdown_ms": {
+            "sleeps": 1e3 * float(pre.mean()), "compute": 1e3 * float(real.mean()),
+            "averaging": 1e3 * float(np.mean([r["averaging"] for r in ranks])),
+            "finalize": 1e3 * (max(r["end"] for r in ranks) - max(r["finished"] for r in ranks)) / args.steps,
+        },
         "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s,
                     "allreduce_1_float_s": small, "allreduce_model_s": large},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
@@ -227,6 +242,8 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
         out["bound_trace_ms"] = statistics.median(r["bound_trace_ms"] for r in reps)
         out["x_bound_trace"] = out["bound_trace_ms"] / out["ms_per_step"]
     out["reps"] = len(reps)
+    if all("breakdown_ms" in r for r in reps):
+        out["breakdown_ms"] = {k: statistics.median(r["breakdown_ms"][k] for r in reps) for k in reps[0]["breakdown_ms"]}
     out["x_ideal"] = out["ideal_ms"] / out["ms_per_step"]
     out["x_bound"] = out["bound_ms"] / out["ms_per_step"]
     return out

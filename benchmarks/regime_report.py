@@ -94,6 +94,23 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"{r['x_ideal']:.2f} | {r['x_bound']:.2f} | {_fmt(r.get('x_bound_trace'), '.2f')} | "
             f"{r['simulated_ms'] / r['ms_per_step']:.2f} |"
         )
+    split = [r for r in result["records"] if r.get("status") == "ok" and "breakdown_ms" in r]
+    if split:
+        lines += [
+            "", "## Where a step goes", "",
+            "Means over ranks and steps, ms (medians of the repetitions): the sleeps (T + injected delay), the real "
+            "forward/backward/step, the policy on the main thread (waits included), the final mean or flush per "
+            "step, and the slowest rank's excess over the mean (ms/step minus the rest).", "",
+            "| params | scenario | P | policy | ms/step | sleeps | compute | averaging | finalize | excess |",
+            "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in sorted(split, key=lambda r: (r["params"], r["scenario"], r["world_size"])):
+            b = r["breakdown_ms"]
+            excess = r["ms_per_step"] - sum(b.values())
+            lines.append(
+                f"| {r['params']:,} | {r['scenario']} | {r['world_size']} | {r['policy']} | {r['ms_per_step']:.1f} | "
+                f"{b['sleeps']:.1f} | {b['compute']:.1f} | {b['averaging']:.1f} | {b['finalize']:.1f} | {excess:.1f} |"
+            )
     if failed:
         lines += ["", "## Failed or skipped", ""]
         lines += [f"- {r['scenario']} / {r['policy']} / P={r['world_size']}: {r.get('reason', '')[-300:]}"

@@ -53,6 +53,10 @@ def test_tiny_run_end_to_end(tmp_path):
         assert r["ideal_ms"] <= r["bound_ms"] + 1e-9 <= r["ms_per_step"] + 1e-9
         # The bound on the recorded compute adds the real forward/backward/step to T: above the T-only bound.
         assert r["bound_ms"] < r["bound_trace_ms"] <= r["ms_per_step"] + 1e-9
+        # The breakdown: the sleeps are at least T, and its parts add up to no more than a step.
+        parts = r["breakdown_ms"]
+        assert parts["sleeps"] >= 10.0 and min(parts.values()) >= 0.0
+        assert sum(parts.values()) <= r["ms_per_step"] + 1e-6
         assert r["ms_per_step"] >= 10.0
     assert recs[0]["x_ddp"] == 1.0
     # The ideal and the bounds are closed forms of each run's recorded delay trace (T = 10 ms, 6 steps):
