@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import shlex
 import statistics
 import sys
@@ -122,6 +123,12 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, An
             hook.remove()
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process (every thread of it: the main thread, the progress threads, gloo's) has used."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net: torch.nn.Module,
                 batch: tuple[torch.Tensor, torch.Tensor], ready: list[float]) -> dict[str, Any]:
     """One timed repetition on this rank: warm-up, barrier, timed steps, finalize, barrier."""
@@ -162,15 +169,15 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
         for step in range(warmup):
             one_step(step, inject=False)
         dist.barrier()
-        start = time.monotonic()
+        start, cpu0 = time.monotonic(), _cpu_s()
         for step in range(warmup, warmup + steps):
             one_step(step, inject=True)
-        finished = time.monotonic()
+        finished, cpu1 = time.monotonic(), _cpu_s()
         policy.finalize(model, optimizer)
         dist.barrier()
         end = time.monotonic()
         return {"rep": rep, "start": start, "finished": finished, "end": end, "slept": slept, "pre": pre,
-                "real": real, "averaging": averaging, "stats": policy.stats()}
+                "real": real, "averaging": averaging, "cpu_s": cpu1 - cpu0, "stats": policy.stats()}
     finally:
         policy.close()
 
@@ -226,6 +233,9 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
             "averaging": 1e3 * float(np.mean([r["averaging"] for r in ranks])),
             "finalize": 1e3 * (max(r["end"] for r in ranks) - max(r["finished"] for r in ranks)) / args.steps,
         },
+        # CPU time per rank and timed step, every thread of the rank's process (mean over ranks). Ranks share the
+        # machine's cores: P x cpu_ms / cores is a floor under ms/step that sleeping cannot hide.
+        "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps,
         "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s,
                     "allreduce_1_float_s": small, "allreduce_model_s": large},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
@@ -238,6 +248,8 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
+    if all("cpu_ms" in r for r in reps):
+        out["cpu_ms"] = statistics.median(r["cpu_ms"] for r in reps)
     if all("bound_trace_ms" in r for r in reps):
         out["bound_trace_ms"] = statistics.median(r["bound_trace_ms"] for r in reps)
         out["x_bound_trace"] = out["bound_trace_ms"] / out["ms_per_step"]

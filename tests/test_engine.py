@@ -33,18 +33,18 @@ L = 4  # elements per rank block
 TIMEOUT = datetime.timedelta(seconds=20)  # also bounds group creation, slow on a loaded 2-core machine
 
 
-def _encode(rank: int, world: int, version: int) -> torch.Tensor:
-    t = torch.zeros(world * L, dtype=torch.float64)
-    t[rank * L : (rank + 1) * L] = version + 1
+def _encode(rank: int, world: int, version: int, block: int = L) -> torch.Tensor:
+    t = torch.zeros(world * block, dtype=torch.float64)
+    t[rank * block : (rank + 1) * block] = version + 1
     return t
 
 
 def _decode(total: torch.Tensor, world: int) -> dict[int, int]:
     """Map rank -> version contributed, for the ranks whose block is non-zero; assert blocks are not torn."""
-    out = {}
+    out, n = {}, total.numel() // world
     for j in range(world):
-        block = total[j * L : (j + 1) * L]
-        assert torch.all(block == block[0]), f"torn snapshot of rank {j}: {block.tolist()}"
+        block = total[j * n : (j + 1) * n]
+        assert torch.all(block == block[0]), f"torn snapshot of rank {j}: values {block.unique().tolist()[:8]}"
         v = int(block[0].item())
         assert block[0].item() == v
         out[j] = v - 1  # 0 means "initial", i.e. version -1 ... or absent; disambiguated by the group
@@ -55,18 +55,20 @@ def _schedule(world: int, group: int) -> GroupSchedule:
     return GroupSchedule.create("auto", world, group)
 
 
-def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed, max_delay_s, device="cpu"):
+def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed, max_delay_s, device="cpu",
+                   recycle=False, block=L):
     rng = random.Random(delay_seed * 1000 + rank)
     sched = _schedule(world, group)
     dev = rank_device(device, rank)
     records = []
+    sums = set()  # with recycle: the storages the sums came in
     with WaitAvoidingGroupAllreduce(
-        sched, _encode(rank, world, -1).to(dev), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT
+        sched, _encode(rank, world, -1, block).to(dev), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT
     ) as eng:
         for k in range(rounds):
             if max_delay_s:
                 time.sleep(rng.random() * max_delay_s)
-            res = eng(_encode(rank, world, k).to(dev))
+            res = eng(_encode(rank, world, k, block).to(dev))
             assert res.round == k, f"call {k} returned round {res.round}"
             assert res.sum.device == dev
             decoded = _decode(res.sum.cpu(), world)
@@ -74,7 +76,10 @@ def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed
             outside = {j: v for j, v in decoded.items() if j not in res.group}
             assert all(v == -1 for v in outside.values()), f"round {k}: non-members contributed {outside}"
             records.append((k, res.is_sync, res.group, members, res.fresh, res.staleness, res.version))
-    return records
+            if recycle:
+                sums.add(res.sum.data_ptr())
+                eng.recycle(res.sum)
+    return (records, len(sums)) if recycle else records
 
 
 def _check_records(records_by_rank, world, group, sync_period, max_lead, exact):
@@ -204,6 +209,20 @@ def check_random_delays(world: int, rounds: int, device: str = "cpu") -> None:
     sync_period, max_lead = 7, 3
     out = run_workers(_rounds_worker, world, 2, rounds, sync_period, max_lead, 11, 0.002, device, timeout_s=150)
     _check_records(out, world, 2, sync_period, max_lead, exact=False)
+
+
+def test_recycled_sums_are_reused_and_never_tear_a_snapshot():
+    # Every sum handed back is reused by later rounds (as a snapshot or a send buffer) while late ranks' threads
+    # still copy their snapshots: a buffer reused while something still read it would decode as a torn block,
+    # a wrong member or a version out of bounds. Blocks of 64k elements (2 MB tensors) make each copy long
+    # enough for such a race to show.
+    world, sync_period, max_lead, rounds = 4, 7, 3, 300
+    out = run_workers(_rounds_worker, world, 2, rounds, sync_period, max_lead, 5, 0.002, "cpu", True, 1 << 16,
+                      timeout_s=150)
+    _check_records([records for records, _ in out], world, 2, sync_period, max_lead, exact=False)
+    for rank, (_, storages) in enumerate(out):
+        # Without reuse every round allocates a new sum (300 storages); with it a handful cycle.
+        assert storages <= 12, f"rank {rank}: {storages} distinct sum storages in {rounds} rounds"
 
 
 def _initiator_worker(rank, world, rounds):
@@ -459,6 +478,13 @@ def _bad_use_worker(rank, world):
         assert (first, second) == (1, 2)
         assert eng.collect(second).round == 2 and eng.collect(first).round == 1
         errors |= error_messages({"collect twice": lambda: eng.collect(first)}, raised)
+        res = eng(torch.zeros(2))
+        eng.recycle(res.sum)
+        errors |= error_messages({
+            "recycle twice": lambda: eng.recycle(res.sum),
+            "recycle a view": lambda: eng.recycle(torch.zeros(4)[:2]),
+            "recycle another shape": lambda: eng.recycle(torch.zeros(3)),
+        }, raised)
     return errors
 
 
@@ -473,6 +499,9 @@ def test_bad_use_is_rejected_with_clear_messages():
     assert "RuntimeError" in errors["take in replace mode"] and "accumulate" in errors["take in replace mode"]
     assert "ValueError" in errors["collect unsubmitted"] and "(none), found 0" in errors["collect unsubmitted"]
     assert "ValueError" in errors["collect twice"] and "not collected yet (none), found 1" in errors["collect twice"]
+    assert "ValueError" in errors["recycle twice"] and "still in use" in errors["recycle twice"]
+    assert "ValueError" in errors["recycle a view"] and "its own contiguous storage" in errors["recycle a view"]
+    assert "ValueError" in errors["recycle another shape"] and "shape (3,)" in errors["recycle another shape"]
 
 
 def test_needs_initialized_process_group():

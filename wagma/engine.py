@@ -278,6 +278,33 @@ class WaitAvoidingGroupAllreduce:
             triggered_at=triggered_at,
         )
 
+    def recycle(self, tensor: torch.Tensor) -> None:
+        """Hand back a result's ``sum`` that the caller no longer reads or writes: a later round reuses its memory.
+
+        Optional, and only worth it on CPU, where it spares every round a fresh allocation of the tensor's size
+        (page faults and zeroing); on CUDA it does nothing (PyTorch's caching allocator does that job). The
+        tensor must be one this engine returned (same shape, dtype, device, its own storage) and must not be
+        used again by the caller: the engine will overwrite it.
+        """
+        self._check_usable()
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"recycle: expected a torch.Tensor, got {type(tensor).__name__}")
+        if (tensor.shape != self.shape or tensor.dtype != self.dtype or tensor.device != self.device
+                or not tensor.is_contiguous() or tensor.storage_offset() != 0
+                or tensor.untyped_storage().nbytes() != tensor.nbytes):
+            raise ValueError(
+                f"recycle: expected a result sum of this engine (shape {tuple(self.shape)}, dtype {self.dtype} on "
+                f"{self.device}, its own contiguous storage), got shape {tuple(tensor.shape)}, dtype {tensor.dtype} "
+                f"on {tensor.device}"
+            )
+        core = self._core
+        with core.cond:
+            ptr = tensor.data_ptr()
+            in_use = [core.snapshot, core.reading, *core.spares, *(d.sum for d in core.results.values())]
+            if any(t is not None and t.data_ptr() == ptr for t in in_use):
+                raise ValueError("recycle: this tensor is still in use by the engine (or was recycled already)")
+            core.give_spare(tensor)
+
     def take(self) -> torch.Tensor:
         """Accumulate mode: hand over what is still pending (not yet taken by an exchange) and zero it.
 

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Done", "EngineCore", "initiator_of", "is_sync"]
 
+#: How many spare CPU buffers an engine keeps for reuse (superseded snapshots, sums handed back by ``recycle``).
+SPARES = 4
+
 
 @dataclasses.dataclass
 class Done:
@@ -85,6 +88,11 @@ class EngineCore:
         self.snapshot_version = start - 1  # `initial` counts as the call before the first
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.snapshot_event = self.record_event()
+        # CPU only: buffers of the tensor's shape that nothing reads any more, reused instead of allocating a fresh
+        # one per round (a fresh multi-MB CPU tensor costs page faults and zeroing, on every rank, every round).
+        # CUDA tensors come from PyTorch's caching allocator already, and their reuse would need stream fences.
+        self.spares: list[torch.Tensor] = []
+        self.reading: torch.Tensor | None = None  # replace mode: the snapshot the thread is copying right now
         self.arrived = start - 1  # newest call the main thread has published
         self.results: dict[int, Done] = {}
         self.thread_round = start  # the round the thread works on
@@ -141,10 +149,16 @@ class EngineCore:
                 self.arrived = k
                 self.cond.notify_all()
         else:
-            snap = tensor.detach().clone()  # immutable once published: the thread reads it without a lock
+            with self.cond:
+                spare = self.take_spare()
+            # Immutable once published: the thread reads it without a lock (a spare is read by no one).
+            snap = tensor.detach().clone() if spare is None else spare.copy_(tensor.detach())
             event = self.record_event()
             with self.cond:
+                old = self.snapshot
                 self.snapshot, self.snapshot_version, self.snapshot_event = snap, k, event
+                if old is not self.reading:  # else the thread hands it back once its copy is done
+                    self.give_spare(old)
                 self.arrived = k
                 self.cond.notify_all()
 
@@ -163,6 +177,7 @@ class EngineCore:
             destroy_groups([*self.groups.values(), self.global_pg])
         self.channel.close(self.calls)
         self.results.clear()
+        self.spares.clear()
         self.groups.clear()
         self.global_pg = None
 
@@ -229,13 +244,19 @@ class EngineCore:
                     version = self.snapshot_version
                 else:
                     send, version, event = self.snapshot, self.snapshot_version, self.snapshot_event
+                    self.reading = send
+                    spare = self.take_spare()
                 gc_floor, published = min(k, self.watching), self.arrived
             self.channel.record(k, gc_floor, published)
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
                 send.record_stream(torch.cuda.current_stream(self.device))
-            if not self.accumulate:
-                send = send.clone()  # the snapshot may be contributed again next round: reduce a copy
+            if not self.accumulate:  # the snapshot may be contributed again next round: reduce a copy
+                snapshot, send = send, send.clone() if spare is None else spare.copy_(send)
+                with self.cond:
+                    self.reading = None
+                    if snapshot is not self.snapshot:  # superseded while it was being copied
+                        self.give_spare(snapshot)
             t0 = time.perf_counter()
             pg = self.global_pg if sync else self.groups[group]
             if pg is not None:
@@ -256,9 +277,20 @@ class EngineCore:
     def swap_pending(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Take the pending contribution and leave zeros in its place; caller holds the lock."""
         out, event = self.snapshot, self.snapshot_event  # the consumer waits on `event` before reading
-        self.snapshot = torch.zeros_like(out)
+        spare = self.take_spare()
+        self.snapshot = torch.zeros_like(out) if spare is None else spare.zero_()
         self.snapshot_event = self.record_event()
         return out, event
+
+    def take_spare(self) -> torch.Tensor | None:
+        """A buffer to overwrite, or None (then allocate); caller holds the lock."""
+        return self.spares.pop() if self.spares else None
+
+    def give_spare(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor``, which nothing reads any more, for reuse (CPU only, at most :data:`SPARES`); caller
+        holds the lock."""
+        if not self.cuda and len(self.spares) < SPARES:
+            self.spares.append(tensor)
 
     def record_event(self) -> torch.cuda.Event | None:
         if not self.cuda:

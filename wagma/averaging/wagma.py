@@ -212,6 +212,7 @@ class WagmaAverager(AveragerBase):
                 wagma_combine_(wide, res.sum, float(size + 1))
             if wide is not buffer:
                 buffer.copy_(wide)
+            engine.recycle(res.sum)  # read for the last time: its memory serves a later round
         # One round is one reduction, however many dtype buffers carry it; all engines run the same round.
         first = results[0]
         kind: Reduction = "global" if first.is_sync else "local"
@@ -230,8 +231,9 @@ class WagmaAverager(AveragerBase):
             # The model has moved on since it was published: mix as a late rank does, (w + sum) / (S + 1).
             previous = [engine.collect(self._pending) for engine in self._engines]
             self._pending = None
-            for wide, res in zip(wides, previous):
+            for engine, wide, res in zip(self._engines, wides, previous):
                 wagma_combine_(wide, res.sum, float(len(res.group) + 1))
+                engine.recycle(res.sum)
             first = previous[0]
             kind = "global" if first.is_sync else "local"
             self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in previous))
@@ -239,8 +241,9 @@ class WagmaAverager(AveragerBase):
         k = self._engines[0].round
         if self.sync == "barrier" and self._engines[0].is_sync_round(k):
             results = [engine(wide) for engine, wide in zip(self._engines, wides)]
-            for wide, res in zip(wides, results):
+            for engine, wide, res in zip(self._engines, wides, results):
                 wide.copy_(res.sum).div_(len(res.group))
+                engine.recycle(res.sum)
             kind = "global"
             self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
             self.stats.record_contribution(results[0].staleness)
