@@ -186,16 +186,21 @@ class PartialAllreduceState:
             total = res.sum
         average = total.div_(self.world_size)
         for bucket, future in self._waiting:
-            out = torch.empty_like(bucket.buffer())
-            base = bucket.buffer().storage_offset()
+            # The result goes into the bucket's own buffer, as DDP's allreduce hook does: its gradients are in
+            # the staging buffer already, and a fresh buffer per bucket would cost an allocation every iteration.
+            out = bucket.buffer()
+            base = out.storage_offset()
             for p, g in zip(bucket.parameters(), bucket.gradients()):
                 offset, n = self._offsets[id(p)]
                 at = g.storage_offset() - base
                 out[at : at + n].copy_(average[offset : offset + n])
             future.set_result(out)
         self._waiting = []
+        engine = self.engine
+        # Once the gradients are written, nothing reads the round's sum: the engine reuses its memory.
         self._after_ddp_finalize(
-            lambda: [(p, average[off : off + n]) for p in self.params for off, n in [self._offsets[id(p)]]]
+            lambda: [(p, average[off : off + n]) for p in self.params for off, n in [self._offsets[id(p)]]],
+            release=None if res is None else (lambda: engine.recycle(total) if engine is self.engine else None),
         )
         self.iteration += 1
         self.rounds += 1
@@ -217,17 +222,25 @@ class PartialAllreduceState:
         self._pending = None
         return res.sum, res
 
-    def _after_ddp_finalize(self, values: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    def _after_ddp_finalize(
+        self, values: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]], release: Callable[[], None] | None = None
+    ) -> None:
         """Make each parameter's ``.grad`` its (flat) value in ``values()`` once DDP has finished the pass.
 
         With ``find_unused_parameters=True`` DDP leaves the ``.grad`` of a parameter it thinks no rank used
         untouched, although this iteration's result for it may hold gradients carried from earlier rounds
         (or, with :meth:`process_group_for_ddp`, the other ranks' gradients): they would be lost. DDP
         queues its finalizer right after the last bucket's hook, so a callback queued now runs before it;
-        that callback queues the writer, which then runs after DDP's finalizer.
+        that callback queues the writer, which then runs after DDP's finalizer (and then ``release``, if given).
         """
         engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(lambda: self._write_grads(values())))
+
+        def write() -> None:
+            self._write_grads(values())
+            if release is not None:
+                release()
+
+        engine.queue_callback(lambda: engine.queue_callback(write))
 
     def _write_grads(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
