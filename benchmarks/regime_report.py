@@ -95,21 +95,27 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"{r['simulated_ms'] / r['ms_per_step']:.2f} |"
         )
     split = [r for r in result["records"] if r.get("status") == "ok" and "breakdown_ms" in r]
+    cores = result["invocations"][-1]["machine"]["cpu_count"] if result["invocations"] else 1
     if split:
         lines += [
             "", "## Where a step goes", "",
             "Means over ranks and steps, ms (medians of the repetitions): the sleeps (T + injected delay), the real "
             "forward/backward/step, the policy on the main thread (waits included), the final mean or flush per "
-            "step, and the slowest rank's excess over the mean (ms/step minus the rest).", "",
-            "| params | scenario | P | policy | ms/step | sleeps | compute | averaging | finalize | excess |",
-            "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
+            "step, and the slowest rank's excess over the mean (ms/step minus the rest); then the CPU time per rank and "
+            "step (every thread of the rank), and P x that / the machine's cores, a floor under ms/step.", "",
+            "| params | scenario | P | policy | ms/step | sleeps | compute | averaging | finalize | excess | CPU/rank "
+            "| CPU floor |",
+            "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in sorted(split, key=lambda r: (r["params"], r["scenario"], r["world_size"])):
             b = r["breakdown_ms"]
             excess = r["ms_per_step"] - sum(b.values())
+            cpu = r.get("cpu_ms")
+            floor = None if cpu is None else cpu * r["world_size"] / cores
             lines.append(
                 f"| {r['params']:,} | {r['scenario']} | {r['world_size']} | {r['policy']} | {r['ms_per_step']:.1f} | "
-                f"{b['sleeps']:.1f} | {b['compute']:.1f} | {b['averaging']:.1f} | {b['finalize']:.1f} | {excess:.1f} |"
+                f"{b['sleeps']:.1f} | {b['compute']:.1f} | {b['averaging']:.1f} | {b['finalize']:.1f} | {excess:.1f} | "
+                f"{_fmt(cpu, '.1f')} | {_fmt(floor, '.1f')} |"
             )
     if failed:
         lines += ["", "## Failed or skipped", ""]
