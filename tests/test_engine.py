@@ -200,7 +200,7 @@ def check_accumulate(world: int, group: int, trigger: str, device: str = "cpu") 
         assert received + left == passed, f"rank {rank}: {received} + {left} != {passed}"
 
 
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])  # 8 ranks: 11 s
 def test_stress_500_rounds_random_delays(world):
     check_random_delays(world, 500)
 
@@ -315,6 +315,7 @@ def _burst_worker(rank, world, engines):
     return built_s, sums, shared, own
 
 
+@pytest.mark.slow  # 17 s: 8 ranks x 3 engines connecting at once
 def test_many_engines_and_ranks_connecting_at_once_with_a_short_timeout():
     world, engines = 8, 3
     outs = run_workers_outcomes(_burst_worker, world, engines, timeout_s=120, collective_timeout_s=2.0)
@@ -735,6 +736,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 7 s: real subprocesses exiting mid-collective
 def test_process_exiting_mid_collective_without_close_exits_cleanly(tmp_path):
     # Two worlds of two fresh interpreters at once: without the finalizer the store-hosting rank aborted in
     # about 3 runs of 4 (SIGABRT, "terminate called without an active exception"), its progress thread

@@ -186,6 +186,7 @@ def _train_freezing_in_checkpoint(rank: int, world_size: int, cfg: object) -> st
     return "finished"
 
 
+@pytest.mark.slow  # 26 s: a real SIGSTOP in a training world
 def test_a_rank_frozen_before_a_checkpoint_is_named_too(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose("config", overrides=[
@@ -220,6 +221,7 @@ def _train_freezing_in_final_phase(rank: int, world_size: int, cfg: object, wher
     return "finished"
 
 
+@pytest.mark.slow  # 6.5 s each: a real SIGSTOP in a training world
 @pytest.mark.parametrize("where", ["save_checkpoint", "evaluate"])
 def test_a_rank_frozen_in_the_final_phase_is_named_too(tmp_path, where):
     # checkpoint_every=0 and eval_every=0: the final checkpoint and the test evaluation are the only calls.
