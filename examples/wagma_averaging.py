@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from wagma import AveragingOptimizer, PostLocalState, WagmaAverager, post_local_hook
+from wagma import AveragingOptimizer, PostLocalState, WagmaAverager, flatten_parameters, post_local_hook
 
 
 def main(steps: int = 40, use_ddp: bool = True) -> None:
@@ -29,6 +29,7 @@ def main(steps: int = 40, use_ddp: bool = True) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    flatten_parameters(net)  # one flat storage: every round averages it in place, no copies in and out
     model: torch.nn.Module = net
     hook_state = None
     if use_ddp:

@@ -18,6 +18,7 @@ from wagma.averaging import (
     HierarchicalAverager,
     PeriodicAverager,
     ReductionMomentum,
+    flatten_parameters,
     reduction_momentum_update_,
 )
 from wagma.testing import run_workers
@@ -101,6 +102,70 @@ def test_flat_buffers_unpack_into_parameters_that_require_grad():
     flat.pack()[0].fill_(7.0)
     flat.unpack()
     assert torch.equal(model.weight, torch.full((2, 2), 7.0)) and model.weight.requires_grad
+
+
+def test_flatten_parameters_keeps_objects_and_values_in_one_storage():
+    model = _tiny_model(with_bn=True)
+    params, before = list(model.parameters()), [t.detach().clone() for t in model.state_dict().values()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    flats = flatten_parameters(model)
+    assert len(flats) == 1 and flats[0].numel() == sum(p.numel() for p in params) + 3 + 3  # + BN mean, var
+    assert [p is q for p, q in zip(params, model.parameters())] == [True] * len(params)
+    assert opt.param_groups[0]["params"][0] is params[0]
+    for old, new in zip(before, model.state_dict().values()):
+        assert torch.equal(old, new)
+    storage = flats[0].untyped_storage().data_ptr()
+    assert {p.untyped_storage().data_ptr() for p in params} == {storage}
+    assert model[1].running_mean.untyped_storage().data_ptr() == storage
+    assert model[1].num_batches_tracked.untyped_storage().data_ptr() != storage  # integers are not averaged
+    flatten_parameters(model)  # a second call is no "shared memory" error: the tensors lie side by side
+    _local_step(model, opt, 0, 0)  # autograd and the optimizer work on the views
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_flat_buffers_alias_flattened_parameters_and_copy_nothing():
+    model = _tiny_model(with_bn=True)
+    flatten_parameters(model)
+    tensors = [*model.parameters(), model[1].running_mean, model[1].running_var]
+    flat = FlatBuffers(tensors)
+    assert flat.aliased == [True] and "aliased" in repr(flat)
+    buffer = flat.pack()[0]
+    assert buffer.data_ptr() == tensors[0].data_ptr()
+    buffer.fill_(3.0)  # writing the buffer writes the model: nothing to unpack
+    assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in tensors)
+    flat.unpack()
+    assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in tensors)
+    # The parameters alone (the averager without buffers) are a prefix of the storage: still aliased.
+    assert FlatBuffers(list(model.parameters())).aliased == [True]
+
+
+def test_flat_buffers_copy_when_tensors_are_not_back_to_back():
+    model = _tiny_model()
+    flatten_parameters(model)
+    params = list(model.parameters())
+    assert FlatBuffers(params[::-1]).aliased == [False]  # another order than the storage's
+    assert FlatBuffers(list(_tiny_model().parameters())).aliased == [False]  # never flattened
+    flat = FlatBuffers(params)
+    assert flat.aliased == [True]
+    # A parameter moved after the buffers were built: the buffer becomes a copy, and stays correct.
+    model[0].weight.data = torch.full((3, 4), 5.0)
+    buffer = flat.pack()[0]
+    assert flat.aliased == [False] and buffer.data_ptr() != params[0].data_ptr()
+    assert torch.equal(buffer[:12], torch.full((12,), 5.0))
+    buffer.mul_(2)
+    assert torch.equal(model[0].weight, torch.full((3, 4), 5.0))  # a copy now: unpack writes it back
+    flat.unpack()
+    assert torch.equal(model[0].weight, torch.full((3, 4), 10.0))
+    assert torch.equal(params[1], buffer[12:15].view_as(params[1]))
+
+
+def test_flatten_parameters_refuses_tensors_that_share_memory():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].weight = nn.Parameter(model[0].weight.data)  # two Parameter objects over one storage
+    with pytest.raises(ValueError, match=r"'0.weight' and '1.weight' share memory"):
+        flatten_parameters(model)
+    with pytest.raises(ValueError, match="expected a torch.nn.Module"):
+        flatten_parameters([torch.zeros(2)])  # type: ignore[arg-type]
 
 
 def test_stats_round_trip_through_dict_and_json_keys():

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from wagma.averaging import AveragingOptimizer, WagmaAverager
+from wagma.averaging import AveragingOptimizer, WagmaAverager, flatten_parameters
 from wagma.testing import error_messages, rank_device, run_workers
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -93,10 +93,14 @@ def _sgd_worker(rank, world, steps, policy, device="cpu"):
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dev)
     g = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(64, 6, generator=g).to(dev), torch.randint(0, 3, (64,), generator=g).to(dev)
+    if policy == "wagma_flat":
+        flatten_parameters(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if policy == "wagma":
+    if policy.startswith("wagma"):
         avg = WagmaAverager(2, 0, params=model.parameters(), order="step_then_average", timeout=TIMEOUT)
         opt = AveragingOptimizer(opt, avg)
+        aliased = avg.flat_buffers(list(model.parameters())).aliased
+        assert aliased == [policy == "wagma_flat"], aliased
     for _ in range(steps):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -106,7 +110,7 @@ def _sgd_worker(rank, world, steps, policy, device="cpu"):
                 for p in model.parameters():
                     dist.all_reduce(p)
                     p.div_(world)
-    if policy == "wagma":
+    if policy.startswith("wagma"):
         avg.close()
     return [p.detach().cpu().clone() for p in model.parameters()]
 
@@ -121,6 +125,15 @@ def check_sync_period_zero(device: str = "cpu") -> None:
     mean = run_workers(_sgd_worker, world, 8, "mean", device)
     for a, b in zip(wagma[0], mean[0]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_flattened_parameters_average_in_place_to_the_same_bits():
+    world = 4
+    copied = run_workers(_sgd_worker, world, 8, "wagma")
+    in_place = run_workers(_sgd_worker, world, 8, "wagma_flat")  # the worker asserts its buffer is aliased
+    for rank in range(world):
+        for a, b in zip(copied[rank], in_place[rank]):
+            assert torch.equal(a, b)
 
 
 def _straggler_worker(rank, world, rounds, sync_period, delay_s, device="cpu"):

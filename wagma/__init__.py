@@ -10,6 +10,8 @@ The library imports with torch alone; use it from your own DDP script (docs/libr
 - :class:`AveragingOptimizer` runs the local step and an averager's step in the averager's order;
   :func:`post_local_hook` (with :class:`PostLocalState`) is the DDP hook for model averaging: allreduce for a
   warm-up, then no gradient communication.
+- :func:`flatten_parameters` lays a model's parameters out in one flat storage, so averagers average that
+  memory in place instead of copying the model in and out every round.
 - Building blocks: :class:`GroupSchedule` (which ranks average together in which round) and
   :class:`WaitAvoidingGroupAllreduce` (the engine under WAGMA-SGD and eager-SGD).
 
@@ -25,6 +27,7 @@ from wagma.averaging import (
     PeriodicAverager,
     ReductionMomentum,
     WagmaAverager,
+    flatten_parameters,
 )
 from wagma.engine import RoundResult, WaitAvoidingGroupAllreduce
 from wagma.hooks import (
@@ -55,6 +58,7 @@ __all__ = [
     "WaitAvoidingGroupAllreduce",
     "__version__",
     "allreduce_hook",
+    "flatten_parameters",
     "group_allreduce_hook",
     "local_hook",
     "partial_allreduce_hook",

@@ -19,7 +19,7 @@ from wagma.averaging.base import (
     collect_parameters,
 )
 from wagma.averaging.groups import DEFAULT_TIMEOUT
-from wagma.averaging.tensors import ParameterBinding, collect_named
+from wagma.averaging.tensors import ParameterBinding, collect_named, flatten_parameters
 from wagma.averaging.hierarchical import HierarchicalAverager
 from wagma.averaging.momentum import MomentumLevels, ReductionMomentum, reduction_momentum_update_
 from wagma.averaging.optimizer import AveragingOptimizer
@@ -44,5 +44,6 @@ __all__ = [
     "collect_buffers",
     "collect_named",
     "collect_parameters",
+    "flatten_parameters",
     "reduction_momentum_update_",
 ]

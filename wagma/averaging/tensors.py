@@ -9,7 +9,9 @@
   ``model.parameters()``): they are put back into the bound order, so every flat buffer, every engine's
   published model and every piece of per-buffer state keeps meaning the same parameters. A call with another
   set of tensors raises ``ValueError`` naming what is missing and what is new.
-- :class:`FlatBuffers` packs a list of tensors into one contiguous buffer per (dtype, device).
+- :class:`FlatBuffers` packs a list of tensors into one contiguous buffer per (dtype, device); when the tensors
+  already lie back to back in one storage (:func:`flatten_parameters`), the buffer *is* that memory and
+  packing and unpacking copy nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 __all__ = [
     "FlatBuffers",
+    "flatten_parameters",
     "ParameterBinding",
     "ParamsLike",
     "collect_buffers",
@@ -239,6 +242,13 @@ class FlatBuffers:
     references stay valid). Tensors keep their dtypes: nothing is up-cast, and after ``unpack()`` each
     buffer holds exactly what was written into the tensors.
 
+    *Aliased buffers.* When the tensors of one (dtype, device) are contiguous and lie back to back, in this
+    order, in one storage (as :func:`flatten_parameters` leaves a model's parameters), that buffer is a view of
+    their memory: ``pack()`` returns it without copying, so writing into it writes the tensors at once, and
+    ``unpack()`` has nothing to do. Every ``pack()`` checks, per tensor, that it still lies where it did (a
+    pointer comparison); a tensor moved since (``param.data`` replaced, ``module.to()``) turns that buffer into
+    an ordinary copy for good, so the result is the same either way. ``aliased`` says which buffers are views.
+
     An instance is tied to one list of tensor objects; :meth:`reuse_or_build` returns the cached instance
     while the list is unchanged (same objects, shapes, dtypes and devices, in the same order).
 
@@ -261,10 +271,18 @@ class FlatBuffers:
             sizes[b] += tensor.numel()
         #: (dtype, device) of each buffer.
         self.keys: list[tuple[torch.dtype, torch.device]] = list(index)
+        members: list[list[int]] = [[] for _ in sizes]
+        for i, (b, _, _) in enumerate(self._slots):
+            members[b].append(i)
+        self._members = members
         #: The flat buffers, one per key.
-        self.buffers: list[torch.Tensor] = [
-            torch.empty(n, dtype=dtype, device=device) for (dtype, device), n in zip(self.keys, sizes)
-        ]
+        self.buffers: list[torch.Tensor] = []
+        #: Per buffer, the tensors' data pointers when it is a view of their memory (else ``None``).
+        self._pointers: list[list[int] | None] = []
+        for (dtype, device), n, idx in zip(self.keys, sizes, members):
+            view = _consecutive_view([self.tensors[i] for i in idx], n)
+            self._pointers.append(None if view is None else [self.tensors[i].data_ptr() for i in idx])
+            self.buffers.append(torch.empty(n, dtype=dtype, device=device) if view is None else view)
         self._signature = self._signature_of(self.tensors)
 
     @staticmethod
@@ -292,22 +310,119 @@ class FlatBuffers:
         """(dtype, device, numel) of each buffer: what state kept per buffer must match."""
         return [(b.dtype, b.device, b.numel()) for b in self.buffers]
 
+    @property
+    def aliased(self) -> list[bool]:
+        """Per buffer, whether it is a view of the tensors' own memory (packing copies nothing)."""
+        return [p is not None for p in self._pointers]
+
     def pack(self) -> list[torch.Tensor]:
-        """Copy the tensors into the flat buffers; return the buffers."""
+        """Copy the tensors into the flat buffers (aliased buffers: nothing to copy); return the buffers."""
         with torch.no_grad():
-            for tensor, (b, offset, numel) in zip(self.tensors, self._slots):
-                self.buffers[b][offset : offset + numel].view(tensor.shape).copy_(tensor)
+            for b, idx in enumerate(self._members):
+                pointers = self._pointers[b]
+                if pointers is not None:
+                    if all(self.tensors[i].data_ptr() == ptr for i, ptr in zip(idx, pointers)):
+                        continue
+                    # A tensor moved (its .data was replaced): from now on this buffer is a copy of its own.
+                    self._pointers[b] = None
+                    self.buffers[b] = torch.empty_like(self.buffers[b])
+                for i in idx:
+                    tensor, (_, offset, numel) = self.tensors[i], self._slots[i]
+                    self.buffers[b][offset : offset + numel].view(tensor.shape).copy_(tensor)
         return self.buffers
 
     def unpack(self) -> None:
-        """Copy the flat buffers back into the tensors, in place."""
+        """Copy the flat buffers back into the tensors, in place (aliased buffers: they are the tensors)."""
         with torch.no_grad():
             for tensor, (b, offset, numel) in zip(self.tensors, self._slots):
-                tensor.copy_(self.buffers[b][offset : offset + numel].view(tensor.shape))
+                if self._pointers[b] is None:
+                    tensor.copy_(self.buffers[b][offset : offset + numel].view(tensor.shape))
 
     def __len__(self) -> int:
         return len(self.buffers)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{dtype}@{device}:{b.numel()}" for (dtype, device), b in zip(self.keys, self.buffers))
+        parts = ", ".join(
+            f"{dtype}@{device}:{b.numel()}{' (aliased)' if alias else ''}"
+            for (dtype, device), b, alias in zip(self.keys, self.buffers, self.aliased)
+        )
         return f"FlatBuffers({len(self.tensors)} tensors -> [{parts}])"
+
+
+def _consecutive_view(tensors: Sequence[torch.Tensor], numel: int) -> torch.Tensor | None:
+    """A flat view of ``numel`` elements over the memory of ``tensors`` if they are contiguous and lie back to back,
+    in this order, in one storage; else ``None``."""
+    first = tensors[0]
+    storage, start = first.untyped_storage(), first.storage_offset()
+    expected = start
+    for tensor in tensors:
+        if (not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+                or tensor.storage_offset() != expected):
+            return None
+        expected += tensor.numel()
+    with torch.no_grad():
+        return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, start, (numel,))
+
+
+def _extent(tensor: torch.Tensor) -> int:
+    """Bytes from the tensor's first element to just past its last one."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
+def flatten_parameters(
+    module: torch.nn.Module, *, buffers: bool = True
+) -> list[torch.Tensor]:
+    """Move ``module``'s parameters (and floating-point buffers) into one contiguous storage per (dtype, device).
+
+    Each parameter stays the same ``Parameter`` object (optimizers, DDP and hooks that hold it see no change);
+    only its memory moves, its values are kept (``param.data`` becomes a view of the flat storage). An averager
+    given the tensors in the module's order (``module.named_parameters()``, then ``module.named_buffers()``)
+    then averages that memory in place: :class:`FlatBuffers` packs and unpacks without copying, which spares
+    two passes over the model per averaging round. Call it before building the optimizer and wrapping the
+    model in DDP (both keep working if called later, but need not).
+
+    Args:
+        module: the model (not a DDP wrapper's ``.module`` copy: the same module the averager is given).
+        buffers: also move the floating-point buffers (after the parameters), as averagers average them by
+            default.
+
+    Returns:
+        The flat storages as 1-D tensors, one per (dtype, device), parameters first in ``module.parameters()``
+        order.
+
+    Raises:
+        ValueError: if two of the tensors share memory (tied weights as two ``Parameter`` objects over one
+            storage, or a buffer that is a view of a parameter): moving them apart would silently untie them.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module: expected a torch.nn.Module, found a {type(module).__name__}")
+    named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+    if buffers:
+        named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+    spans = sorted(
+        (t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + _extent(t), name)
+        for name, t in named if t.numel()
+    )
+    for a, b in zip(spans, spans[1:]):
+        if a[:2] == b[:2] and b[2] < a[3]:
+            raise ValueError(
+                f"flatten_parameters: {a[4]!r} and {b[4]!r} share memory; flattening would untie them "
+                f"(tie them as one Parameter object, or leave this model unflattened)"
+            )
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for _, tensor in named:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    flats = []
+    with torch.no_grad():
+        for (dtype, device), tensors in groups.items():
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+            offset = 0
+            for tensor in tensors:
+                n = tensor.numel()
+                view = flat[offset : offset + n].view(tensor.shape)
+                view.copy_(tensor)
+                tensor.data = view
+                offset += n
+            flats.append(flat)
+    return flats

@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
-from wagma.averaging import AveragerStats, HierarchicalAverager, PeriodicAverager, ReductionMomentum, WagmaAverager
+from wagma.averaging import (
+    AveragerStats,
+    HierarchicalAverager,
+    PeriodicAverager,
+    ReductionMomentum,
+    WagmaAverager,
+    flatten_parameters,
+)
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 
@@ -100,6 +107,9 @@ class ModelAveragingPolicy(Policy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self._net = model
+        # One flat storage for the parameters and buffers, in the order the averager binds them: its rounds then
+        # average that memory in place instead of copying the model into a flat buffer and back.
+        flatten_parameters(model)
         self.averager = self.build_averager(model)
         ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, post_local_hook)
