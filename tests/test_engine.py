@@ -505,6 +505,58 @@ def test_bad_use_is_rejected_with_clear_messages():
     assert "ValueError" in errors["recycle another shape"] and "shape (3,)" in errors["recycle another shape"]
 
 
+def _nice_of_threads() -> dict[int, tuple[str, int]]:
+    """Every thread of this process: native id -> (its name as the kernel knows it, its nice value)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        out[int(tid)] = (name, int(stat.rsplit(")", 1)[1].split()[16]))  # field 19, nice
+    return out
+
+
+def _nice_worker(rank, world, increment):
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = set(_nice_of_threads())
+    sched = _schedule(world, 2)
+    with WaitAvoidingGroupAllreduce(sched, _encode(rank, world, -1), sync_period=0, timeout=TIMEOUT,
+                                    progress_nice=increment) as eng:
+        sums = [eng(_encode(rank, world, k)).sum for k in range(3)]  # sync_period 0: every round fresh and global
+        threads = _nice_of_threads()
+        progress = threads[eng._core.thread.native_id][1]
+    new = {tid: v for tid, v in threads.items() if tid not in before}
+    gloo = sorted(nice for name, nice in new.values() if "gloo" in name)
+    after = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    expected = [sum(_encode(r, world, k) for r in range(world)) for k in range(3)]
+    return main, after, progress, gloo, all(torch.equal(a, b) for a, b in zip(sums, expected))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_progress_nice_lowers_the_progress_and_gloo_threads_only():
+    world = 2
+    for increment in (0, 5):
+        for main, after, progress, gloo, correct in run_workers(_nice_worker, world, increment):
+            assert correct
+            assert after == main  # the caller's own priority is untouched
+            assert progress == min(19, main + increment)
+            # The engine's communicators (a pair group and a global one here) each start gloo threads.
+            assert len(gloo) >= 4 and gloo == [min(19, main + increment)] * len(gloo), (increment, main, gloo)
+
+
+def _bad_nice_worker(rank, world):
+    sched = _schedule(world, 2)
+    return error_messages({
+        repr(value): lambda value=value: WaitAvoidingGroupAllreduce(
+            sched, torch.zeros(2), sync_period=1, timeout=TIMEOUT, progress_nice=value)
+        for value in (-1, 20, "5", True, 2.0)
+    }, (ValueError,))
+
+
+def test_bad_progress_nice_is_refused_before_any_group_exists():
+    for message in run_workers(_bad_nice_worker, 2)[0].values():
+        assert "ValueError" in message and "progress_nice must be an int in [0, 19]" in message
+
+
 def test_needs_initialized_process_group():
     if dist.is_initialized():
         pytest.skip("a default process group exists in this process")

@@ -58,6 +58,7 @@ def test_the_averaging_options_and_experiment_presets_exist():
     )
     assert wagma.sync == "barrier" and _compose("averaging=wagma_relaxed").averaging.sync == "wait_avoiding"
     assert wagma.overlap is False and _compose("averaging=wagma_overlap").averaging.overlap is True
+    assert wagma.progress_nice == 0 and _compose("averaging=wagma_overlap").averaging.progress_nice == 10
     assert _compose("averaging=eager_solo_overlap").averaging.overlap is True
     assert _compose("averaging=eager_solo").averaging.sync_period == 32
     assert _compose("averaging=eager_majority").averaging.mode == "majority"
@@ -70,6 +71,8 @@ def test_every_averaging_option_composes_validates_and_builds(option):
     validate_config(cfg, 4)
     policy = build_policy(group_options(cfg, "averaging"), rank=0, world_size=4, device=CPU)
     assert isinstance(policy, Policy) and policy.name == cfg.averaging.name
+    if "progress_nice" in cfg.averaging:  # handed on to the averager or the hook state that wrap() builds
+        assert policy.progress_nice == cfg.averaging.progress_nice  # type: ignore[attr-defined]
     policy.close()
 
 
@@ -125,6 +128,8 @@ KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momen
         ("eager_solo", {"mode": "majority"}, "averaging 'eager_solo' runs mode 'solo'.*use averaging=eager_majority"),
         ("eager_majority", {"warmup_iters": 1}, "averaging.warmup_iters must be an integer >= 2, got 1"),
         ("eager_majority", {"sync_period": 0}, "averaging.sync_period must be an integer >= 1, got 0"),
+        ("wagma", {"progress_nice": 20}, r"averaging.progress_nice must be an integer in \[0, 19\], got 20"),
+        ("eager_solo", {"progress_nice": -1}, r"averaging.progress_nice must be an integer in \[0, 19\], got -1"),
     ],
 )
 def test_bad_policy_configs_are_rejected_with_one_clear_message(policy, changes, match):

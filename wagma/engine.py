@@ -45,7 +45,7 @@ import torch.distributed as dist
 from wagma.engine_core import Done, EngineCore, initiator_of, is_sync
 from wagma.schedule import GroupSchedule
 
-__all__ = ["SYNCS", "RoundResult", "WaitAvoidingGroupAllreduce"]
+__all__ = ["SYNCS", "RoundResult", "WaitAvoidingGroupAllreduce", "check_progress_nice"]
 
 Trigger = Literal["any", "initiator"]
 Sync = Literal["barrier", "wait_avoiding"]
@@ -53,6 +53,13 @@ Sync = Literal["barrier", "wait_avoiding"]
 #: the first arrival like the group rounds; a late rank contributes its last published tensor).
 SYNCS: tuple[str, ...] = ("barrier", "wait_avoiding")
 _instance_ids = itertools.count()
+
+
+def check_progress_nice(value: object) -> int:
+    """Return ``value`` if it is a valid ``progress_nice`` (an int in [0, 19]), else raise ``ValueError``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 19:
+        raise ValueError(f"progress_nice must be an int in [0, 19], got {value!r}")
+    return value
 
 
 @dataclasses.dataclass
@@ -124,6 +131,11 @@ class WaitAvoidingGroupAllreduce:
         name: namespace of the engine's store keys; defaults to a per-process counter, which is the
             same on every rank because construction is collective.
         start_round: the round of the first call (to resume a run: every rank passes the same value).
+        progress_nice: CPU tensors on Linux: run the progress thread, and the threads of the engine's gloo
+            communicators, this many nice levels below the calling thread (0: the same priority; at most 19).
+            Where ranks share cores, their compute then goes first and the exchanges fill the idle time, which
+            pays when no one waits for the exchange at once (``submit`` now, ``collect`` a step later); an
+            exchange someone waits for can take longer. Ignored for CUDA tensors, whose collectives run on the GPU.
     """
 
     def __init__(
@@ -141,6 +153,7 @@ class WaitAvoidingGroupAllreduce:
         store: dist.Store | None = None,
         name: str | None = None,
         start_round: int = 0,
+        progress_nice: int = 0,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -175,6 +188,7 @@ class WaitAvoidingGroupAllreduce:
             raise ValueError(f"start_round must be an int >= 0, got {start_round!r}")
         if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        check_progress_nice(progress_nice)
 
         self.rank = dist.get_rank()
         self.world_size = world_size
@@ -186,6 +200,7 @@ class WaitAvoidingGroupAllreduce:
         self.trigger = trigger
         self.seed = int(seed)
         self.accumulate = accumulate
+        self.progress_nice = progress_nice
         self.shape, self.dtype, self.device = initial.shape, initial.dtype, initial.device
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = f"wagma/{name if name is not None else next(_instance_ids)}/"

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,9 @@ __all__ = ["Done", "EngineCore", "initiator_of", "is_sync"]
 
 #: How many spare CPU buffers an engine keeps for reuse (superseded snapshots, sums handed back by ``recycle``).
 SPARES = 4
+#: Whether a thread's nice value is its own (Linux: ``setpriority(PRIO_PROCESS, tid)`` changes one thread).
+PER_THREAD_NICE = sys.platform.startswith("linux")
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -75,6 +81,8 @@ class EngineCore:
         self.timeout, self.device = eng.timeout, eng.device
         self.blocking_sync = eng.sync == "barrier"
         self.cuda = self.device.type == "cuda"
+        # CPU only: how much nicer than the caller the progress thread and the communicators' threads run.
+        self.nice = eng.progress_nice if not self.cuda and PER_THREAD_NICE else 0
         self.trigger_phase = (
             "waiting for any rank to trigger round {k}" if eng.trigger == "any"
             else "waiting for round {k} to be triggered by its initiator, rank {i}"
@@ -114,7 +122,12 @@ class EngineCore:
             # A rank whose store connects stalled is waited for here, under the connect deadline, rather than by
             # the group creation below, which gives a late member only the (possibly short) engine timeout.
             self.channel.meet()
-            self.groups, self.global_pg = _communicators(self.schedule, self.rank, self.timeout)
+            # Gloo starts a group's worker and I/O threads in its constructor, and a thread starts with its
+            # creator's nice value: built from a niced helper thread, they run at the progress thread's priority.
+            deadline = self.channel.connect_s + (len(self.schedule.distinct_groups()) + 1) * self.timeout.total_seconds()
+            self.groups, self.global_pg = _niced(
+                self.nice, lambda: _communicators(self.schedule, self.rank, self.timeout), deadline
+            )
             if self.global_pg is not None:
                 # Gloo connects a group's members inside its constructor: a rank that returned first and
                 # closed (or exited) could drop a connection a slower rank is still making ("Connection
@@ -205,6 +218,8 @@ class EngineCore:
     # -------------------------------------------------------------------------------- progress thread
     def run(self) -> None:
         try:
+            if self.nice:
+                renice_current_thread(self.nice)
             if self.cuda:
                 torch.cuda.set_device(self.device)
                 with torch.cuda.stream(self.side_stream):
@@ -298,6 +313,46 @@ class EngineCore:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+
+def renice_current_thread(increment: int) -> None:
+    """Make the calling thread ``increment`` nice levels nicer (capped at 19); threads it starts inherit that.
+
+    Linux only (elsewhere a nice value belongs to the whole process); raising a nice value needs no privilege.
+    """
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+
+
+def _niced(increment: int, fn: Callable[[], _T], deadline_s: float) -> _T:
+    """``fn()``, run on a helper thread ``increment`` nice levels nicer than the caller (at once if 0).
+
+    Raises:
+        TimeoutError: if ``fn`` has not returned after ``deadline_s`` (the helper is left behind, a daemon).
+    """
+    if not increment:
+        return fn()
+    box: list[tuple[bool, object]] = []
+
+    def target() -> None:
+        try:
+            renice_current_thread(increment)
+            box.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            box.append((False, exc))
+
+    helper = threading.Thread(target=target, name="wagma-communicators", daemon=True)
+    helper.start()
+    helper.join(deadline_s)
+    if not box:
+        raise TimeoutError(
+            f"creating the engine's communicators did not finish within {deadline_s:.0f} s: a rank may not be "
+            f"constructing its engines, or be constructing them in another order"
+        )
+    ok, value = box[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
 
 
 def _can_split() -> bool:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.tensors import FlatBuffers
 from wagma.averaging.groups import DEFAULT_TIMEOUT, require_initialized
-from wagma.engine import SYNCS, Sync, WaitAvoidingGroupAllreduce
+from wagma.engine import SYNCS, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 
@@ -92,6 +92,10 @@ class WagmaAverager(AveragerBase):
             models supersedes its mix). A resumed run starts without a round in flight: one group mix
             fewer than an uninterrupted run, so resume is not bitwise equal in this mode.
         timeout: bound of every wait (collectives, the wait for a round's result).
+        progress_nice: CPU models on Linux: the progress threads, and their communicators' threads, run this many
+            nice levels below the caller (:class:`~wagma.WaitAvoidingGroupAllreduce`'s ``progress_nice``). Worth
+            it with ``overlap=True`` where ranks share cores: compute goes first, the exchanges nobody is waiting
+            for yet fill the idle time.
 
     **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
     rank i's k-th call of :meth:`average_parameters` its call k (round k); call k publishes the model
@@ -130,7 +134,9 @@ class WagmaAverager(AveragerBase):
         sync: Sync = "barrier",
         overlap: bool = False,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        progress_nice: int = 0,
     ) -> None:
+        check_progress_nice(progress_nice)
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap: expected True or False, found {overlap!r}")
         group_size = check_int("group_size", group_size, 1)
@@ -159,6 +165,7 @@ class WagmaAverager(AveragerBase):
         self.max_lead = max_lead
         self.sync: Sync = sync
         self.overlap = overlap
+        self.progress_nice = progress_nice
         self._pending: int | None = None  # overlap: the round submitted and not yet applied
         self.schedule = _build_schedule(schedule, self.world_size, group_size)
         self._tensors = self.tensors_to_average(params, buffers)
@@ -178,7 +185,7 @@ class WagmaAverager(AveragerBase):
         self._engines[:] = [
             WaitAvoidingGroupAllreduce(
                 self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
-                sync=self.sync, timeout=self.timeout, start_round=start_round,
+                sync=self.sync, timeout=self.timeout, start_round=start_round, progress_nice=self.progress_nice,
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]

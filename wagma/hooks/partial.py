@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources, check_int, collect_parameters
 from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
-from wagma.engine import WaitAvoidingGroupAllreduce
+from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 
@@ -64,6 +64,8 @@ class PartialAllreduceState:
             flight yet). Blocking sync rounds stay fully fresh; a rank waits for the slowest at the
             iteration after one. :meth:`flush` and :meth:`state_dict` take the round in flight along.
         timeout: bound of every wait.
+        progress_nice: CPU gradients on Linux: the progress thread and its communicators' threads run this many
+            nice levels below the caller (:class:`~wagma.WaitAvoidingGroupAllreduce`'s ``progress_nice``).
     """
 
     def __init__(
@@ -77,7 +79,9 @@ class PartialAllreduceState:
         max_lead: int | None = None,
         overlap: bool = False,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        progress_nice: int = 0,
     ) -> None:
+        self.progress_nice = check_progress_nice(progress_nice)
         if mode not in ("solo", "majority"):
             raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
         self.mode: Mode = mode
@@ -131,7 +135,7 @@ class PartialAllreduceState:
         self.engine = WaitAvoidingGroupAllreduce(
             schedule, residual, sync_period=self.sync_period, max_lead=self.max_lead, timeout=self.timeout,
             trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
-            start_round=max(0, self.iteration - self.warmup_iters),
+            start_round=max(0, self.iteration - self.warmup_iters), progress_nice=self.progress_nice,
         )
         self._resources.closers[:] = [self.engine]
 

@@ -251,6 +251,8 @@ class WagmaPolicy(ModelAveragingPolicy):
             default).
         overlap: apply each group round's result one step later, so its exchange overlaps the next step
             (:class:`~wagma.averaging.WagmaAverager`'s ``overlap``).
+        progress_nice: nice levels below the training thread for the progress threads and their communicators'
+            threads (CPU on Linux; :class:`~wagma.averaging.WagmaAverager`'s ``progress_nice``).
         **kwargs: ``device``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
     """
 
@@ -268,6 +270,7 @@ class WagmaPolicy(ModelAveragingPolicy):
         max_lead: int | None = None,
         sync: str = "barrier",
         overlap: bool = False,
+        progress_nice: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(warmup_steps=0, **kwargs)
@@ -276,6 +279,7 @@ class WagmaPolicy(ModelAveragingPolicy):
         self.average_buffers, self.max_lead = bool(average_buffers), max_lead
         self.sync = sync
         self.overlap = bool(overlap)
+        self.progress_nice = int(progress_nice)
 
     def build_averager(self, net: nn.Module) -> _Averager:
         schedule: str | GroupSchedule = (
@@ -286,6 +290,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
             sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
+            progress_nice=self.progress_nice,
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -3,7 +3,7 @@
 Each is called as ``validate(options, world_size)`` by :func:`wagma.app.policies.validate_policy_config`
 (after its generic checks: a known name, ``group_size`` dividing the world size, no negative
 ``*period``/``*_steps``) on every rank before anything is built, and raises one ``ValueError`` naming the
-key, the value found and what was expected. They check unknown keys, group sizes that do not divide the
+key, the value found and what was expected. They check unknown keys, ``progress_nice`` in [0, 19], group sizes that do not divide the
 world size, periods, ``global_period`` a multiple of ``local_period``, momentum in [0, 1), the mode /
 mixing / order names and WAGMA's schedule (built here, so a schedule that does not mix is refused).
 """
@@ -90,6 +90,12 @@ def _divisor(options: Mapping[str, Any], key: str, world_size: int) -> None:
         )
 
 
+def _progress_nice(options: Mapping[str, Any]) -> None:
+    value = options.get("progress_nice", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 19:
+        raise ValueError(f"averaging.progress_nice must be an integer in [0, 19], got {value!r}")
+
+
 def _common(options: Mapping[str, Any]) -> None:
     _positive(options, "bucket_cap_mb")
     _positive(options, "timeout_s")
@@ -102,9 +108,9 @@ _HIERARCHICAL_KEYS = (
 _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
     "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
-    *_COMMON_KEYS,
+    "progress_nice", *_COMMON_KEYS,
 )
-_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", *_COMMON_KEYS)
+_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", "progress_nice", *_COMMON_KEYS)
 
 
 def validate_allreduce(options: Mapping[str, Any], world_size: int) -> None:
@@ -175,6 +181,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _choice(options, "sync", WAGMA_SYNCS, "barrier")
     _flag(options, "average_buffers")
     _flag(options, "overlap")
+    _progress_nice(options)
     _common(options)
     schedule = options.get("schedule", "auto")
     try:
@@ -204,4 +211,5 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
     _flag(options, "overlap")
+    _progress_nice(options)
     _common(options)
