@@ -76,6 +76,36 @@ def test_every_averaging_option_composes_validates_and_builds(option):
     policy.close()
 
 
+def _aliased_worker(rank: int, world_size: int, options: list[str]) -> dict[str, list[bool]]:
+    torch.manual_seed(0)
+    out = {}
+    for option in options:
+        net = build_model("cnn", (1, 8, 8), 10, channels=[4, 8], hidden=16)
+        policy = build_policy(group_options(_compose(f"averaging={option}"), "averaging"), rank=rank,
+                              world_size=world_size, device=CPU)
+        try:
+            model = policy.wrap(net)
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+            for step in range(2):
+                optimizer.zero_grad()
+                model(torch.randn(4, 1, 8, 8)).sum().backward()
+                policy.before_step(optimizer, step)
+                optimizer.step()
+                policy.after_step(optimizer, step)
+            averager = policy.averager  # type: ignore[attr-defined]
+            flat = getattr(averager, "averager", averager)._flat  # ReductionMomentum wraps the averager
+            out[option] = flat.aliased
+        finally:
+            policy.close()
+    return out
+
+
+def test_model_averaging_policies_average_the_flattened_model_in_place():
+    options = ["local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_overlap"]
+    for aliased in run_workers(_aliased_worker, 2, options, timeout_s=120):
+        assert aliased == {option: [True] for option in options}
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_preset_composes_validates_and_builds(experiment):
     cfg = _compose(f"experiment={experiment}")
