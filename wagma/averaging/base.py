@@ -341,7 +341,8 @@ class AveragerBase(ModelAverager):
 
         Raises:
             TimeoutError: if the collective timed out (a peer is slow, hung or gone); the group is then
-                broken.
+                broken. Tensors flattened by :func:`~wagma.averaging.flatten_parameters` are reduced in their own
+                memory, so after such a failure they hold a part-way result: restore them from a checkpoint.
         """
         flat = self.flat_buffers(tensors)
         buffers = flat.pack()
