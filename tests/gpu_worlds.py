@@ -37,6 +37,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "engine_accumulate_any": lambda d: test_engine.check_accumulate(4, 2, "any", d),
     "engine_accumulate_initiator": lambda d: test_engine.check_accumulate(4, 2, "initiator", d),
     "wagma_sync_period_zero": test_wagma_averager.check_sync_period_zero,
+    "wagma_flattened_in_place": test_wagma_averager.check_flattened_bits,
     "wagma_late_rank": test_wagma_averager.check_late_rank_not_waited_for,
     "partial_equals_allreduce": test_partial_hook.check_equals_plain_allreduce,
     "partial_carries_late_solo": lambda d: test_partial_hook.check_late_gradients_carried("solo", d),

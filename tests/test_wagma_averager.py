@@ -128,9 +128,13 @@ def check_sync_period_zero(device: str = "cpu") -> None:
 
 
 def test_flattened_parameters_average_in_place_to_the_same_bits():
+    check_flattened_bits()
+
+
+def check_flattened_bits(device: str = "cpu") -> None:
     world = 4
-    copied = run_workers(_sgd_worker, world, 8, "wagma")
-    in_place = run_workers(_sgd_worker, world, 8, "wagma_flat")  # the worker asserts its buffer is aliased
+    copied = run_workers(_sgd_worker, world, 8, "wagma", device)
+    in_place = run_workers(_sgd_worker, world, 8, "wagma_flat", device)  # the worker asserts its buffer is aliased
     for rank in range(world):
         for a, b in zip(copied[rank], in_place[rank]):
             assert torch.equal(a, b)
