@@ -103,7 +103,10 @@ def _check_records(records_by_rank, world, group, sync_period, max_lead, exact):
                 assert records_by_rank[j][k][3] == members
 
 
-@pytest.mark.parametrize("world,group", [(2, 2), (3, 3), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4)])
+@pytest.mark.parametrize("world,group", [
+    (2, 2), (3, 3), (4, 2), (6, 2), (6, 3),
+    pytest.param(8, 2, marks=pytest.mark.slow), pytest.param(8, 4, marks=pytest.mark.slow),  # 6.6 s each
+])
 def test_sums_match_closed_form_without_delays(world, group):
     check_sums_without_delays(world, group)
 

@@ -16,6 +16,7 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # 8 s: three fresh interpreters
 def test_the_script_runs_a_check_on_the_cpu_and_rejects_bad_input():
     proc = _run("--device", "cpu", "engine_exact", timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -212,6 +212,7 @@ def _digits_worker(rank, world, policy, steps):
     return acc
 
 
+@pytest.mark.slow  # 11 s: two 4-rank trainings
 def test_wagma_trains_digits_as_well_as_ddp():
     world, steps = 4, 250
     ddp = run_workers(_digits_worker, world, "ddp", steps, timeout_s=120)
