@@ -278,6 +278,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-ms", type=float, default=0.2, help="simulator: round activation latency")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
                    help="extra Hydra override for every run, e.g. --set averaging.group_size=4 (repeatable)")
+    p.add_argument("--transport", choices=("default", "shm"), default="default",
+                   help="averaging.transport of every policy that has one (allreduce, wagma, eager): shm moves the "
+                        "CPU collectives through shared memory instead of gloo's sockets; the others keep gloo")
     p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results[/quick])")
     p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
     p.add_argument("--no-report", action="store_true", help="write regime.json only")
@@ -318,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     invocation = len(result["invocations"])
     settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
-                                             "warmup", "reps", "batch_size", "activation_ms", "extra")}
+                                             "warmup", "reps", "batch_size", "activation_ms", "extra", "transport")}
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
     started = time.perf_counter()
     t = args.compute_ms / 1e3
@@ -332,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         base = ["device=cpu", *sc.SCENARIO_TABLE[scenario].overrides(t, world), *args.extra]
                         cfg, reason = sc.resolve_policy(policy, lambda o: compose("config", overrides=o),
                                                         ROOT / "configs", world, base)
+                        if cfg is not None and "transport" in cfg.averaging:
+                            cfg.averaging.transport = args.transport
                         rec: dict[str, Any] = key | {"status": "ok", "invocation": invocation}
                         reps: list[dict[str, Any]] = []
                         try:
@@ -341,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             rec |= summarize(reps)
                             rec["params"] = params
                             rec["params_actual"] = reps[0]["params"]
+                            rec["transport"] = str(cfg.averaging.get("transport", "default"))
                         except (WorkerError, ValueError, OSError) as exc:
                             rec |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[-3000:]}
                         if policy == sc.BASELINE and rec["status"] == "ok":

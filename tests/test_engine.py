@@ -56,14 +56,26 @@ def _schedule(world: int, group: int) -> GroupSchedule:
 
 
 def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed, max_delay_s, device="cpu",
-                   recycle=False, block=L):
+                   recycle=False, block=L, transport="default"):
     rng = random.Random(delay_seed * 1000 + rank)
     sched = _schedule(world, group)
     dev = rank_device(device, rank)
     records = []
+    shm_calls = []
+    if transport == "shm":  # count the exchanges that went through shared memory (a thread in this process)
+        from wagma.shm import SharedMemoryAllreduce
+
+        reduce = SharedMemoryAllreduce.all_reduce
+
+        def counting(self, tensor):
+            shm_calls.append(tensor.numel())
+            return reduce(self, tensor)
+
+        SharedMemoryAllreduce.all_reduce = counting
     sums = set()  # with recycle: the storages the sums came in
     with WaitAvoidingGroupAllreduce(
-        sched, _encode(rank, world, -1, block).to(dev), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT
+        sched, _encode(rank, world, -1, block).to(dev), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT,
+        transport=transport,
     ) as eng:
         for k in range(rounds):
             if max_delay_s:
@@ -79,6 +91,8 @@ def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed
             if recycle:
                 sums.add(res.sum.data_ptr())
                 eng.recycle(res.sum)
+    if transport == "shm":
+        assert len(shm_calls) >= rounds, f"rank {rank}: {len(shm_calls)} exchanges through shared memory, {rounds} rounds"
     return (records, len(sums)) if recycle else records
 
 
@@ -111,11 +125,26 @@ def test_sums_match_closed_form_without_delays(world, group):
     check_sums_without_delays(world, group)
 
 
-def check_sums_without_delays(world: int, group: int, device: str = "cpu") -> None:
+def check_sums_without_delays(world: int, group: int, device: str = "cpu", transport: str = "default") -> None:
     # max_lead=0: the thread waits for its main thread, so every contribution is fresh and exact.
     rounds, sync_period = 12, 4
-    out = run_workers(_rounds_worker, world, group, rounds, sync_period, 0, 0, 0.0, device)
+    out = run_workers(_rounds_worker, world, group, rounds, sync_period, 0, 0, 0.0, device, False, L, transport)
     _check_records(out, world, group, sync_period, 0, exact=True)
+
+
+@pytest.mark.parametrize("world,group", [(4, 2), (6, 3)])
+def test_shared_memory_transport_sums_match_closed_form(world, group):
+    check_sums_without_delays(world, group, transport="shm")
+
+
+def test_shared_memory_transport_with_random_delays_keeps_every_bound():
+    sync_period, max_lead = 5, 3
+    out = run_workers(_rounds_worker, 4, 2, 150, sync_period, max_lead, 7, 0.002, "cpu", True, L, "shm", timeout_s=120)
+    _check_records([records for records, _ in out], 4, 2, sync_period, max_lead, exact=False)
+
+
+def test_shared_memory_transport_counts_every_accumulated_value_exactly_once():
+    check_accumulate(4, 2, "any", staged=True, transport="shm")
 
 
 def test_sync_period_zero_makes_every_round_a_fresh_global_round():
@@ -163,7 +192,8 @@ def test_transient_stragglers_do_not_make_others_wait():
     assert stale_seen > 0
 
 
-def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger, device="cpu"):
+def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger, device="cpu", staged=False,
+                       transport="default"):
     rng = random.Random(seed * 100 + rank)
     sched = _schedule(world, group)
     dev = rank_device(device, rank)
@@ -171,14 +201,19 @@ def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger, d
     received = torch.zeros(world, dtype=torch.float64)  # my block of every group sum I was part of
     with WaitAvoidingGroupAllreduce(
         sched, torch.zeros(world, dtype=torch.float64, device=dev), sync_period=sync_period, timeout=TIMEOUT,
-        accumulate=True, trigger=trigger, seed=seed,
+        accumulate=True, trigger=trigger, seed=seed, transport=transport,
     ) as eng:
         for k in range(rounds):
             time.sleep(rng.random() * 0.01)
             x = torch.zeros(world, dtype=torch.float64)
             x[rank] = rng.randint(1, 1000)
             passed_in += x
-            res = eng(x.to(dev))
+            if staged:  # through the engine's staging buffer: taken over, not added, when nothing is pending
+                buf = eng.staging_buffer()
+                assert torch.count_nonzero(buf) == 0, f"round {k}: the staging buffer is not zero"
+                res = eng(buf.add_(x.to(dev)))
+            else:
+                res = eng(x.to(dev))
             assert res.round == k
             total = res.sum.cpu()
             received[rank] += total[rank]
@@ -196,8 +231,13 @@ def test_accumulate_counts_every_value_exactly_once(world, group, trigger):
     check_accumulate(world, group, trigger)
 
 
-def check_accumulate(world: int, group: int, trigger: str, device: str = "cpu") -> None:
-    out = run_workers(_accumulate_worker, world, group, 40, 6, 3, trigger, device)
+def test_accumulate_through_the_staging_buffer_counts_every_value_exactly_once():
+    check_accumulate(4, 2, "any", staged=True)
+
+
+def check_accumulate(world: int, group: int, trigger: str, device: str = "cpu", staged: bool = False,
+                     transport: str = "default") -> None:
+    out = run_workers(_accumulate_worker, world, group, 40, 6, 3, trigger, device, staged, transport)
     for rank, (passed, received, left, left_total) in enumerate(out):
         assert left == left_total  # take() only holds this rank's own values
         assert received + left == passed, f"rank {rank}: {received} + {left} != {passed}"
@@ -582,6 +622,44 @@ def test_single_rank_world_returns_its_own_tensor():
     assert total == 5.0
 
 
+def _staging_worker(rank, world):
+    sched = GroupSchedule.create("auto", world, world)
+    initial = torch.full((3,), 100.0)  # pending from the start: the first submit must add, not replace
+    with WaitAvoidingGroupAllreduce(sched, initial, sync_period=50, max_lead=0, timeout=TIMEOUT, accumulate=True) as eng:
+        first = eng.staging_buffer()
+        assert eng.staging_buffer() is first  # the same buffer until it is submitted
+        res = eng(first.fill_(1.0))
+        added = (res.sum.tolist(), res.sum.data_ptr() != first.data_ptr(), eng.staging_buffer() is first,
+                 first.tolist())
+        swapped = []
+        for k in range(1, 4):
+            buf = eng.staging_buffer()
+            zero = torch.count_nonzero(buf).item() == 0
+            res = eng(buf.fill_(float(k + 1)))
+            # Nothing was pending (max_lead=0: each exchange took this rank's call whole): the round sent the
+            # staged buffer itself, and a different (zero) buffer is handed out next.
+            swapped.append((res.sum.tolist(), res.sum.data_ptr() == buf.data_ptr(), zero, eng.staging_buffer() is not buf))
+        left = eng.take().tolist()
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=5, timeout=TIMEOUT) as eng:
+        try:
+            eng.staging_buffer()
+            replace_error = None
+        except RuntimeError as exc:
+            replace_error = str(exc)
+    return added, swapped, left, replace_error
+
+
+def test_staging_buffer_is_taken_over_when_nothing_is_pending_and_added_otherwise():
+    world = 2
+    for added, swapped, left, replace_error in run_workers(_staging_worker, world):
+        # Round 0 adds the staged ones to the initial 100s: 101 per rank, summed over 2 ranks.
+        assert added == ([202.0] * 3, True, True, [0.0] * 3)  # added into the pending buffer, staging zeroed
+        for k, (total, same, zero, fresh) in enumerate(swapped, start=1):
+            assert total == [2.0 * (k + 1)] * 3 and same and zero and fresh, (k, total, same, zero, fresh)
+        assert left == [0.0] * 3
+        assert replace_error is not None and "accumulate=True" in replace_error
+
+
 def _split_path_worker(rank, world, group):
     # Run the engine's NCCL path (one split_group per distinct partition of the schedule) on gloo:
     # split_group itself needs NCCL, so it is replaced by new_group calls that build the same groups.
@@ -624,7 +702,7 @@ def test_split_group_path_makes_one_split_per_distinct_partition(world, group):
 SHORT = datetime.timedelta(seconds=2)
 
 
-def _freeze_worker(rank, world, how, victim, die_at, own_store, trigger="any"):
+def _freeze_worker(rank, world, how, victim, die_at, own_store, trigger="any", transport="default"):
     """Rank ``victim`` stops (SIGSTOP) or dies (SIGKILL) at call ``die_at``; the others report their error.
 
     With ``own_store`` the engine's store is hosted by rank 0 (the usual torchrun layout), so a frozen
@@ -644,7 +722,7 @@ def _freeze_worker(rank, world, how, victim, die_at, own_store, trigger="any"):
     # max_lead=0: the victim's thread enters no round its main thread has not reached, so it was last seen
     # in round die_at - 1 whatever the timing.
     eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(8), sync_period=3, max_lead=0, timeout=SHORT, store=store,
-                                     trigger=trigger)
+                                     trigger=trigger, transport=transport)
     t_dead = time.monotonic()
     try:
         for k in range(100):
@@ -688,6 +766,15 @@ def _check_survivors(outs, victim, die_at, store_frozen=False):
 def test_frozen_or_dead_rank_is_named_by_every_survivor(how):
     victim, die_at = 3, 5
     outs = run_workers_outcomes(_freeze_worker, 4, how, victim, die_at, False, timeout_s=60)
+    _check_survivors(outs, victim, die_at)
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_with_shared_memory_a_frozen_or_dead_rank_is_named_by_every_survivor(how):
+    # transport 'shm': the exchange's barriers are gloo collectives with the engine's timeout, so a member that
+    # stopped or died fails the round as gloo's own allreduce would, and is named the same way.
+    victim, die_at = 2, 5
+    outs = run_workers_outcomes(_freeze_worker, 4, how, victim, die_at, False, "any", "shm", timeout_s=60)
     _check_survivors(outs, victim, die_at)
 
 

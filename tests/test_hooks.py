@@ -22,10 +22,14 @@ def _tiny_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
 
 
-def _ddp_parity(rank: int, world: int) -> float:
+def _ddp_parity(rank: int, world: int, transport: str = "default") -> float:
     plain = DDP(_tiny_model())
-    hooked = DDP(_tiny_model())
-    hooked.register_comm_hook(AllreduceState(), allreduce_hook)
+    hooked = DDP(_tiny_model(), bucket_cap_mb=0.00005)  # several buckets: each goes through the hook
+    state = AllreduceState(transport=transport, params=list(hooked.parameters()))
+    hooked.register_comm_hook(state, allreduce_hook)
+    if transport == "shm":  # every bucket through shared memory
+        reduce, calls = state.shm.all_reduce, []
+        state.shm.all_reduce = lambda t: calls.append(t.numel()) or reduce(t)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, hooked)]
     worst = 0.0
     for step in range(3):
@@ -39,6 +43,9 @@ def _ddp_parity(rank: int, world: int) -> float:
             worst = max(worst, (a.grad - b.grad).abs().max().item())
         for opt in opts:
             opt.step()
+    if transport == "shm":
+        # Every gradient of every step, one bucket after the first step (DDP rebuilds its buckets) and two after.
+        assert len(calls) > 3 and sum(calls) == 3 * sum(p.numel() for p in hooked.parameters()), calls
     return worst
 
 
@@ -46,6 +53,18 @@ def _ddp_parity(rank: int, world: int) -> float:
 def test_allreduce_hook_matches_ddp_default(world):
     out = run_workers(_ddp_parity, world, collective_timeout_s=TIMEOUT_S)
     assert max(out) <= 1e-7, out
+
+
+def test_allreduce_hook_through_shared_memory_matches_ddp_default():
+    out = run_workers(_ddp_parity, 3, "shm", collective_timeout_s=TIMEOUT_S)
+    assert max(out) <= 1e-7, out
+
+
+def test_shared_memory_allreduce_state_needs_the_parameters_and_drops_its_segment_when_pickled():
+    with pytest.raises(ValueError, match="transport 'shm' needs the parameters DDP reduces"):
+        AllreduceState(transport="shm")
+    with pytest.raises(ValueError, match="expected one of 'default', 'shm'"):
+        AllreduceState(transport="tcp")
 
 
 def _grads_with_hook(rank: int, world: int, name: str, state_kwargs: dict) -> list[float]:

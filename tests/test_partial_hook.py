@@ -31,17 +31,19 @@ def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
 
 
-def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", momentum=0.0, overlap=False):
+def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", momentum=0.0, overlap=False,
+           bucket_view=False, transport="default"):
     """Train with DDP + the partial hook (or plain DDP when mode is None); record local gradients."""
     dev = rank_device(device, rank)
     model = _model().to(dev)
-    ddp = DDP(model, bucket_cap_mb=0.0005)
+    ddp = DDP(model, bucket_cap_mb=0.0005, gradient_as_bucket_view=bucket_view)
     state = None
     if mode is not None:
         state = PartialAllreduceState(
             model.parameters(), mode=mode, sync_period=5, max_lead=max_lead, seed=seed, overlap=overlap,
-            timeout=TIMEOUT,
+            timeout=TIMEOUT, transport=transport,
         )
+        assert bool(state.engine._core.shm) == (transport == "shm")
         ddp.register_comm_hook(state, partial_allreduce_hook)
     local_grads = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64, device=dev)
     offsets, at = {}, 0
@@ -107,6 +109,30 @@ def check_late_gradients_carried(mode: str, device: str = "cpu") -> None:
     assert stats["rounds"] == iters - 2  # after the two warm-up iterations
     # Some gradient really was late and carried (otherwise this would not test anything).
     assert any(o[4]["stale_contributions"] > 0 for o in out), [o[4] for o in out]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradient_as_bucket_view_conserves_every_gradient(overlap):
+    # DDP's .grad are then views of its buckets, which the hook writes the round's mean into: the hook's own
+    # write after DDP's finalizer finds them in place. Nothing may be lost or applied twice either way.
+    world, iters, lr = 4, 30, 0.1
+    out = run_workers(_train, world, iters, "solo", 0.03, None, 0, "cpu", 0.0, overlap, True, timeout_s=120)
+    initial, final, total_grads, _, stats = out[0]
+    torch.testing.assert_close(final - initial, -lr * total_grads / world, rtol=1e-9, atol=1e-10)
+    for rank in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(out[0][3], out[rank][3]))
+    assert any(o[4]["stale_contributions"] > 0 for o in out)  # some gradient really was late and carried
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_shared_memory_transport_conserves_every_gradient(overlap):
+    world, iters, lr = 4, 30, 0.1
+    out = run_workers(_train, world, iters, "solo", 0.03, None, 0, "cpu", 0.0, overlap, True, "shm", timeout_s=120)
+    initial, final, total_grads, _, stats = out[0]
+    torch.testing.assert_close(final - initial, -lr * total_grads / world, rtol=1e-9, atol=1e-10)
+    for rank in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(out[0][3], out[rank][3]))
+    assert any(o[4]["stale_contributions"] > 0 for o in out)
 
 
 def test_majority_initiators_are_shared_and_most_contributions_fresh():

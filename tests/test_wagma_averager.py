@@ -97,7 +97,8 @@ def _sgd_worker(rank, world, steps, policy, device="cpu"):
         flatten_parameters(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if policy.startswith("wagma"):
-        avg = WagmaAverager(2, 0, params=model.parameters(), order="step_then_average", timeout=TIMEOUT)
+        avg = WagmaAverager(2, 0, params=model.parameters(), order="step_then_average", timeout=TIMEOUT,
+                            transport="shm" if policy == "wagma_shm" else "default")
         opt = AveragingOptimizer(opt, avg)
         aliased = avg.flat_buffers(list(model.parameters())).aliased
         assert aliased == [policy == "wagma_flat"], aliased
@@ -127,6 +128,15 @@ def check_sync_period_zero(device: str = "cpu") -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_sync_period_zero_through_shared_memory_equals_a_global_mean_every_step():
+    world = 4
+    wagma = run_workers(_sgd_worker, world, 8, "wagma_shm")
+    mean = run_workers(_sgd_worker, world, 8, "mean")
+    for rank in range(world):
+        for a, b in zip(wagma[rank], mean[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_flattened_parameters_average_in_place_to_the_same_bits():
     check_flattened_bits()
 
@@ -140,12 +150,14 @@ def check_flattened_bits(device: str = "cpu") -> None:
             assert torch.equal(a, b)
 
 
-def _straggler_worker(rank, world, rounds, sync_period, delay_s, device="cpu"):
+def _straggler_worker(rank, world, rounds, sync_period, delay_s, device="cpu", transport="default"):
     shared = random.Random(3)
     sleepers = [shared.randrange(world) for _ in range(rounds)]
     model = _tagged(rank).to(rank_device(device, rank))
     waits, synced = [], []
-    with WagmaAverager(2, sync_period, params=model.parameters(), timeout=TIMEOUT) as avg:
+    with WagmaAverager(2, sync_period, params=model.parameters(), timeout=TIMEOUT, transport=transport) as avg:
+        if transport == "shm":  # every group of this rank, and the global one, has its shared segment
+            assert all(len(engine._core.shm) == 1 + len(engine._core.groups) for engine in avg._engines)
         for step in range(rounds):
             if sleepers[step] == rank:
                 time.sleep(delay_s)
@@ -165,9 +177,13 @@ def test_fast_ranks_do_not_wait_for_a_late_rank_except_on_sync_rounds():
     check_late_rank_not_waited_for()
 
 
-def check_late_rank_not_waited_for(device: str = "cpu") -> None:
+def test_with_shared_memory_fast_ranks_do_not_wait_for_a_late_rank_except_on_sync_rounds():
+    check_late_rank_not_waited_for(transport="shm")
+
+
+def check_late_rank_not_waited_for(device: str = "cpu", transport: str = "default") -> None:
     world, rounds, sync_period, delay = 4, 16, 7, 0.2
-    out = run_workers(_straggler_worker, world, rounds, sync_period, delay, device)
+    out = run_workers(_straggler_worker, world, rounds, sync_period, delay, device, transport)
     # From the second round on: the first call also pays one-time costs (binding, the guard rails' search for
     # a DDP model, ~0.1 s and more on a loaded machine) that are not waiting for a straggler.
     async_waits = [w for waits, _, _ in out for (step, kind, w, _) in waits if kind == "local" and step > 0]

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from wagma.engine_core import Done, EngineCore, initiator_of, is_sync
 from wagma.schedule import GroupSchedule
+from wagma.shm import check_transport
 
 __all__ = ["SYNCS", "RoundResult", "WaitAvoidingGroupAllreduce", "check_progress_nice"]
 
@@ -133,6 +134,10 @@ class WaitAvoidingGroupAllreduce:
         start_round: the round of the first call (to resume a run: every rank passes the same value).
         progress_nice: CPU tensors on Linux: run the progress thread, and the threads of the engine's gloo
             communicators, this many nice levels below the calling thread (0: the same priority; at most 19).
+        transport: ``"default"`` (the process groups' backend: gloo for CPU tensors, NCCL for CUDA ones) or
+            ``"shm"``: CPU tensors of ranks on one host are summed through shared memory
+            (:class:`wagma.shm.SharedMemoryAllreduce`, one segment per group of this rank, ``(S + 1) x`` the
+            tensor's size; gloo still carries the barriers), which spares the cores gloo's socket copies.
             Where ranks share cores, their compute then goes first and the exchanges fill the idle time, which
             pays when no one waits for the exchange at once (``submit`` now, ``collect`` a step later); an
             exchange someone waits for can take longer. Ignored for CUDA tensors, whose collectives run on the GPU.
@@ -154,6 +159,7 @@ class WaitAvoidingGroupAllreduce:
         name: str | None = None,
         start_round: int = 0,
         progress_nice: int = 0,
+        transport: str = "default",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -189,6 +195,7 @@ class WaitAvoidingGroupAllreduce:
         if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
         check_progress_nice(progress_nice)
+        check_transport(transport, initial.device)
 
         self.rank = dist.get_rank()
         self.world_size = world_size
@@ -201,6 +208,7 @@ class WaitAvoidingGroupAllreduce:
         self.seed = int(seed)
         self.accumulate = accumulate
         self.progress_nice = progress_nice
+        self.transport = transport
         self.shape, self.dtype, self.device = initial.shape, initial.dtype, initial.device
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = f"wagma/{name if name is not None else next(_instance_ids)}/"
@@ -243,6 +251,7 @@ class WaitAvoidingGroupAllreduce:
         """Publish ``tensor`` (or add it, in accumulate mode) as this rank's next call, trigger its round
         unless it has started already, and return the round's number without waiting for it.
 
+        In accumulate mode, a tensor from :meth:`staging_buffer` is taken over rather than added where it can be.
         Every submitted round must be :meth:`collect`-ed once (its result is held until then), in any
         order; a blocking sync round's collective still waits for every rank's fresh tensor. Submitting
         round k + 1 before collecting round k lets round k's exchange overlap the caller's next step.
@@ -262,6 +271,25 @@ class WaitAvoidingGroupAllreduce:
         core.publish(tensor, k)
         self._uncollected[k] = self._maybe_trigger(k)
         return k
+
+    def staging_buffer(self) -> torch.Tensor:
+        """Accumulate mode: a zeroed buffer of the engine's shape to write this rank's next contribution into.
+
+        Fill it (copy or add into it), then pass this very tensor to :meth:`submit` (or call the engine with it):
+        when nothing is pending (the usual case: the last exchange took it all), the engine keeps the buffer
+        as the pending contribution instead of adding it into its own, and hands out the pending zeros as the
+        next staging buffer; otherwise it adds the buffer and zeroes it. Either way the sums are those of
+        :meth:`submit` with any other tensor, with one to three passes over the tensor fewer. Call this again
+        after each submit: the buffer it returned before belongs to the engine once submitted.
+        """
+        self._check_usable()
+        if not self.accumulate:
+            raise RuntimeError("staging_buffer() needs accumulate=True: in replace mode a call copies its tensor")
+        core = self._core
+        with core.cond:
+            if core.staging is None:
+                core.staging = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            return core.staging
 
     def collect(self, k: int) -> RoundResult:
         """Wait (within the timeout) for round ``k``, which this rank submitted, and return its result once."""
@@ -315,7 +343,7 @@ class WaitAvoidingGroupAllreduce:
         core = self._core
         with core.cond:
             ptr = tensor.data_ptr()
-            in_use = [core.snapshot, core.reading, *core.spares, *(d.sum for d in core.results.values())]
+            in_use = [core.snapshot, core.reading, core.staging, *core.spares, *(d.sum for d in core.results.values())]
             if any(t is not None and t.data_ptr() == ptr for t in in_use):
                 raise ValueError("recycle: this tensor is still in use by the engine (or was recycled already)")
             core.give_spare(tensor)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from wagma.engine_store import ActivationChannel
 from wagma.schedule import GroupSchedule
+from wagma.shm import SharedMemoryAllreduce
 
 if TYPE_CHECKING:
     from wagma.engine import WaitAvoidingGroupAllreduce
@@ -93,6 +94,10 @@ class EngineCore:
         self.calls = start
         self.cond = threading.Condition()
         self.snapshot = initial.detach().clone()  # replace: immutable published tensor; accumulate: pending
+        # accumulate: whether the pending contribution is the zeros an exchange (or take()) left, with nothing added
+        # since; then a submitted staging buffer replaces it instead of being added into it.
+        self.pending_empty = False
+        self.staging: torch.Tensor | None = None  # accumulate: the buffer staging_buffer() hands out
         self.snapshot_version = start - 1  # `initial` counts as the call before the first
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.snapshot_event = self.record_event()
@@ -117,6 +122,7 @@ class EngineCore:
             store, prefix, self.rank, self.world_size, start, self.timeout,
             self.on_activated, self.next_wait, self.on_watch_error,
         )
+        self.shm: dict[tuple[int, ...], SharedMemoryAllreduce] = {}  # transport 'shm': by group
         # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
         try:
             # A rank whose store connects stalled is waited for here, under the connect deadline, rather than by
@@ -134,6 +140,14 @@ class EngineCore:
                 # closed by peer"). The global group is created last, so once all ranks meet on it every
                 # group is complete. Issued here, before the progress thread (its only issuer) starts.
                 dist.barrier(group=self.global_pg)
+            # transport 'shm': one shared segment per group of this rank, each built by its members alone, in
+            # one order on every rank (by the groups' ranks, the global group last), so no two wait on each other.
+            if eng.transport == "shm":
+                mine = sorted(g for g, pg in self.groups.items() if pg is not None)
+                for g in mine:
+                    self.shm[g] = SharedMemoryAllreduce(self.groups[g], initial.numel(), initial.dtype)
+                if self.global_pg is not None:
+                    self.shm[self.all] = SharedMemoryAllreduce(self.global_pg, initial.numel(), initial.dtype)
         except BaseException:
             self.channel.abandon()
             raise
@@ -151,12 +165,21 @@ class EngineCore:
     # ------------------------------------------------------------------------------------ main side
     def publish(self, tensor: torch.Tensor, k: int) -> None:
         if self.accumulate:
+            staged = tensor is self.staging
             with self.cond:
                 if self.snapshot_event is not None:
                     stream = torch.cuda.current_stream(self.device)
                     stream.wait_event(self.snapshot_event)
                     self.snapshot.record_stream(stream)  # it may come from the thread's stream
-                self.snapshot.add_(tensor.detach())
+                if staged and self.pending_empty:
+                    # The pending zeros become the next staging buffer and the staged values the pending
+                    # contribution: the same sum as adding, without a pass over either buffer.
+                    self.staging, self.snapshot = self.snapshot, tensor
+                else:
+                    self.snapshot.add_(tensor.detach())
+                    if staged:
+                        tensor.zero_()  # handed out again by staging_buffer(): zeros, as promised
+                self.pending_empty = False
                 self.snapshot_version = k
                 self.snapshot_event = self.record_event()
                 self.arrived = k
@@ -189,6 +212,8 @@ class EngineCore:
 
             destroy_groups([*self.groups.values(), self.global_pg])
         self.channel.close(self.calls)
+        for shm in self.shm.values():
+            shm.close()
         self.results.clear()
         self.spares.clear()
         self.groups.clear()
@@ -276,7 +301,10 @@ class EngineCore:
             pg = self.global_pg if sync else self.groups[group]
             if pg is not None:
                 try:
-                    dist.all_reduce(send, group=pg)
+                    if self.shm:
+                        self.shm[group].all_reduce(send)
+                    else:
+                        dist.all_reduce(send, group=pg)
                 except Exception as exc:
                     raise RuntimeError(
                         f"round {k}: {self.channel.who_is_missing(k, group)}. The exchange failed with: {exc}"
@@ -294,6 +322,7 @@ class EngineCore:
         out, event = self.snapshot, self.snapshot_event  # the consumer waits on `event` before reading
         spare = self.take_spare()
         self.snapshot = torch.zeros_like(out) if spare is None else spare.zero_()
+        self.pending_empty = True
         self.snapshot_event = self.record_event()
         return out, event
 

@@ -40,6 +40,7 @@ from wagma.averaging.groups import DEFAULT_TIMEOUT, require_initialized
 from wagma.engine import SYNCS, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
+from wagma.shm import check_transport
 
 __all__ = ["ORDERS", "SYNCS", "WagmaAverager"]
 
@@ -96,6 +97,8 @@ class WagmaAverager(AveragerBase):
             nice levels below the caller (:class:`~wagma.WaitAvoidingGroupAllreduce`'s ``progress_nice``). Worth
             it with ``overlap=True`` where ranks share cores: compute goes first, the exchanges nobody is waiting
             for yet fill the idle time.
+        transport: how the engines' rounds move CPU models: ``"default"`` (gloo) or ``"shm"`` (shared memory,
+            every rank on one host: :class:`wagma.shm.SharedMemoryAllreduce`). CUDA models use NCCL.
 
     **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
     rank i's k-th call of :meth:`average_parameters` its call k (round k); call k publishes the model
@@ -135,8 +138,10 @@ class WagmaAverager(AveragerBase):
         overlap: bool = False,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         progress_nice: int = 0,
+        transport: str = "default",
     ) -> None:
         check_progress_nice(progress_nice)
+        check_transport(transport)
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap: expected True or False, found {overlap!r}")
         group_size = check_int("group_size", group_size, 1)
@@ -166,11 +171,14 @@ class WagmaAverager(AveragerBase):
         self.sync: Sync = sync
         self.overlap = overlap
         self.progress_nice = progress_nice
+        self.transport = transport
         self._pending: int | None = None  # overlap: the round submitted and not yet applied
         self.schedule = _build_schedule(schedule, self.world_size, group_size)
         self._tensors = self.tensors_to_average(params, buffers)
         if not self._tensors:
             raise ValueError("params: expected at least one tensor to average, found none")
+        for tensor in self._tensors:
+            check_transport(transport, tensor.device)
         self._engines: list[WaitAvoidingGroupAllreduce] = []  # one per flat buffer, also in the finalizer's list
         self._start_engines(0)
 
@@ -186,6 +194,7 @@ class WagmaAverager(AveragerBase):
             WaitAvoidingGroupAllreduce(
                 self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
                 sync=self.sync, timeout=self.timeout, start_round=start_round, progress_nice=self.progress_nice,
+                transport=self.transport,
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]

@@ -11,6 +11,7 @@ annotations are the real ``dist.GradBucket`` and ``Future[Tensor]`` objects, and
 
 import datetime
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from wagma.averaging.base import OwnedResources
 from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
 from wagma.schedule import check_group_fits
+from wagma.shm import SharedMemoryAllreduce, check_transport
 
 __all__ = [
     "AllreduceState",
@@ -43,25 +45,51 @@ def _mean_future(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.future
 
 
 class AllreduceState:
-    """State of :func:`allreduce_hook`: the process group to average over.
+    """State of :func:`allreduce_hook`: the process group to average over, and how to move the gradients.
 
-    Pickling drops the group; an unpickled state averages over the default group.
+    Pickling drops the group (and the shared segment); an unpickled state averages over the default group
+    with the group's backend.
 
     Args:
         process_group: group to average over; ``None`` means the default group (what DDP uses).
+        transport: ``"default"`` (the group's backend) or ``"shm"``: CPU gradients of ranks on one host are summed
+            through shared memory (:class:`wagma.shm.SharedMemoryAllreduce`; collective: build the state on every
+            member of the group at the same point).
+        params: with ``"shm"``, the parameters of the module DDP wraps: their gradients' dtype and total size
+            (an upper bound of any bucket's) size the shared segment.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        transport: str = "default",
+        params: Iterable[torch.Tensor] | None = None,
+    ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group: expected a ProcessGroup or None, found {process_group!r}")
         self.process_group = process_group
+        self.transport = check_transport(transport)
+        self.shm: SharedMemoryAllreduce | None = None
+        if transport == "shm":
+            grads = [p for p in (params or []) if p.requires_grad]
+            if not grads:
+                raise ValueError("params: transport 'shm' needs the parameters DDP reduces, found none")
+            kinds = {(p.dtype, p.device) for p in grads}
+            if len(kinds) != 1:
+                raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
+            (dtype, device), = kinds
+            check_transport(transport, device)
+            self.shm = SharedMemoryAllreduce(process_group, sum(p.numel() for p in grads), dtype)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "process_group"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("process_group", "shm")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.process_group = None
+        self.shm = None
+        self.transport = "default"
 
 
 def allreduce_hook(state: AllreduceState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -72,6 +100,9 @@ def allreduce_hook(state: AllreduceState | None, bucket: dist.GradBucket) -> tor
         bucket: the gradient bucket DDP hands over; its buffer is reduced in place.
     """
     group = state.process_group if state is not None and state.process_group is not None else dist.group.WORLD
+    if state is not None and state.shm is not None:
+        buffer = bucket.buffer().div_(group.size())  # first, as the gloo path does
+        return _completed(state.shm.all_reduce(buffer))
     return _mean_future(bucket.buffer(), group)
 
 

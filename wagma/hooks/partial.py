@@ -31,6 +31,7 @@ from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_grou
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
+from wagma.shm import check_transport
 
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook"]
 
@@ -66,6 +67,8 @@ class PartialAllreduceState:
         timeout: bound of every wait.
         progress_nice: CPU gradients on Linux: the progress thread and its communicators' threads run this many
             nice levels below the caller (:class:`~wagma.WaitAvoidingGroupAllreduce`'s ``progress_nice``).
+        transport: how the rounds move CPU gradients: ``"default"`` (gloo) or ``"shm"`` (shared memory, every
+            rank on one host: :class:`wagma.shm.SharedMemoryAllreduce`). The warm-up and :meth:`flush` use gloo.
     """
 
     def __init__(
@@ -80,8 +83,10 @@ class PartialAllreduceState:
         overlap: bool = False,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         progress_nice: int = 0,
+        transport: str = "default",
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
+        self.transport = check_transport(transport)
         if mode not in ("solo", "majority"):
             raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
         self.mode: Mode = mode
@@ -102,6 +107,7 @@ class PartialAllreduceState:
         if len(kinds) != 1:
             raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
         (self.dtype, self.device), = kinds
+        check_transport(transport, self.device)
         # Residuals and round sums of half-precision gradients are kept in float32: a sum over P ranks (and
         # over carried rounds) would overflow float16 before the division by P.
         self.sum_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
@@ -123,7 +129,6 @@ class PartialAllreduceState:
         self.world_size = dist.get_world_size()
         self.engine: WaitAvoidingGroupAllreduce | None = None
         self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
-        self._staging = torch.zeros(total, dtype=self.sum_dtype, device=self.device)
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._warmup_views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -136,8 +141,12 @@ class PartialAllreduceState:
             schedule, residual, sync_period=self.sync_period, max_lead=self.max_lead, timeout=self.timeout,
             trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
             start_round=max(0, self.iteration - self.warmup_iters), progress_nice=self.progress_nice,
+            transport=self.transport,
         )
         self._resources.closers[:] = [self.engine]
+        # Where the buckets' gradients go, in parameter order. The engine takes it over at the end of the
+        # backward pass when nothing is pending (no add, no zeroing) and hands back zeros.
+        self._staging = self.engine.staging_buffer()
 
     # --------------------------------------------------------------------------------------- the hook
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -181,36 +190,36 @@ class PartialAllreduceState:
         assert self.engine is not None
         if self.overlap:
             k = self.engine.submit(self._staging)
-            self._staging.zero_()
+            self._staging = self.engine.staging_buffer()
             total, res = self._take_in_flight()
             self._pending = k
         else:
             res = self.engine(self._staging)
-            self._staging.zero_()
+            self._staging = self.engine.staging_buffer()
             total = res.sum
-        average = total.div_(self.world_size)
+        values: list[tuple[torch.Tensor, torch.Tensor]] = []
         for bucket, future in self._waiting:
-            # The result goes into the bucket's own buffer, as DDP's allreduce hook does: its gradients are in
-            # the staging buffer already, and a fresh buffer per bucket would cost an allocation every iteration.
+            # The mean goes into the bucket's own buffer, as DDP's allreduce hook does (its gradients are in the
+            # staging buffer already), divided on the way: one pass over the round's sum.
             out = bucket.buffer()
             base = out.storage_offset()
             for p, g in zip(bucket.parameters(), bucket.gradients()):
                 offset, n = self._offsets[id(p)]
                 at = g.storage_offset() - base
-                out[at : at + n].copy_(average[offset : offset + n])
+                view = out[at : at + n]
+                torch.div(total[offset : offset + n], self.world_size, out=view)
+                values.append((p, view))
             future.set_result(out)
         self._waiting = []
-        engine = self.engine
-        # Once the gradients are written, nothing reads the round's sum: the engine reuses its memory.
-        self._after_ddp_finalize(
-            lambda: [(p, average[off : off + n]) for p in self.params for off, n in [self._offsets[id(p)]]],
-            release=None if res is None else (lambda: engine.recycle(total) if engine is self.engine else None),
-        )
+        if res is not None and self.engine is not None:
+            self.engine.recycle(total)  # nothing reads the round's sum any more: the engine reuses its memory
+        # DDP copies the buckets into the .grad of the parameters it saw used; the writer covers the others.
+        self._after_ddp_finalize(lambda: values)
         self.iteration += 1
         self.rounds += 1
         if res is not None:
             lag = 1 if self.overlap else 0  # overlap: applied one iteration after its round
-            self.stats.record_reduction("global" if res.is_sync else "local", average.nbytes, res.wait_s)
+            self.stats.record_reduction("global" if res.is_sync else "local", total.nbytes, res.wait_s)
             self.stats.record_contribution(res.staleness + lag)  # 0 when this rank's fresh gradient made it in
 
     def _take_in_flight(self) -> tuple[torch.Tensor, Any]:
@@ -226,25 +235,17 @@ class PartialAllreduceState:
         self._pending = None
         return res.sum, res
 
-    def _after_ddp_finalize(
-        self, values: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]], release: Callable[[], None] | None = None
-    ) -> None:
+    def _after_ddp_finalize(self, values: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Make each parameter's ``.grad`` its (flat) value in ``values()`` once DDP has finished the pass.
 
         With ``find_unused_parameters=True`` DDP leaves the ``.grad`` of a parameter it thinks no rank used
         untouched, although this iteration's result for it may hold gradients carried from earlier rounds
         (or, with :meth:`process_group_for_ddp`, the other ranks' gradients): they would be lost. DDP
         queues its finalizer right after the last bucket's hook, so a callback queued now runs before it;
-        that callback queues the writer, which then runs after DDP's finalizer (and then ``release``, if given).
+        that callback queues the writer, which then runs after DDP's finalizer.
         """
         engine = torch.autograd.Variable._execution_engine
-
-        def write() -> None:
-            self._write_grads(values())
-            if release is not None:
-                release()
-
-        engine.queue_callback(lambda: engine.queue_callback(write))
+        engine.queue_callback(lambda: engine.queue_callback(lambda: self._write_grads(values())))
 
     def _write_grads(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
@@ -253,8 +254,8 @@ class PartialAllreduceState:
                 if p.grad is None:
                     if bool(value.ne(0).any()):
                         p.grad = value.to(self.dtype, copy=True)
-                else:
-                    p.grad.copy_(value)
+                elif not (p.grad.data_ptr() == value.data_ptr() and p.grad.stride() == value.stride()):
+                    p.grad.copy_(value)  # (DDP with gradient_as_bucket_view: .grad is the bucket's view already)
 
     def process_group_for_ddp(self) -> LocalUsedMapGroup:
         """A process group to build DDP with, so that ``find_unused_parameters=True`` is not a barrier.

@@ -253,6 +253,8 @@ class WagmaPolicy(ModelAveragingPolicy):
             (:class:`~wagma.averaging.WagmaAverager`'s ``overlap``).
         progress_nice: nice levels below the training thread for the progress threads and their communicators'
             threads (CPU on Linux; :class:`~wagma.averaging.WagmaAverager`'s ``progress_nice``).
+        transport: ``"default"`` or ``"shm"`` (CPU, one host: the group rounds through shared memory;
+            :class:`~wagma.averaging.WagmaAverager`'s ``transport``).
         **kwargs: ``device``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
     """
 
@@ -271,9 +273,11 @@ class WagmaPolicy(ModelAveragingPolicy):
         sync: str = "barrier",
         overlap: bool = False,
         progress_nice: int = 0,
+        transport: str = "default",
         **kwargs: Any,
     ) -> None:
         super().__init__(warmup_steps=0, **kwargs)
+        self.transport = str(transport)
         self.group_size, self.sync_period = int(group_size), int(sync_period)
         self.schedule, self.mixing, self.order = schedule, mixing, order
         self.average_buffers, self.max_lead = bool(average_buffers), max_lead
@@ -290,7 +294,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
             sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
-            progress_nice=self.progress_nice,
+            progress_nice=self.progress_nice, transport=self.transport,
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -20,6 +20,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from wagma.hooks.basic import AllreduceState, allreduce_hook
+from wagma.shm import check_transport
+
 __all__ = ["AllreducePolicy", "Policy", "ddp_without_buffer_sync", "timeout"]
 
 
@@ -85,21 +88,30 @@ class AllreducePolicy(Policy):
 
     name = "allreduce"
 
-    def __init__(self, *, device: torch.device, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(self, *, device: torch.device, bucket_cap_mb: float = 25.0, transport: str = "default") -> None:
         """
         Args:
             device: where the model lives; a CUDA device is passed to DDP as its only device.
             bucket_cap_mb: DDP's gradient bucket size.
+            transport: ``"default"`` (DDP's own allreduce) or ``"shm"``: CPU gradients of ranks on one host are
+                averaged through shared memory (:func:`wagma.allreduce_hook` with a shared-memory
+                :class:`wagma.AllreduceState`), as the wagma and eager policies' rounds are with ``"shm"``.
         """
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.device = device
         self.bucket_cap_mb = float(bucket_cap_mb)
+        self.transport = check_transport(transport, device)
         self.global_reductions = 0
+        self.hook_state: AllreduceState | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.device] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, **_DDP_OPTIONS)
+        if self.transport == "shm":
+            self.hook_state = AllreduceState(transport="shm", params=list(model.parameters()))
+            ddp.register_comm_hook(self.hook_state, allreduce_hook)
+        return ddp
 
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         self.global_reductions += 1  # the gradients of this step were allreduced inside backward()
@@ -112,6 +124,10 @@ class AllreducePolicy(Policy):
 
     def stats(self) -> dict[str, Any]:
         return {"global_reductions": self.global_reductions, "staleness": 0}
+
+    def close(self) -> None:
+        if self.hook_state is not None and self.hook_state.shm is not None:
+            self.hook_state.shm.close()
 
 
 def timeout(seconds: float) -> datetime.timedelta:
@@ -126,7 +142,12 @@ _NO_BUFFER_SYNC = (
 )
 
 
+# The gradients are views of DDP's buckets: backward writes them there directly, and DDP copies nothing back.
+_DDP_OPTIONS = {"gradient_as_bucket_view": True}
+
+
 def ddp_without_buffer_sync(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
     """DDP without the per-forward buffer broadcast (a global barrier every step)."""
     device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **_NO_BUFFER_SYNC)
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **_NO_BUFFER_SYNC,
+                                   **_DDP_OPTIONS)

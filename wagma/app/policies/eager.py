@@ -37,6 +37,8 @@ class EagerPolicy(Policy):
         timeout_s: bound of every wait of the hook's engine.
         progress_nice: nice levels below the training thread for the hook's progress thread and its
             communicators' threads (CPU on Linux; :class:`~wagma.PartialAllreduceState`'s ``progress_nice``).
+        transport: ``"default"`` or ``"shm"`` (CPU, one host: the rounds through shared memory;
+            :class:`~wagma.PartialAllreduceState`'s ``transport``).
     """
 
     def __init__(
@@ -52,9 +54,11 @@ class EagerPolicy(Policy):
         bucket_cap_mb: float = 25.0,
         timeout_s: float = 300.0,
         progress_nice: int = 0,
+        transport: str = "default",
     ) -> None:
         self.name = f"eager_{mode}"
         self.progress_nice = int(progress_nice)
+        self.transport = str(transport)
         self.device, self.mode = device, mode
         self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
         self.max_lead = None if max_lead is None else int(max_lead)
@@ -67,7 +71,7 @@ class EagerPolicy(Policy):
         self.hook_state = PartialAllreduceState(
             list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
             seed=self.seed, max_lead=self.max_lead, overlap=self.overlap, timeout=timeout(self.timeout_s),
-            progress_nice=self.progress_nice,
+            progress_nice=self.progress_nice, transport=self.transport,
         )
         ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)

@@ -15,6 +15,7 @@ from typing import Any
 
 from wagma.engine import SYNCS
 from wagma.schedule import GroupSchedule, check_group_fits
+from wagma.shm import TRANSPORTS
 
 __all__ = [
     "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "WAGMA_SYNCS", "validate_allreduce", "validate_eager", "validate_hierarchical",
@@ -96,6 +97,12 @@ def _progress_nice(options: Mapping[str, Any]) -> None:
         raise ValueError(f"averaging.progress_nice must be an integer in [0, 19], got {value!r}")
 
 
+def _transport(options: Mapping[str, Any]) -> None:
+    value = options.get("transport", "default")
+    if value not in TRANSPORTS:
+        raise ValueError(f"averaging.transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
+
+
 def _common(options: Mapping[str, Any]) -> None:
     _positive(options, "bucket_cap_mb")
     _positive(options, "timeout_s")
@@ -108,18 +115,21 @@ _HIERARCHICAL_KEYS = (
 _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
     "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
-    "progress_nice", *_COMMON_KEYS,
+    "progress_nice", "transport", *_COMMON_KEYS,
 )
-_EAGER_KEYS = ("mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", "progress_nice", *_COMMON_KEYS)
+_EAGER_KEYS = (
+    "mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", "progress_nice", "transport", *_COMMON_KEYS,
+)
 
 
 def validate_allreduce(options: Mapping[str, Any], world_size: int) -> None:
-    """Check an ``allreduce`` config: only ``bucket_cap_mb`` (> 0)."""
-    unknown = set(options) - {"bucket_cap_mb"}
+    """Check an ``allreduce`` config: only ``bucket_cap_mb`` (> 0) and ``transport``."""
+    unknown = set(options) - {"bucket_cap_mb", "transport"}
     if unknown:
-        raise ValueError(f"averaging 'allreduce' takes only bucket_cap_mb, got {sorted(unknown)}")
+        raise ValueError(f"averaging 'allreduce' takes only bucket_cap_mb and transport, got {sorted(unknown)}")
     if float(options.get("bucket_cap_mb", 25.0)) <= 0:
         raise ValueError(f"averaging.bucket_cap_mb must be > 0, got {options['bucket_cap_mb']}")
+    _transport(options)
 
 
 def validate_local_sgd(options: Mapping[str, Any], world_size: int) -> None:
@@ -182,6 +192,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _flag(options, "average_buffers")
     _flag(options, "overlap")
     _progress_nice(options)
+    _transport(options)
     _common(options)
     schedule = options.get("schedule", "auto")
     try:
@@ -212,4 +223,5 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
         raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
     _flag(options, "overlap")
     _progress_nice(options)
+    _transport(options)
     _common(options)
