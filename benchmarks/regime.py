@@ -20,9 +20,12 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
   ``finalize`` (the final mean or flush, per timed step); ms/step minus their sum is the slowest rank's excess;
 - ``simulated_ms``: :func:`benchmarks.simulate.simulate` on the recorded trace (per rank and step: the
   sleeps, plus the real forward/backward up to its last gradient and the optimizer step) with an alpha-beta
-  network calibrated in the same world (allreduce of 1 float and of the model: 5 samples each, the
-  fastest as the slowest rank saw it)
-  (allreduce of 1 float and of the model, before training).
+  network calibrated in the same world (allreduce of 1 float and of the model, before training, through the
+  run's transport: 5 samples each, the fastest as the slowest rank saw it).
+
+``--transport shm`` sets ``averaging.transport=shm`` for every policy that has the key (``allreduce``, the
+``wagma`` and ``eager`` presets): their collectives go through shared memory instead of gloo's sockets, the
+DDP baseline's gradient allreduce included. Records carry ``transport``.
 
 Ratios (medians of the repetitions first): ``x_ddp`` = DDP's ms / the policy's, ``x_ideal`` = ideal / ms,
 ``x_bound`` = bound / ms (what the implementation keeps of what the protocol permits).
@@ -68,6 +71,7 @@ from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
 from wagma.app.models import MLP  # noqa: E402
 from wagma.app.policies import build_policy  # noqa: E402
+from wagma.shm import SharedMemoryAllreduce  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 
 __all__ = ["hidden_width", "main", "parse_args", "run_reps", "summarize"]
@@ -88,14 +92,16 @@ def hidden_width(params: int) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
 
 
-def _allreduce_s(n: int, repeats: int = 5) -> list[float]:
-    """Times of ``repeats`` allreduces of ``n`` floats over the default group (all ranks call it), after one untimed."""
+def _allreduce_s(n: int, repeats: int = 5, transport: str = "default") -> list[float]:
+    """Times of ``repeats`` allreduces of ``n`` floats over the default group (all ranks call it), after one untimed,
+    through the run's transport (gloo, or shared memory: what its policies' collectives go through)."""
     buf, times = torch.zeros(n), []
-    dist.all_reduce(buf)
+    reduce = SharedMemoryAllreduce(None, n).all_reduce if transport == "shm" else dist.all_reduce
+    reduce(buf)
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        dist.all_reduce(buf)
+        reduce(buf)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -112,7 +118,9 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, An
         for tensor in net.state_dict().values():
             dist.broadcast(tensor, src=0)
     nparams = sum(p.numel() for p in net.parameters())
-    network = {"allreduce_small_s": _allreduce_s(1), "allreduce_model_s": _allreduce_s(nparams), "nparams": nparams}
+    transport = str(spec["averaging"].get("transport", "default"))
+    network = {"allreduce_small_s": _allreduce_s(1, transport=transport),
+               "allreduce_model_s": _allreduce_s(nparams, transport=transport), "nparams": nparams}
     ready = [0.0]  # when the last gradient of the current backward pass was accumulated
     hooks = [q.register_post_accumulate_grad_hook(lambda _q: ready.__setitem__(0, time.perf_counter()))
              for q in net.parameters()]

@@ -29,7 +29,7 @@ def _ddp_parity(rank: int, world: int, transport: str = "default") -> float:
     hooked.register_comm_hook(state, allreduce_hook)
     if transport == "shm":  # every bucket through shared memory
         reduce, calls = state.shm.all_reduce, []
-        state.shm.all_reduce = lambda t: calls.append(t.numel()) or reduce(t)
+        state.shm.all_reduce = lambda t, out=None: calls.append(t.numel()) or reduce(t, out)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, hooked)]
     worst = 0.0
     for step in range(3):

@@ -86,3 +86,14 @@ def test_tiny_run_end_to_end(tmp_path):
     assert (tmp_path / "regime.md").exists()
     with pytest.raises(FileNotFoundError, match="expected a regime.json"):
         regime.main(["--out", str(tmp_path / "empty"), "--report-only"])
+
+
+def test_transport_shm_reaches_the_policies_that_have_it(tmp_path):
+    argv = ["--worlds", "2", "--scenarios", "none", "--policies", "allreduce", "eager_solo", "local_sgd",
+            "--compute-ms", "5", "--steps", "4", "--warmup", "2", "--reps", "1", "--out", str(tmp_path),
+            "--transport", "shm", "--no-report"]
+    result = regime.main(argv)
+    assert [(r["policy"], r["status"], r.get("transport")) for r in result["records"]] == [
+        ("allreduce", "ok", "shm"), ("eager_solo", "ok", "shm"), ("local_sgd", "ok", "default"),
+    ]
+    assert result["invocations"][0]["settings"]["transport"] == "shm"

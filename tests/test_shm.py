@@ -26,6 +26,7 @@ def _sum_worker(rank, world):
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     shm = SharedMemoryAllreduce(None, 1000, torch.float64)
+    dist.barrier()  # the creator unlinks right after the members' barrier: wait until it has
     left_after_construction = _ours(pids)
     out = []
     g = torch.Generator().manual_seed(rank)
@@ -39,6 +40,10 @@ def _sum_worker(rank, world):
             total += part
         returned = shm.all_reduce(x)
         out.append((returned is x, x, total))
+    source = torch.full((10,), float(rank), dtype=torch.float64)
+    into = torch.zeros(10, dtype=torch.float64)
+    returned = shm.all_reduce(source, out=into)  # out of place: the input is only read
+    assert returned is into and source.eq(rank).all() and into.eq(sum(range(world))).all(), (source, into)
     wide = torch.arange(12.0, dtype=torch.float64).reshape(3, 4) * (rank + 1)
     transposed = wide.t()  # not contiguous: reduced through a copy, written back in its own layout
     shm.all_reduce(transposed)
@@ -68,6 +73,10 @@ def _bad_input_worker(rank, world):
         except ValueError as exc:
             errors[what] = str(exc)
     try:
+        shm.all_reduce(torch.zeros(4), out=torch.zeros(2, 2))
+    except ValueError as exc:
+        errors["out"] = str(exc)
+    try:
         SharedMemoryAllreduce(None, 0)
     except ValueError as exc:
         errors["capacity"] = str(exc)
@@ -84,6 +93,7 @@ def test_bad_inputs_and_a_segment_too_large_for_dev_shm_are_refused_clearly():
         assert "at most 4 elements, found 5" in errors["long"]
         assert "torch.float32" in errors["dtype"] and "torch.float64" in errors["dtype"]
         assert "capacity: expected an integer >= 1, found 0" in errors["capacity"]
+        assert "expected out of shape (4,), found (2, 2)" in errors["out"]
         if rank == 0:  # the creator names the size and the free space
             assert "MiB" in errors["huge"] and "free" in errors["huge"] and "--shm-size" in errors["huge"]
         else:

@@ -291,24 +291,30 @@ class EngineCore:
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
                 send.record_stream(torch.cuda.current_stream(self.device))
-            if not self.accumulate:  # the snapshot may be contributed again next round: reduce a copy
-                snapshot, send = send, send.clone() if spare is None else spare.copy_(send)
-                with self.cond:
-                    self.reading = None
-                    if snapshot is not self.snapshot:  # superseded while it was being copied
-                        self.give_spare(snapshot)
+            source = None  # replace mode: the snapshot, until the exchange has read it
+            if not self.accumulate:  # the snapshot may be contributed again next round: reduce into another buffer
+                if self.shm:  # shared memory reads the snapshot and writes the sum elsewhere: no copy of ours
+                    source, send = send, torch.empty_like(send) if spare is None else spare
+                else:
+                    snapshot, send = send, send.clone() if spare is None else spare.copy_(send)
+                    self.done_reading(snapshot)
             t0 = time.perf_counter()
             pg = self.global_pg if sync else self.groups[group]
-            if pg is not None:
-                try:
-                    if self.shm:
-                        self.shm[group].all_reduce(send)
-                    else:
-                        dist.all_reduce(send, group=pg)
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"round {k}: {self.channel.who_is_missing(k, group)}. The exchange failed with: {exc}"
-                    ) from exc
+            try:
+                if pg is None:
+                    if source is not None:
+                        send.copy_(source)
+                elif self.shm:
+                    self.shm[group].all_reduce(send if source is None else source, out=send)
+                else:
+                    dist.all_reduce(send, group=pg)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"round {k}: {self.channel.who_is_missing(k, group)}. The exchange failed with: {exc}"
+                ) from exc
+            finally:
+                if source is not None:
+                    self.done_reading(source)
             exchange_s = time.perf_counter() - t0
             with self.cond:
                 self.results[k] = Done(k, sync, group, send, version, exchange_s, activated_at, self.record_event())
@@ -317,6 +323,13 @@ class EngineCore:
             k += 1
 
     # -------------------------------------------------------------------------------------- helpers
+    def done_reading(self, snapshot: torch.Tensor) -> None:
+        """Replace mode: the thread has read ``snapshot``; keep it for reuse if a newer one superseded it."""
+        with self.cond:
+            self.reading = None
+            if snapshot is not self.snapshot:  # superseded while it was being read
+                self.give_spare(snapshot)
+
     def swap_pending(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Take the pending contribution and leave zeros in its place; caller holds the lock."""
         out, event = self.snapshot, self.snapshot_event  # the consumer waits on `event` before reading

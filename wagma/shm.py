@@ -152,40 +152,42 @@ class SharedMemoryAllreduce:
     def _barrier(self) -> None:
         dist.all_reduce(self._flag, group=self.group)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace ``tensor`` (CPU, this object's dtype) by its sum over the group; return it.
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum ``tensor`` (CPU, this object's dtype, any layout) over the group into ``out`` (default: ``tensor``
+        itself, in place); return ``out``. With a separate ``out``, ``tensor`` is only read, and only before the
+        first barrier: a caller that must keep its input intact spares a copy of its own.
 
         Raises:
-            ValueError: a tensor of another dtype or device, or longer than ``capacity``.
+            ValueError: a tensor (or ``out``) of another dtype, device or size, or longer than ``capacity``.
             RuntimeError: from a barrier: a member died, stopped, or did not call within the group's timeout.
         """
-        if tensor.device.type != "cpu" or tensor.dtype != self.dtype or tensor.numel() > self.capacity:
-            raise ValueError(
-                f"all_reduce: expected a CPU tensor of {self.dtype} with at most {self.capacity} elements, "
-                f"found {tensor.numel()} elements of {tensor.dtype} on {tensor.device}"
-            )
+        dst = tensor if out is None else out
+        for what, t in (("tensor", tensor), ("out", dst)):
+            if t.device.type != "cpu" or t.dtype != self.dtype or t.numel() > self.capacity:
+                raise ValueError(
+                    f"all_reduce: expected {what} to be a CPU tensor of {self.dtype} with at most {self.capacity} "
+                    f"elements, found {t.numel()} elements of {t.dtype} on {t.device}"
+                )
+        if dst.shape != tensor.shape:
+            raise ValueError(f"all_reduce: expected out of shape {tuple(tensor.shape)}, found {tuple(dst.shape)}")
         if self._buffer is None:
             if self.size == 1:
-                return tensor
+                return dst if dst is tensor else dst.copy_(tensor)
             raise RuntimeError("this SharedMemoryAllreduce is closed")
         n, m, i, cap = tensor.numel(), self.size, self.index, self.capacity
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         slots = self._buffer[: m * cap].view(m, cap)
-        out = self._buffer[m * cap :]
+        total = self._buffer[m * cap :]
         bounds = [n * j // m for j in range(m + 1)]
         lo, hi = bounds[i], bounds[i + 1]
-        slots[i, :n].copy_(flat)
+        slots[i, :n].view(tensor.shape).copy_(tensor)
         self._barrier()
         if hi > lo:
-            chunk = out[lo:hi]
+            chunk = total[lo:hi]
             torch.add(slots[0, lo:hi], slots[1, lo:hi], out=chunk)
             for j in range(2, m):
                 chunk.add_(slots[j, lo:hi])
         self._barrier()
-        flat.copy_(out[:n])
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-        return tensor
+        return dst.copy_(total[:n].view(dst.shape))
 
     def close(self) -> None:
         """Unmap the segment (idempotent); the memory is freed once every member has closed or exited."""
