@@ -12,8 +12,9 @@ The library imports with torch alone; use it from your own DDP script (docs/libr
   warm-up, then no gradient communication.
 - :func:`flatten_parameters` lays a model's parameters out in one flat storage, so averagers average that
   memory in place instead of copying the model in and out every round.
-- Building blocks: :class:`GroupSchedule` (which ranks average together in which round) and
-  :class:`WaitAvoidingGroupAllreduce` (the engine under WAGMA-SGD and eager-SGD).
+- Building blocks: :class:`GroupSchedule` (which ranks average together in which round),
+  :class:`WaitAvoidingGroupAllreduce` (the engine under WAGMA-SGD and eager-SGD) and
+  :class:`SharedMemoryAllreduce` (CPU collectives of ranks on one host through shared memory, ``transport="shm"``).
 
 The training application (Hydra configs, ``train.py``, datasets, checkpoints) is built on top of it.
 """
@@ -41,6 +42,7 @@ from wagma.hooks import (
 )
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
+from wagma.shm import SharedMemoryAllreduce
 
 __all__ = [
     "AllreduceState",
@@ -54,6 +56,7 @@ __all__ = [
     "PostLocalState",
     "ReductionMomentum",
     "RoundResult",
+    "SharedMemoryAllreduce",
     "WagmaAverager",
     "WaitAvoidingGroupAllreduce",
     "__version__",

@@ -134,13 +134,13 @@ class WaitAvoidingGroupAllreduce:
         start_round: the round of the first call (to resume a run: every rank passes the same value).
         progress_nice: CPU tensors on Linux: run the progress thread, and the threads of the engine's gloo
             communicators, this many nice levels below the calling thread (0: the same priority; at most 19).
+            Where ranks share cores, their compute then goes first and the exchanges fill the idle time, which
+            pays when no one waits for the exchange at once (``submit`` now, ``collect`` a step later); an
+            exchange someone waits for can take longer. Ignored for CUDA tensors, whose collectives run on the GPU.
         transport: ``"default"`` (the process groups' backend: gloo for CPU tensors, NCCL for CUDA ones) or
             ``"shm"``: CPU tensors of ranks on one host are summed through shared memory
             (:class:`wagma.shm.SharedMemoryAllreduce`, one segment per group of this rank, ``(S + 1) x`` the
             tensor's size; gloo still carries the barriers), which spares the cores gloo's socket copies.
-            Where ranks share cores, their compute then goes first and the exchanges fill the idle time, which
-            pays when no one waits for the exchange at once (``submit`` now, ``collect`` a step later); an
-            exchange someone waits for can take longer. Ignored for CUDA tensors, whose collectives run on the GPU.
     """
 
     def __init__(

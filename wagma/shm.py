@@ -9,7 +9,7 @@ of a group share one memory segment instead, laid out as ``[slot 0 | ... | slot 
 2. barrier (every slot written);
 3. sum chunk ``i`` (``numel / m`` elements) of every slot, in member order, into chunk ``i`` of ``out``;
 4. barrier (every chunk summed);
-5. copy ``out`` into the tensor.
+5. copy ``out`` into the tensor (or into a separate output, leaving the input as it was).
 
 The barriers are 1-element gloo allreduces on the group's own process group, so they carry its timeout and
 its errors (a member that died or stopped shows up there, as it would in a gloo allreduce). No third barrier
