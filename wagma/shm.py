@@ -67,7 +67,8 @@ def _host_identity() -> str:
 
 
 class SharedMemoryAllreduce:
-    """In-place sum-allreduce of CPU tensors among the members of ``group``, through one shared segment.
+    """Sum-allreduce of CPU tensors among the members of ``group`` (in place, or into an output), through one
+    shared segment.
 
     Collective over ``group``: every member constructs it at the same point, as for any collective on that
     group. A tensor may have up to ``capacity`` elements of ``dtype``. Calls are collective too, in the same
