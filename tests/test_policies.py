@@ -284,6 +284,7 @@ def test_every_policy_trains_digits_on_four_ranks_to_90_percent_with_its_default
     assert all(r["consensus"] >= 0 for r in records if "consensus" in r)
 
 
+@pytest.mark.slow  # 7 s each: two whole trainings
 @pytest.mark.parametrize("option", ["allreduce", "wagma", "eager_solo"])
 def test_the_shared_memory_transport_trains_as_the_default_one_does(tmp_path, option):
     # Two runs of 40 steps on 2 ranks, the same seed, one override apart: the rounds and gradient means go through
