@@ -351,6 +351,7 @@ def _kill_and_resume(tmp_path: Path, *common: str) -> tuple[dict, Path]:
     return summaries[0], straight
 
 
+@pytest.mark.slow  # 6 s: a rank really exits mid-run, then a resumed run
 def test_kill_and_resume_a_model_averaging_policy_gives_the_uninterrupted_model(tmp_path):
     summary, straight = _kill_and_resume(
         tmp_path, "averaging=hierarchical_momentum", "averaging.warmup_steps=3", "averaging.local_period=2",
@@ -425,6 +426,7 @@ def test_sweep_labels_jobs_by_the_overrides_that_vary_and_tabulates_failures(tmp
     assert lines[3].split() == ["01_b", "failed", "(exit", "status", "2)"]
 
 
+@pytest.mark.slow  # 6-7 s each: a rank really exits mid-run, then a resumed run
 @pytest.mark.parametrize(
     "policy,extra",
     [
