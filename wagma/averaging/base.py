@@ -50,6 +50,7 @@ from wagma.averaging.tensors import (
     collect_named,
     collect_named_buffers,
     collect_parameters,
+    reduced_parameters,
 )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "collect_buffers",
     "collect_named",
     "collect_parameters",
+    "reduced_parameters",
 ]
 
 #: Kind of reduction an averager ran at a step: among a subset of ranks, or among all of them.

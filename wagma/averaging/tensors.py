@@ -29,6 +29,7 @@ __all__ = [
     "collect_buffers",
     "collect_named",
     "collect_parameters",
+    "reduced_parameters",
 ]
 
 #: What ``average_parameters`` accepts: ``model.parameters()``, ``model.named_parameters()``, a list of
@@ -94,6 +95,23 @@ def collect_named(params: ParamsLike) -> tuple[list[torch.Tensor], list[str | No
 def collect_parameters(params: ParamsLike) -> list[torch.Tensor]:
     """The tensors of :func:`collect_named`, without their names."""
     return collect_named(params)[0]
+
+
+def reduced_parameters(params: ParamsLike) -> tuple[list[torch.Tensor], torch.dtype, torch.device]:
+    """The distinct parameters of ``params`` that require a gradient (those DDP reduces), with their one dtype and
+    device.
+
+    Raises:
+        ValueError: none requires a gradient, or they do not share one dtype and device.
+    """
+    grads = [p for p in collect_parameters(params) if p.requires_grad]
+    if not grads:
+        raise ValueError("params: expected at least one parameter that requires a gradient, found none")
+    kinds = {(p.dtype, p.device) for p in grads}
+    if len(kinds) != 1:
+        raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
+    (dtype, device), = kinds
+    return grads, dtype, device
 
 
 def collect_buffers(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import OwnedResources
+from wagma.averaging.base import OwnedResources, reduced_parameters
 from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
 from wagma.schedule import check_group_fits
 from wagma.shm import SharedMemoryAllreduce, check_transport
@@ -72,13 +72,9 @@ class AllreduceState:
         self.transport = check_transport(transport)
         self.shm: SharedMemoryAllreduce | None = None
         if transport == "shm":
-            grads = [p for p in (params or []) if p.requires_grad]
-            if not grads:
+            if params is None:
                 raise ValueError("params: transport 'shm' needs the parameters DDP reduces, found none")
-            kinds = {(p.dtype, p.device) for p in grads}
-            if len(kinds) != 1:
-                raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
-            (dtype, device), = kinds
+            grads, dtype, device = reduced_parameters(params)
             check_transport(transport, device)
             self.shm = SharedMemoryAllreduce(process_group, sum(p.numel() for p in grads), dtype)
 

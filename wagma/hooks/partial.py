@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerStats, OwnedResources, check_int, collect_parameters
+from wagma.averaging.base import AveragerStats, OwnedResources, check_int, reduced_parameters
 from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.hooks.ddp_group import LocalUsedMapGroup
@@ -86,7 +86,6 @@ class PartialAllreduceState:
         transport: str = "default",
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
-        self.transport = check_transport(transport)
         if mode not in ("solo", "majority"):
             raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
         self.mode: Mode = mode
@@ -100,14 +99,8 @@ class PartialAllreduceState:
         self._pending: int | None = None  # overlap: the round submitted by the previous iteration
         self._ready: torch.Tensor | None = None  # overlap: its sum, once collected by state_dict()
         self.timeout = as_timeout(timeout)
-        self.params = [p for p in collect_parameters(params) if p.requires_grad]
-        if not self.params:
-            raise ValueError("params: expected at least one parameter that requires a gradient, found none")
-        kinds = {(p.dtype, p.device) for p in self.params}
-        if len(kinds) != 1:
-            raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
-        (self.dtype, self.device), = kinds
-        check_transport(transport, self.device)
+        self.params, self.dtype, self.device = reduced_parameters(params)
+        self.transport = check_transport(transport, self.device)
         # Residuals and round sums of half-precision gradients are kept in float32: a sum over P ranks (and
         # over carried rounds) would overflow float16 before the division by P.
         self.sum_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
