@@ -51,7 +51,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +92,10 @@ def hidden_width(params: int) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
 
 
-def _allreduce_s(n: int, repeats: int = 5, transport: str = "default") -> list[float]:
-    """Times of ``repeats`` allreduces of ``n`` floats over the default group (all ranks call it), after one untimed,
-    through the run's transport (gloo, or shared memory: what its policies' collectives go through)."""
+def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5) -> list[float]:
+    """Times of ``repeats`` allreduces of ``n`` floats over the default group (all ranks call it) by ``reduce``,
+    after one untimed."""
     buf, times = torch.zeros(n), []
-    reduce = SharedMemoryAllreduce(None, n).all_reduce if transport == "shm" else dist.all_reduce
     reduce(buf)
     for _ in range(repeats):
         dist.barrier()
@@ -104,6 +103,14 @@ def _allreduce_s(n: int, repeats: int = 5, transport: str = "default") -> list[f
         reduce(buf)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def _calibrate(nparams: int, transport: str) -> dict[str, Any]:
+    """Allreduce times of 1 float and of the model, through the run's transport (gloo, or shared memory: what its
+    policies' collectives go through); a shared segment lives only as long as this call."""
+    reduce = SharedMemoryAllreduce(None, nparams).all_reduce if transport == "shm" else dist.all_reduce
+    return {"allreduce_small_s": _allreduce_s(1, reduce), "allreduce_model_s": _allreduce_s(nparams, reduce),
+            "nparams": nparams}
 
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -118,9 +125,7 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, An
         for tensor in net.state_dict().values():
             dist.broadcast(tensor, src=0)
     nparams = sum(p.numel() for p in net.parameters())
-    transport = str(spec["averaging"].get("transport", "default"))
-    network = {"allreduce_small_s": _allreduce_s(1, transport=transport),
-               "allreduce_model_s": _allreduce_s(nparams, transport=transport), "nparams": nparams}
+    network = _calibrate(nparams, str(spec["averaging"].get("transport", "default")))
     ready = [0.0]  # when the last gradient of the current backward pass was accumulated
     hooks = [q.register_post_accumulate_grad_hook(lambda _q: ready.__setitem__(0, time.perf_counter()))
              for q in net.parameters()]

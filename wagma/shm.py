@@ -103,24 +103,21 @@ class SharedMemoryAllreduce:
             where = ", ".join(f"rank {r} on {h}" for r, h in zip(self.ranks, hosts))
             raise ValueError(f"transport 'shm' needs every member of a group on one host, found {where}")
         nbytes = (self.size + 1) * capacity * torch.empty((), dtype=dtype).element_size()
-        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-        error = torch.zeros(1)
-        path = ""
+        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)  # the segment's file name; all zeros: creation failed
+        path, failure = "", None
         if self.index == 0:
             try:
                 path = self._create(nbytes)
                 encoded = os.path.basename(path).encode("ascii")
                 name[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
             except ValueError as exc:
-                error.fill_(1.0)
                 failure = exc
-        dist.broadcast(error, group_src=0, group=group)
-        if error.item():
-            if self.index == 0:
-                raise failure
+        dist.broadcast(name, group_src=0, group=group)
+        if failure is not None:
+            raise failure
+        if not name.any():
             raise ValueError(f"transport 'shm': rank {self.ranks[0]} could not create the group's shared segment "
                              f"of {nbytes / 2**20:.1f} MiB in {SHM_DIR} (its error names why)")
-        dist.broadcast(name, group_src=0, group=group)
         if self.index != 0:
             path = os.path.join(SHM_DIR, bytes(name[name.ne(0)].tolist()).decode("ascii"))
         try:
