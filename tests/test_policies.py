@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 AVERAGING = sorted(p.stem for p in (CONFIGS / "averaging").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
-PRESETS = {"wagma_relaxed": "wagma", "wagma_overlap": "wagma", "eager_solo_overlap": "eager_solo"}  # averaging options that preset another policy's keys: option -> policy name
+PRESETS = {"wagma_relaxed": "wagma", "wagma_overlap": "wagma", "wagma_relaxed_overlap": "wagma", "eager_solo_overlap": "eager_solo"}  # averaging options that preset another policy's keys: option -> policy name
 CPU = torch.device("cpu")
 
 
@@ -48,7 +48,7 @@ def _options(policy: str, **changes: object) -> dict:
 
 def test_the_averaging_options_and_experiment_presets_exist():
     assert set(AVERAGING) == {
-        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_overlap", "wagma_relaxed", "eager_solo", "eager_solo_overlap",
+        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_overlap", "wagma_relaxed", "wagma_relaxed_overlap", "eager_solo", "eager_solo_overlap",
         "eager_majority",
     }
     assert {"wagma_random_k", "eager_solo_random_k", "allreduce_random_k"} <= set(EXPERIMENTS)
@@ -59,6 +59,8 @@ def test_the_averaging_options_and_experiment_presets_exist():
     assert wagma.sync == "barrier" and _compose("averaging=wagma_relaxed").averaging.sync == "wait_avoiding"
     assert wagma.overlap is False and _compose("averaging=wagma_overlap").averaging.overlap is True
     assert wagma.progress_nice == 0 and _compose("averaging=wagma_overlap").averaging.progress_nice == 10
+    both = _compose("averaging=wagma_relaxed_overlap").averaging
+    assert (both.name, both.sync, both.overlap, both.progress_nice) == ("wagma", "wait_avoiding", True, 10)
     assert _compose("averaging=eager_solo_overlap").averaging.overlap is True
     assert _compose("averaging=eager_solo").averaging.sync_period == 32
     assert _compose("averaging=eager_majority").averaging.mode == "majority"

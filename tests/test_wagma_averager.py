@@ -573,3 +573,57 @@ def test_overlap_keeps_sync_rounds_blocking_and_fresh_and_leaves_no_round_behind
     for rank in range(1, world):
         assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[rank][1]))  # identical after each sync round
         assert torch.equal(out[0][2], out[rank][2])
+
+
+# -- sync="wait_avoiding" with overlap=True: a rank waits for nothing but its staleness bounds -------------------
+def _relaxed_overlap_worker(rank, world, rounds, sleeps, sync_period, max_lead):
+    model = _tagged(rank)
+    kinds, waits = [], []
+    with WagmaAverager(2, sync_period, params=model.parameters(), max_lead=max_lead, sync="wait_avoiding",
+                       overlap=True, timeout=TIMEOUT) as avg:
+        for step in range(rounds):
+            time.sleep(sleeps(rank, step))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * (rank + 1))
+            t0 = time.perf_counter()
+            kinds.append(avg.average_parameters(model.parameters()))
+            waits.append(time.perf_counter() - t0)
+        avg.synchronize(model.parameters())  # collects the round in flight, then a fresh global mean
+        stats = avg.stats.as_dict()
+        left = len(avg._engines[0]._uncollected)
+    return kinds, waits, _flat(model), stats, left
+
+
+def test_wait_avoiding_sync_with_overlap_bounds_staleness_by_max_lead_plus_one():
+    """Both relaxations together (the wagma_relaxed_overlap preset): every round, sync rounds included, is
+    submitted and applied one call later, so a call never waits for a rank to arrive; a persistently slow rank
+    falls behind until its contributions are L rounds old, applied one call later: L + 1 (docstring, point 1),
+    never more (from then on the fast ranks' lead bound holds them, as it must). Each call k >= 1 applies
+    round k - 1, whose kind (global every sync_period + 1 rounds) it returns."""
+    world, rounds, sync_period, lead, delay = 4, 16, 3, 2, 0.08
+    out = run_workers(_relaxed_overlap_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead,
+                      timeout_s=90)
+    expected = [None] + ["global" if k % (sync_period + 1) == sync_period else "local" for k in range(rounds - 1)]
+    for rank, (kinds, waits, _, stats, left) in enumerate(out):
+        assert kinds == expected, (rank, kinds)
+        hist = {int(k): v for k, v in stats["staleness_hist"].items()}
+        assert min(hist) >= 1 and max(hist) <= lead + 1, (rank, hist)
+        assert sum(hist.values()) == rounds - 1  # rounds 0 .. rounds-2, each applied one call late
+        assert left == 0
+    slow = {int(k): v for k, v in out[world - 1][3]["staleness_hist"].items()}
+    assert max(slow) == lead + 1, slow
+    for rank in range(1, world):
+        assert torch.equal(out[0][2], out[rank][2])  # synchronize(): identical replicas
+
+
+def test_wait_avoiding_sync_with_overlap_waits_for_no_late_rank():
+    """random_k1 (one random rank per step sleeps): a rank that did not sleep normally waits for nothing, sync
+    rounds included: each call only collects the round its previous call submitted, done by then."""
+    world, rounds, sync_period, delay = 4, 16, 3, 0.2
+    sleeps = _random_sleeper(world, rounds, delay)
+    out = run_workers(_relaxed_overlap_worker, world, rounds, sleeps, sync_period, sync_period, timeout_s=90)
+    waits = [w for rank, (_, ws, _, _, _) in enumerate(out) for step, w in enumerate(ws) if sleeps(rank, step) == 0.0]
+    assert sorted(waits)[len(waits) // 2] < delay / 10, sorted(waits)  # the lead bound may hold a rank now and then
+    for _, _, _, stats, _ in out:
+        assert max(int(k) for k in stats["staleness_hist"]) <= sync_period + 1

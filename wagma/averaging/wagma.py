@@ -120,6 +120,13 @@ class WagmaAverager(AveragerBase):
     3. *Consensus after a sync round:* the ranks whose fresh model made it in hold the same model
        m = sum / P exactly; a late rank holds m + (w - m) / (P + 1), i.e. within 1/(P + 1) of its
        own distance to m, which by 1. and 2. is a bounded number of local steps and group mixes.
+
+    **With** ``overlap=True`` **as well** (preset ``wagma_relaxed_overlap``), every round, sync rounds
+    included, is submitted and applied by the next call, so a call waits only where a bound holds it. 1. holds
+    as stated for what enters each round (the engine is the same); applied one call later, a contribution is at
+    most L + 1 calls old when it meets the model, which is what ``stats.staleness_hist`` counts (largest key
+    <= L + 1). 2. becomes τ + L + 1: a rank that finished call k has collected round k - 1, so the last sync
+    round it has seen completed is s > k - 1 - (τ + 1), and every rank had published call s - L >= k - τ - L - 1.
     """
 
     def __init__(
