@@ -44,10 +44,11 @@ else
 fi
 
 # 3. The target point of issue 13 (point 3): 1 M parameters, P = 8 and 16, random_k1 and no imbalance (the
-#    overhead against DDP), the reference policies beside their overlap and relaxed presets. 24 worlds, about 10 min.
+#    overhead against DDP), the reference policies beside their overlap and relaxed presets. 28 worlds, about 12 min.
 if [ "${TARGETS:-1}" != 0 ]; then
     "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 1e6 --worlds 8 16 --scenarios random_k1 none \
-        --policies allreduce wagma wagma_overlap wagma_relaxed eager_solo eager_solo_overlap --steps "$STEPS" --warmup 3 \
+        --policies allreduce wagma wagma_overlap wagma_relaxed wagma_relaxed_overlap eager_solo eager_solo_overlap \
+        --steps "$STEPS" --warmup 3 \
         --reps "$REPS" --out "$OUT" --append
     echo "target point done after $(( $(date +%s) - start )) s"
 fi

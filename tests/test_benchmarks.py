@@ -14,7 +14,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 import wagma.app.policies as policy_module  # noqa: E402
-from benchmarks import collect, report, run  # noqa: E402
+from benchmarks import accuracy, collect, report, run  # noqa: E402
 from wagma.app.policies import Policy, register_policy  # noqa: E402
 
 REQUIRED = (
@@ -169,6 +169,46 @@ def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
     assert f"| random_k1 | {test_policy} |" in table and "`no_such_policy` (skipped; random_k1)" in table
     for png in ("accuracy_vs_time.png", "throughput.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/accuracy.py
+# ----------------------------------------------------------------------------------------------
+
+
+def test_accuracy_summary_names_the_largest_gap_and_never_passes_a_failed_run():
+    def rec(dataset, seed, policy, gap):
+        return {"dataset": dataset, "seed": seed, "policy": policy, "gap_points": gap}
+
+    records = [rec("digits", 0, "allreduce", None), rec("digits", 0, "a", 0.4), rec("digits", 0, "b", -2.0),
+               rec("digits", 0, "c", None), rec("mnist", 1, "allreduce", None), rec("mnist", 1, "a", 1.3),
+               rec("mnist", 1, "b", 0.2), rec("mnist", 1, "c", 0.1)]
+    summary = accuracy.summarize(records, tolerance=1.0)
+    assert list(summary) == ["a", "b", "c"]  # DDP is the reference, not a row
+    assert summary["a"] == {"runs": 2, "missing": [], "max_gap_points": 1.3, "where": "mnist/seed 1",
+                            "within_tolerance": False}
+    assert summary["b"]["max_gap_points"] == 0.2 and summary["b"]["within_tolerance"]  # better than DDP counts as 0.2
+    assert summary["c"]["missing"] == ["digits/seed 0"] and not summary["c"]["within_tolerance"]
+
+
+@pytest.mark.slow
+def test_accuracy_script_sets_each_policy_beside_ddp_at_equal_samples(tmp_path, test_policy):
+    out = accuracy.main([
+        "--datasets", "digits", "--seeds", "0", "--world", "2", "--steps", "12", "--delay-s", "0.005",
+        "--policies", test_policy, "no_such_policy", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work"),
+    ])
+    saved = json.loads((tmp_path / "acc" / "accuracy.json").read_text())
+    assert saved["records"] == json.loads(json.dumps(out["records"]))
+    by_policy = {r["policy"]: r for r in saved["records"]}
+    assert list(by_policy) == ["allreduce", test_policy, "no_such_policy"]
+    ddp, mine = by_policy["allreduce"]["final_accuracy"], by_policy[test_policy]["final_accuracy"]
+    assert 0 < ddp <= 1 and 0 < mine <= 1
+    assert by_policy[test_policy]["gap_points"] == pytest.approx(100 * (ddp - mine))
+    assert by_policy["no_such_policy"]["final_accuracy"] is None
+    assert saved["summary"]["no_such_policy"]["missing"] == ["digits/seed 0"]
+    assert saved["settings"]["samples"] == 12 * 32 * 2 and len(saved["invocations"]) == 1
+    table = (tmp_path / "acc" / "accuracy.md").read_text()
+    assert f"| digits | 0 | {test_policy} |" in table and "no_such_policy: no accuracy" in table
 
 
 # ----------------------------------------------------------------------------------------------
