@@ -519,7 +519,7 @@ def _overlap_closed_form_worker(rank, world):
     return kinds, unchanged, after, group, stats
 
 
-def test_overlap_applies_each_round_one_call_later_as_a_late_rank_mixes():
+def test_overlap_applies_each_round_one_call_later_keeping_the_local_step_whole():
     world = 4
     for rank, (kinds, unchanged, after, group, stats) in enumerate(run_workers(_overlap_closed_form_worker, world)):
         assert kinds == [None, "local"]  # call 0 only submits; call 1 applies round 0
@@ -527,11 +527,42 @@ def test_overlap_applies_each_round_one_call_later_as_a_late_rank_mixes():
             torch.testing.assert_close(p, torch.full_like(p, (rank + 1.0) * (i + 1)))
         (partner,) = [j for j in group if j != rank]
         for i, p in enumerate(after):
-            # Round 0 summed the tagged models of the pair; the fresh model (tagged + the local step) mixes in once.
-            fresh = (rank + 1.0) * (i + 1) + 10.0 * (rank + 1)
-            expected = (fresh + (rank + 1.0) * (i + 1) + (partner + 1.0) * (i + 1)) / 3
+            # Round 0 summed the tagged models of the pair (max_lead=0: both fresh). Its reference average
+            # replaces the submitted model, and the local step taken since is kept whole: w + avg - sent.
+            sent, other = (rank + 1.0) * (i + 1), (partner + 1.0) * (i + 1)
+            fresh = sent + 10.0 * (rank + 1)
+            expected = fresh + (sent + sent + other) / 3 - sent
             torch.testing.assert_close(p, torch.full_like(p, expected))
         assert stats["local_reductions"] == 1 and stats["staleness_hist"] == {1: 1}
+
+
+def _overlap_late_worker(rank, world):
+    """Rank 1 sleeps before its first call, so its progress thread runs round 0 with the initial model: late."""
+    model = _tagged(rank)
+    with WagmaAverager(2, 5, params=model.parameters(), max_lead=1, overlap=True, timeout=TIMEOUT) as avg:
+        if rank == 1:
+            time.sleep(0.5)
+        avg.average_parameters(model.parameters())  # submits round 0 (rank 0 triggers it at once)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(10.0 * (rank + 1))
+        avg.average_parameters(model.parameters())  # applies round 0
+        after = [p.detach().clone() for p in model.parameters()]
+        hist = dict(avg.stats.as_dict()["staleness_hist"])
+    return after, hist
+
+
+def test_overlap_mixes_a_round_this_rank_was_late_for_as_a_late_rank():
+    """Rank 0 contributed the model it submitted (fresh): w + (sent + sum) / 3 - sent. Rank 1's thread
+    contributed its initial model before rank 1 submitted anything, so what it submitted is not in the sum:
+    it mixes as a late rank, (w + sum) / 3 (DESIGN §2.3), and counts the contribution 2 calls old."""
+    (after0, hist0), (after1, hist1) = run_workers(_overlap_late_worker, 2)
+    assert hist0 == {1: 1} and hist1 == {2: 1}, (hist0, hist1)
+    for i, (p0, p1) in enumerate(zip(after0, after1)):
+        t0, t1 = 1.0 * (i + 1), 2.0 * (i + 1)  # the tagged (and initial) models
+        total = t0 + t1  # round 0: rank 0's submitted model and rank 1's initial one
+        torch.testing.assert_close(p0, torch.full_like(p0, (t0 + 10.0) + (t0 + total) / 3 - t0))
+        torch.testing.assert_close(p1, torch.full_like(p1, ((t1 + 20.0) + total) / 3))
 
 
 def _overlap_run_worker(rank, world, steps, sync_period):

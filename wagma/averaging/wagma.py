@@ -37,7 +37,7 @@ import torch.distributed as dist
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.tensors import FlatBuffers
 from wagma.averaging.groups import DEFAULT_TIMEOUT, require_initialized
-from wagma.engine import SYNCS, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
+from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import check_transport
@@ -85,9 +85,12 @@ class WagmaAverager(AveragerBase):
         overlap: ``False`` (default): a call waits for its round and mixes the result into the model it
             published. ``True``: a call first applies the round the *previous* call submitted, then submits
             its own and returns without waiting for it, so the exchange runs while the rank computes its
-            next step. A round's result meets a model that has moved on by one local step, so it is mixed
-            as a late rank's, ``(w + sum) / (S + 1)``: nothing computed is lost, and every contribution
-            is applied one call after its round (``stats.staleness_hist`` counts it 1 older). A blocking
+            next step. A round's result meets a model that has moved on by one local step ``w``: the round's
+            average of the models submitted replaces the one this rank submitted, and the local step is kept
+            whole, ``w + (sent + sum) / (S + 1) - sent`` (``sum / S`` under mean mixing and on sync rounds), the
+            update the round makes without overlap, one call later. If this rank was late for its own round
+            (its thread sent an older snapshot), it mixes as a late rank, ``(w + sum) / (S + 1)``. Every
+            contribution is applied one call after its round (``stats.staleness_hist`` counts it 1 older). A blocking
             sync round (``sync="barrier"``) still runs at once with the fresh, just-mixed model, and
             :meth:`synchronize` collects the round in flight without applying it (the mean of fresh
             models supersedes its mix). A resumed run starts without a round in flight: one group mix
@@ -180,6 +183,8 @@ class WagmaAverager(AveragerBase):
         self.progress_nice = progress_nice
         self.transport = transport
         self._pending: int | None = None  # overlap: the round submitted and not yet applied
+        # overlap: per engine, a copy of the model the pending round was submitted with (reused buffers)
+        self._submitted: list[torch.Tensor] = []
         self.schedule = _build_schedule(schedule, self.world_size, group_size)
         self._tensors = self.tensors_to_average(params, buffers)
         if not self._tensors:
@@ -197,6 +202,7 @@ class WagmaAverager(AveragerBase):
         """
         self._close_engines()
         self._pending = None
+        self._submitted = []
         self._engines[:] = [
             WaitAvoidingGroupAllreduce(
                 self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
@@ -251,11 +257,10 @@ class WagmaAverager(AveragerBase):
         wides = [_wide(buffer) for buffer in buffers]
         kind: Reduction | None = None
         if self._pending is not None:
-            # The model has moved on since it was published: mix as a late rank does, (w + sum) / (S + 1).
             previous = [engine.collect(self._pending) for engine in self._engines]
             self._pending = None
-            for engine, wide, res in zip(self._engines, wides, previous):
-                wagma_combine_(wide, res.sum, float(len(res.group) + 1))
+            for engine, wide, res, sent in zip(self._engines, wides, previous, self._submitted):
+                self._apply_late_round(wide, res, sent)
                 engine.recycle(res.sum)
             first = previous[0]
             kind = "global" if first.is_sync else "local"
@@ -271,7 +276,10 @@ class WagmaAverager(AveragerBase):
             self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
             self.stats.record_contribution(results[0].staleness)
         else:
-            for engine, wide in zip(self._engines, wides):
+            if len(self._submitted) != len(wides):
+                self._submitted = [torch.empty_like(wide) for wide in wides]
+            for engine, wide, sent in zip(self._engines, wides, self._submitted):
+                sent.copy_(wide)
                 engine.submit(wide)
             self._pending = k
         for buffer, wide in zip(buffers, wides):
@@ -279,6 +287,27 @@ class WagmaAverager(AveragerBase):
                 buffer.copy_(wide)
         flat.unpack()
         return kind
+
+    def _apply_late_round(self, wide: torch.Tensor, res: RoundResult, sent: torch.Tensor) -> None:
+        """``overlap=True``: apply round ``res``, submitted one call ago with the model ``sent``, to ``wide``, the
+        model as it is now (one local step further).
+
+        If ``sent`` is what this rank contributed (``res.fresh``), the round's average of the submitted models
+        replaces ``sent`` and this rank's progress since then is kept whole: ``w + avg - sent``, with ``avg``
+        the reference ``(sent + sum) / (S + 1)`` (``sum / S`` under mean mixing, and on sync rounds). That is
+        the update the round would have made without overlap, applied one call later: the optimizer's step is
+        not scaled down, and where every member was fresh the group's sum of models is conserved. If the
+        progress thread contributed an
+older snapshot (this rank was late for its own round), ``sent`` is not in the sum
+        and the rank mixes as a late rank does (DESIGN §2.3), ``(w + sum) / (S + 1)``.
+        """
+        size = len(res.group)
+        if not res.fresh:
+            wagma_combine_(wide, res.sum, float(size + 1))
+        elif res.is_sync or self.mixing == "mean":
+            wide.add_(res.sum, alpha=1.0 / size).sub_(sent)  # w + sum / S - sent
+        else:
+            wide.add_(res.sum, alpha=1.0 / (size + 1)).sub_(sent, alpha=size / (size + 1))  # w + (sent + sum)/(S+1) - sent
 
     def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
         """Blocking mean over all ranks (for evaluation and checkpoints); with ``overlap``, the round in flight
