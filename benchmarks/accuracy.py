@@ -81,7 +81,7 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Test accuracy at equal samples, against DDP",
         "",
-        f"Command: `{result['command']}` (commit `{result['machine'].get('commit', '?')}`), {result['duration_s']:.0f} s.",
+        f"Command: `{result['command']}` (commit `{result['machine'].get('git_commit', '?')}`), {result['duration_s']:.0f} s.",
         "",
         f"{s['world']} gloo CPU ranks, {s['steps']} steps of batch {s['batch_size']} per rank ({s['samples']:,} samples), "
         f"`{s['scenario']}` with d = {1e3 * s['delay_s']:g} ms; each (dataset, seed) is one `benchmarks/run.py` "
