@@ -266,7 +266,10 @@ EXPECTED_REDUCTIONS = {
 }
 
 
-@pytest.mark.parametrize("option", AVERAGING)
+# The presets (another policy with some keys set) train in the slow phase: 6-7 s each, and their policy trains here.
+@pytest.mark.parametrize(
+    "option", [pytest.param(o, marks=pytest.mark.slow) if o in PRESETS else o for o in AVERAGING]
+)
 def test_every_policy_trains_digits_on_four_ranks_to_90_percent_with_its_default_budget(tmp_path, option):
     cfg = _cfg(tmp_path, f"averaging={option}", "log_every=10", "consensus_every=50")
     summaries = run_workers(_train_worker, 4, cfg, timeout_s=170)
