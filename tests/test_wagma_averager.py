@@ -628,9 +628,9 @@ def _relaxed_overlap_worker(rank, world, rounds, sleeps, sync_period, max_lead):
 
 def test_wait_avoiding_sync_with_overlap_bounds_staleness_by_max_lead_plus_one():
     """Both relaxations together (the wagma_relaxed_overlap preset): every round, sync rounds included, is
-    submitted and applied one call later, so a call never waits for a rank to arrive; a persistently slow rank
-    falls behind until its contributions are L rounds old, applied one call later: L + 1 (docstring, point 1),
-    never more (from then on the fast ranks' lead bound holds them, as it must). Each call k >= 1 applies
+    submitted and applied one call later, so a call waits only where a staleness bound holds it; a persistently
+    slow rank falls behind until its contributions are L rounds old, applied one call later: L + 1 (docstring,
+    point 1), never more (from then on the fast ranks' lead bound holds them, as it must). Each call k >= 1 applies
     round k - 1, whose kind (global every sync_period + 1 rounds) it returns."""
     world, rounds, sync_period, lead, delay = 4, 16, 3, 2, 0.08
     out = run_workers(_relaxed_overlap_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead,

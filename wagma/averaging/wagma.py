@@ -297,9 +297,8 @@ class WagmaAverager(AveragerBase):
         the reference ``(sent + sum) / (S + 1)`` (``sum / S`` under mean mixing, and on sync rounds). That is
         the update the round would have made without overlap, applied one call later: the optimizer's step is
         not scaled down, and where every member was fresh the group's sum of models is conserved. If the
-        progress thread contributed an
-older snapshot (this rank was late for its own round), ``sent`` is not in the sum
-        and the rank mixes as a late rank does (DESIGN §2.3), ``(w + sum) / (S + 1)``.
+        progress thread contributed an older snapshot (this rank was late for its own round), ``sent`` is not in
+        the sum and the rank mixes as a late rank does (DESIGN §2.3), ``(w + sum) / (S + 1)``.
         """
         size = len(res.group)
         if not res.fresh:
