@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -9,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,13 @@ def _rank_pids(launcher: int, nproc: int) -> dict[int, int]:
     return _wait_until(ranks, 60, f"{nproc} training processes")  # type: ignore[return-value]
 
 
+def _kill_all(pids: Iterable[int]) -> None:
+    """SIGKILL each of ``pids`` that still exists (one may exit between its listing and its kill)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _has_records(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 0
 
@@ -119,8 +127,7 @@ def test_a_frozen_rank_is_named_by_every_survivor_and_in_torchruns_report(tmp_pa
         # waits for a SIGCONT, torchrun's SIGKILL would come 30 s later).
         _wait_until(lambda: "closing signal SIGTERM" in _output(tmp_path), 30, "torchrun to stop the frozen rank")
     finally:
-        for pid in descendants(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        _kill_all(descendants(proc.pid))
         proc.wait(timeout=60)
     assert proc.returncode != 0
     for rank in survivors:
@@ -310,8 +317,7 @@ def test_max_restarts_resumes_a_job_that_lost_a_rank_and_finishes_its_steps(tmp_
         os.kill(pids[1], signal.SIGKILL)
         proc.wait(timeout=150)
     finally:
-        for pid in descendants(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        _kill_all(descendants(proc.pid))
     assert proc.returncode == 0, _output(tmp_path)[-3000:]
     run_dirs = [p for p in tmp_path.glob("outputs/*/*") if p.is_dir()]
     assert run_dirs == [latest[0].parents[2]]  # the restart found the same run directory
@@ -367,9 +373,7 @@ def test_a_signal_to_python_train_py_ends_every_rank(tmp_path, sig):
         _wait_until(lambda: not any(_alive(pid) for pid in tree), 5, "every process of the run to end")
         print(f"{sig.name}: train.py and its {len(tree)} processes ended {time.monotonic() - signalled:.1f} s later")
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_all([proc.pid, *descendants(proc.pid)])
     assert code == 128 + sig, _output(tmp_path)[-3000:]
     assert f"wagma: stopped by {sig.name}; the ranks were ended" in _output(tmp_path)
     assert json.loads((run_dir / "job.json").read_text())["exit"] == 128 + sig
@@ -386,8 +390,7 @@ def test_python_train_py_max_restarts_resumes_a_job_that_lost_a_rank(tmp_path):
         os.kill(ranks[-1], signal.SIGKILL)
         proc.wait(timeout=150)
     finally:
-        for pid in descendants(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        _kill_all(descendants(proc.pid))
     assert proc.returncode == 0, _output(tmp_path)[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["restarts"] == 1
@@ -441,9 +444,7 @@ def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
         code = proc.wait(timeout=30)
         _wait_until(lambda: not any(_alive(pid) for pid in tree), 5, "every process of the job to end")
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_all([proc.pid, *descendants(proc.pid)])
     assert code == 128 + signal.SIGTERM, _output(tmp_path)[-3000:]
     jobs = sorted(p.name for p in out.iterdir() if p.is_dir())
     assert len(jobs) == 1 and jobs[0].startswith("0_averaging=allreduce")  # the second job never started
