@@ -31,10 +31,9 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 from benchmarks import run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
+from benchmarks.scenarios import BASELINE  # noqa: E402
 
 __all__ = ["main", "summarize"]
-
-BASELINE = "allreduce"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
