@@ -235,7 +235,7 @@ class WagmaAverager(AveragerBase):
             results.append(res)
             size = len(res.group)
             # A sync round under "barrier" is always fresh; under "wait_avoiding" a late rank mixes as in a group round.
-            if (res.is_sync or self.mixing == "mean") and res.fresh:
+            if self._takes_mean(res) and res.fresh:
                 wide.copy_(res.sum).div_(size)
             else:
                 wagma_combine_(wide, res.sum, float(size + 1))
@@ -288,6 +288,11 @@ class WagmaAverager(AveragerBase):
         flat.unpack()
         return kind
 
+    def _takes_mean(self, res: RoundResult) -> bool:
+        """Whether a fresh contribution to round ``res`` takes the group's mean ``sum / S`` (sync rounds, mean
+        mixing) rather than the reference ``(w + sum) / (S + 1)``."""
+        return res.is_sync or self.mixing == "mean"
+
     def _apply_late_round(self, wide: torch.Tensor, res: RoundResult, sent: torch.Tensor) -> None:
         """``overlap=True``: apply round ``res``, submitted one call ago with the model ``sent``, to ``wide``, the
         model as it is now (one local step further).
@@ -303,7 +308,7 @@ class WagmaAverager(AveragerBase):
         size = len(res.group)
         if not res.fresh:
             wagma_combine_(wide, res.sum, float(size + 1))
-        elif res.is_sync or self.mixing == "mean":
+        elif self._takes_mean(res):
             wide.add_(res.sum, alpha=1.0 / size).sub_(sent)  # w + sum / S - sent
         else:
             wide.add_(res.sum, alpha=1.0 / (size + 1)).sub_(sent, alpha=size / (size + 1))  # w + (sent + sum)/(S+1) - sent
