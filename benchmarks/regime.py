@@ -9,6 +9,10 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
 - ``ms_per_step``: from a barrier after ``--warmup`` steps to a barrier after the last step and the
   policy's ``finalize`` (final mean or flush), the slowest rank (max end - min start over ranks), / steps;
 - ``ideal_ms``: T + the mean over ranks and steps of the delays the ranks actually slept (DESIGN §4);
+- ``no_wait_ms``: T + the largest total delay any one rank slept, / steps: what ranks that never wait for
+  each other (nor communicate) take on the same trace, timed like ``ms_per_step``. Every protocol's bound is
+  at or above it, so ``ideal / no_wait`` is the most ``x_ideal`` any policy can reach over this many steps
+  (it tends to 1 as the steps grow: the slowest rank's share of the delays evens out);
 - ``bound_ms``: the policy's protocol bound on that recorded delay trace (:func:`benchmarks.simulate.protocol_bound`:
   zero-cost communication, T of compute per step);
 - ``bound_trace_ms``: the same protocol bound on the recorded compute trace instead of T (per rank and
@@ -233,6 +237,7 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "rep": ranks[0]["rep"], "ms_per_step": 1e3 * total / args.steps,
         "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
         "ideal_ms": 1e3 * (t + float(delays.mean())),
+        "no_wait_ms": 1e3 * (t + float(delays.sum(axis=1).max()) / args.steps),
         "bound_ms": protocol_bound(avg, t, delays, first_step=args.warmup).ms_per_step,
         # The same protocol on the compute each rank really did (sleeps + its real forward/backward/step),
         # with free communication: what the implementation loses beyond the cost of computing.
@@ -261,6 +266,8 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
+    if all("no_wait_ms" in r for r in reps):
+        out["no_wait_ms"] = statistics.median(r["no_wait_ms"] for r in reps)
     if all("cpu_ms" in r for r in reps):
         out["cpu_ms"] = statistics.median(r["cpu_ms"] for r in reps)
     if all("bound_trace_ms" in r for r in reps):
@@ -350,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                         ROOT / "configs", world, base)
                         if cfg is not None and "transport" in cfg.averaging:
                             cfg.averaging.transport = args.transport
-                        rec: dict[str, Any] = key | {"status": "ok", "invocation": invocation}
+                        rec: dict[str, Any] = key | {"status": "ok", "invocation": invocation, "steps": args.steps}
                         reps: list[dict[str, Any]] = []
                         try:
                             if cfg is None:

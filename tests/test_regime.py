@@ -49,8 +49,10 @@ def test_tiny_run_end_to_end(tmp_path):
     for r in recs:
         assert r["status"] == "ok", r.get("reason")
         assert all(r.get(k) is not None for k in REQUIRED), r
-        # The ideal is below every protocol's bound, and the bound below what was measured.
-        assert r["ideal_ms"] <= r["bound_ms"] + 1e-9 <= r["ms_per_step"] + 1e-9
+        # The ideal is below the trace's no-wait time, that below every protocol's bound, and the bound below
+        # what was measured.
+        assert r["ideal_ms"] <= r["no_wait_ms"] + 1e-6 <= r["bound_ms"] + 2e-6 <= r["ms_per_step"] + 3e-6
+        assert r["steps"] == 6
         # The bound on the recorded compute adds the real forward/backward/step to T: above the T-only bound.
         assert r["bound_ms"] < r["bound_trace_ms"] <= r["ms_per_step"] + 1e-9
         # The breakdown: the sleeps are at least T, and its parts add up to no more than a step.
@@ -66,6 +68,7 @@ def test_tiny_run_end_to_end(tmp_path):
         delays = np.array(rep["delays_ms"])
         assert delays.shape == (2, 6) and (delays.max(axis=0) >= 10.0).all()  # random_k1: one rank sleeps d = T
         assert rep["ideal_ms"] == pytest.approx(10.0 + delays.mean(), abs=1e-2)
+        assert rep["no_wait_ms"] == pytest.approx(10.0 + delays.sum(axis=1).max() / 6, abs=1e-2)
         want = {"allreduce": 10.0 + delays.max(axis=0).mean(), "wagma": 10.0 + delays.sum(axis=1).max() / 6}
         if rep["policy"] in want:
             assert rep["bound_ms"] == pytest.approx(want[rep["policy"]], abs=1e-2), rep["policy"]
@@ -77,6 +80,7 @@ def test_tiny_run_end_to_end(tmp_path):
             assert again.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
     assert len(saved["records"]) == 3 and len(saved["reps"]) == 3 and saved["invocations"][0]["machine"]
     assert (tmp_path / "regime.md").exists() and (tmp_path / "regime_ms_per_step.png").exists()
+    assert "| 6 | wagma |" in (tmp_path / "regime.md").read_text()  # the steps column
     again = regime.main([*argv[:5], "allreduce", "--compute-ms", "10", "--steps", "4", "--warmup", "2",
                          "--reps", "1", "--out", str(tmp_path), "--append", "--no-report"])
     assert len(again["records"]) == 3 and len(again["invocations"]) == 2
