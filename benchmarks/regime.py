@@ -362,10 +362,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         try:
                             if cfg is None:
                                 raise ValueError(reason)
-                            reps = [key | r for r in run_reps(cfg, args, world, params)]
+                            # A repetition carries its record's key (the requested params; the model's own count as
+                            # params_actual) and invocation, so that --append replaces it with its record.
+                            reps = [key | r | {"params_actual": r["params"], "params": params, "invocation": invocation}
+                                    for r in run_reps(cfg, args, world, params)]
                             rec |= summarize(reps)
-                            rec["params"] = params
-                            rec["params_actual"] = reps[0]["params"]
+                            rec["params_actual"] = reps[0]["params_actual"]
                             rec["transport"] = str(cfg.averaging.get("transport", "default"))
                         except (WorkerError, ValueError, OSError) as exc:
                             rec |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[-3000:]}

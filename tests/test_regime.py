@@ -79,11 +79,21 @@ def test_tiny_run_end_to_end(tmp_path):
                              network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]))
             assert again.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
     assert len(saved["records"]) == 3 and len(saved["reps"]) == 3 and saved["invocations"][0]["machine"]
+    # A record from before no_wait_ms was stored: the report recomputes it from its repetitions' delay traces.
+    from benchmarks import regime_report
+
+    old = {k: v for k, v in saved["records"][1].items() if k != "no_wait_ms"}
+    assert regime_report._no_wait(old, saved) == pytest.approx(saved["records"][1]["no_wait_ms"], abs=1e-2)
+    assert regime_report._no_wait(old, {"reps": []}) is None
     assert (tmp_path / "regime.md").exists() and (tmp_path / "regime_ms_per_step.png").exists()
     assert "| 6 | wagma |" in (tmp_path / "regime.md").read_text()  # the steps column
     again = regime.main([*argv[:5], "allreduce", "--compute-ms", "10", "--steps", "4", "--warmup", "2",
                          "--reps", "1", "--out", str(tmp_path), "--append", "--no-report"])
     assert len(again["records"]) == 3 and len(again["invocations"]) == 2
+    # The replaced record's repetitions went with it: one per record, the new one from invocation 1.
+    assert len(again["reps"]) == 3
+    assert [(r["policy"], r["invocation"]) for r in again["reps"]] == [("wagma", 0), ("eager_solo", 0), ("allreduce", 1)]
+    assert all(r["params"] == 250_000 and r["params_actual"] > 1000 for r in again["reps"])
     assert next(r for r in again["records"] if r["policy"] == "allreduce")["invocation"] == 1
     (tmp_path / "regime.md").unlink()
     assert regime.main(["--out", str(tmp_path), "--report-only"]) == again
