@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, group_options, validate_config
@@ -107,15 +108,19 @@ def resolve_policy(
         world_size: ranks the run will have (for validation).
         base: the other overrides (scenario, steps, ...).
     """
-    if not (configs_dir / "averaging" / f"{policy}.yaml").exists():
-        if policy in known_policies():
-            # Registered without a config file: build it with its defaults.
-            cfg = compose(base)
-            cfg.averaging = OmegaConf.create({"name": policy})
+    try:
+        if not (configs_dir / "averaging" / f"{policy}.yaml").exists():
+            if policy in known_policies():
+                # Registered without a config file: build it with its defaults.
+                cfg = compose(base)
+                cfg.averaging = OmegaConf.create({"name": policy})
+            else:
+                return None, f"no configs/averaging/{policy}.yaml and no registered policy named {policy!r}"
         else:
-            return None, f"no configs/averaging/{policy}.yaml and no registered policy named {policy!r}"
-    else:
-        cfg = compose([*base, f"averaging={policy}"])
+            cfg = compose([*base, f"averaging={policy}"])
+    except ConfigCompositionException as exc:
+        # e.g. a --set averaging.KEY=... for a key this policy does not have: this policy fails, the others run.
+        return None, f"the overrides {base} do not compose with averaging={policy}: {exc}"
     name = str(cfg.averaging.name)
     if name not in known_policies():
         return None, f"policy {name!r} is not registered (registered: {', '.join(known_policies())})"

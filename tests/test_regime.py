@@ -111,3 +111,21 @@ def test_transport_shm_reaches_the_policies_that_have_it(tmp_path):
         ("allreduce", "ok", "shm"), ("eager_solo", "ok", "shm"), ("local_sgd", "ok", "default"),
     ]
     assert result["invocations"][0]["settings"]["transport"] == "shm"
+
+
+def test_an_override_a_policy_lacks_fails_that_policy_only():
+    """``--set averaging.progress_nice=10`` composes with wagma's config, not with DDP's: DDP is refused with a
+    reason naming the override, wagma gets the value."""
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks import scenarios as sc
+
+    base = ["device=cpu", "imbalance=none", "averaging.progress_nice=10"]
+    with initialize_config_dir(config_dir=str(regime.ROOT / "configs"), version_base=None):
+        def compose_fn(overrides):
+            return compose("config", overrides=overrides)
+
+        cfg, reason = sc.resolve_policy("allreduce", compose_fn, regime.ROOT / "configs", 4, base)
+        assert cfg is None and "averaging.progress_nice=10" in reason and "averaging=allreduce" in reason, reason
+        cfg, reason = sc.resolve_policy("wagma", compose_fn, regime.ROOT / "configs", 4, base)
+        assert reason is None and cfg.averaging.progress_nice == 10
