@@ -54,8 +54,8 @@ if [ "${TARGETS:-1}" != 0 ]; then
 fi
 
 # 4. (HORIZON=1) The same protocols over 200 timed steps, into $OUT/horizon: over 22 steps the slowest rank's share
-#    of the random delays keeps even ranks that never wait at 0.90-0.92 of the ideal (`no_wait_ms`), over 200 at
-#    about 0.96. 0.25 M parameters (random_k1; 15 min), then 1 M (random_k1, P = 8 and 16; 22 min) and the
+#    of the random delays keeps even ranks that never wait at 0.93-0.95 of the ideal on this trace (`no_wait_ms`;
+#    0.90-0.92 on a typical draw), over 200 at about 0.96. 0.25 M parameters (random_k1; 15 min), then 1 M (random_k1, P = 8 and 16; 22 min) and the
 #    overhead without imbalance (1 M, P = 8; 8 min).
 if [ "${HORIZON:-0}" != 0 ]; then
     "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 0.25e6 --worlds 8 16 --scenarios random_k1 \

@@ -115,7 +115,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             continue
         lines.append(
             f"| {r['params']:,} | {r['scenario']} | {r['world_size']} | {_steps(r, result)} | {r['policy']} | "
-            f"{r['ms_per_step']:.1f} | {r['ideal_ms']:.1f} | {_fmt(_no_wait(r, result), '.1f')} | {r['bound_ms']:.1f} | {r['simulated_ms']:.1f} | {_fmt(r['x_ddp'], '.2f')} | "
+            f"{r['ms_per_step']:.1f} | {r['ideal_ms']:.1f} | {_fmt(_no_wait(r, result), '.1f')} | "
+            f"{r['bound_ms']:.1f} | {r['simulated_ms']:.1f} | {_fmt(r['x_ddp'], '.2f')} | "
             f"{r['x_ideal']:.2f} | {r['x_bound']:.2f} | {_fmt(r.get('x_bound_trace'), '.2f')} | "
             f"{r['simulated_ms'] / r['ms_per_step']:.2f} |"
         )
