@@ -70,7 +70,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from benchmarks import scenarios as sc  # noqa: E402
 from benchmarks.machine import load_average, machine_info  # noqa: E402
-from benchmarks.simulate import ZERO_NETWORK, Network, protocol_bound, simulate  # noqa: E402
+from benchmarks.simulate import ZERO_NETWORK, Network, no_wait_ms, protocol_bound, simulate  # noqa: E402
 from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
 from wagma.app.models import MLP  # noqa: E402
@@ -237,7 +237,7 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "rep": ranks[0]["rep"], "ms_per_step": 1e3 * total / args.steps,
         "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
         "ideal_ms": 1e3 * (t + float(delays.mean())),
-        "no_wait_ms": 1e3 * (t + float(delays.sum(axis=1).max()) / args.steps),
+        "no_wait_ms": no_wait_ms(t, delays),
         "bound_ms": protocol_bound(avg, t, delays, first_step=args.warmup).ms_per_step,
         # The same protocol on the compute each rank really did (sleeps + its real forward/backward/step),
         # with free communication: what the implementation loses beyond the cost of computing.

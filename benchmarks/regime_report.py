@@ -20,8 +20,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks.report import _colors, _finish_grid, ms_per_step_panel  # noqa: E402
+from benchmarks.simulate import no_wait_ms  # noqa: E402
 
 __all__ = ["write_all", "write_markdown"]
 
@@ -82,7 +84,7 @@ def _no_wait(record: Record, result: dict[str, Any]) -> float | None:
         return float(record["no_wait_ms"])
     key = ("scenario", "policy", "world_size", "params", "compute_ms")
     values = [
-        record["compute_ms"] + max(sum(row) for row in rep["delays_ms"]) / len(rep["delays_ms"][0])
+        no_wait_ms(record["compute_ms"] / 1e3, np.array(rep["delays_ms"]) / 1e3)
         for rep in result.get("reps", [])
         if all(rep.get(k) == record[k] for k in key) and rep.get("delays_ms")
     ]

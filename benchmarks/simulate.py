@@ -45,7 +45,7 @@ import simpy
 from wagma.engine import SYNCS, WaitAvoidingGroupAllreduce
 from wagma.schedule import GroupSchedule
 
-__all__ = ["Network", "SimResult", "ZERO_NETWORK", "protocol_bound", "simulate", "SIMULATED_POLICIES"]
+__all__ = ["Network", "SimResult", "ZERO_NETWORK", "no_wait_ms", "protocol_bound", "simulate", "SIMULATED_POLICIES"]
 
 SIMULATED_POLICIES: tuple[str, ...] = (
     "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
@@ -324,3 +324,11 @@ def protocol_bound(
     and exactly ``compute_s`` of compute per step, so only the protocol's waits remain."""
     delays = np.asarray(delays_s, dtype=np.float64)
     return simulate(options, compute_s + delays, network=ZERO_NETWORK, first_step=first_step)
+
+
+def no_wait_ms(compute_s: float, delays_s: np.ndarray) -> float:
+    """ms per step of ranks that never wait for each other (nor communicate) on the ``(P, N)`` delay trace:
+    ``compute_s`` + the largest total delay of one rank, / N. A run ends when its last rank does, so no
+    protocol's bound (:func:`protocol_bound`) is below it."""
+    delays = np.asarray(delays_s, dtype=np.float64)
+    return 1e3 * (compute_s + float(delays.sum(axis=1).max()) / delays.shape[1])
