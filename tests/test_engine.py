@@ -622,6 +622,35 @@ def test_single_rank_world_returns_its_own_tensor():
     assert total == 5.0
 
 
+def _published_worker(rank, world):
+    sched = GroupSchedule.create("auto", world, 2)
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=5, timeout=TIMEOUT) as eng:
+        out = []
+        for k in range(3):
+            mine = torch.full((3,), 10.0 * k + rank)
+            eng.submit(mine)
+            snap = eng.published()
+            same_until_next_submit = eng.published() is snap
+            mine.add_(1000.0)  # the caller's tensor moves on; the snapshot is a copy of what it submitted
+            eng.collect(k)
+            out.append((snap.tolist(), snap.data_ptr() != mine.data_ptr(), same_until_next_submit))
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=5, timeout=TIMEOUT, accumulate=True) as eng:
+        try:
+            eng.published()
+            accumulate_error = None
+        except RuntimeError as exc:
+            accumulate_error = str(exc)
+    return out, accumulate_error
+
+
+def test_published_is_the_snapshot_of_the_last_submit_without_a_copy():
+    for rank, (out, accumulate_error) in enumerate(run_workers(_published_worker, 2)):
+        for k, (snap, own_memory, same) in enumerate(out):
+            assert snap == [10.0 * k + rank] * 3  # what was submitted, not the caller's tensor after it moved on
+            assert own_memory and same
+        assert "accumulate=False" in accumulate_error
+
+
 def _staging_worker(rank, world):
     sched = GroupSchedule.create("auto", world, world)
     initial = torch.full((3,), 100.0)  # pending from the start: the first submit must add, not replace

@@ -516,6 +516,9 @@ def _overlap_closed_form_worker(rank, world):
         after = [p.detach().clone() for p in model.parameters()]
         group = avg.schedule.group_of(rank, 0)
         stats = avg.stats.as_dict()
+        # What round 1 will be applied against is each engine's own snapshot, not a copy kept by the averager.
+        no_copy = all(sent is engine.published() for sent, engine in zip(avg._submitted, avg._engines))
+    assert no_copy
     return kinds, unchanged, after, group, stats
 
 

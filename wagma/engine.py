@@ -366,6 +366,25 @@ class WaitAvoidingGroupAllreduce:
             out.record_stream(stream)
         return out
 
+    def published(self) -> torch.Tensor:
+        """Replace mode: this rank's snapshot, the copy of the tensor it submitted last, itself (no copy is made).
+
+        For a caller that needs what it submitted later on (an overlapped round is applied against it) and would
+        otherwise keep a copy of its own. Only read it: the progress thread may be reading it for an exchange. It
+        stays as it is until this rank's next submit (or call), after which the engine may reuse its memory, so
+        read it before then.
+        """
+        self._check_usable()
+        if self.accumulate:
+            raise RuntimeError("published() needs accumulate=False: in accumulate mode what is pending is a sum "
+                               "(see pending())")
+        core = self._core
+        with core.cond:
+            snapshot, event = core.snapshot, core.snapshot_event
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return snapshot
+
     def pending(self) -> torch.Tensor:
         """Accumulate mode: a copy of what is pending now, without taking it (for checkpoints)."""
         self._check_usable()

@@ -183,7 +183,7 @@ class WagmaAverager(AveragerBase):
         self.progress_nice = progress_nice
         self.transport = transport
         self._pending: int | None = None  # overlap: the round submitted and not yet applied
-        # overlap: per engine, a copy of the model the pending round was submitted with (reused buffers)
+        # overlap: per engine, the model the pending round was submitted with (the engine's snapshot of it)
         self._submitted: list[torch.Tensor] = []
         self.schedule = _build_schedule(schedule, self.world_size, group_size)
         self._tensors = self.tensors_to_average(params, buffers)
@@ -276,11 +276,11 @@ class WagmaAverager(AveragerBase):
             self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
             self.stats.record_contribution(results[0].staleness)
         else:
-            if len(self._submitted) != len(wides):
-                self._submitted = [torch.empty_like(wide) for wide in wides]
-            for engine, wide, sent in zip(self._engines, wides, self._submitted):
-                sent.copy_(wide)
+            for engine, wide in zip(self._engines, wides):
                 engine.submit(wide)
+            # The next call applies the round against the model submitted now: each engine's snapshot is a copy
+            # of it that stays unchanged until that call's submit, so no copy of our own is needed.
+            self._submitted = [engine.published() for engine in self._engines]
             self._pending = k
         for buffer, wide in zip(buffers, wides):
             if wide is not buffer:
