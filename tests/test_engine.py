@@ -8,6 +8,7 @@ a block whose elements differ.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import os
@@ -649,6 +650,56 @@ def test_published_is_the_snapshot_of_the_last_submit_without_a_copy():
             assert snap == [10.0 * k + rank] * 3  # what was submitted, not the caller's tensor after it moved on
             assert own_memory and same
         assert "accumulate=False" in accumulate_error
+
+
+def _contributions_worker(rank, world):
+    """Rank 1 sleeps, so its thread runs round 0 with the initial tensor and round 1 with call 0's; it then submits
+    calls 0-3 before collecting anything, each publish replacing its snapshot (and, without pins, handing the
+    superseded one out as the next publish's buffer)."""
+    sched = GroupSchedule.create("auto", world, world)
+    initial = torch.full((4,), 100.0)
+    with WaitAvoidingGroupAllreduce(sched, initial, sync_period=5, max_lead=1, timeout=TIMEOUT,
+                                    keep_contributions=True) as eng:
+        if rank == 1:
+            time.sleep(0.6)  # rank 0 runs ahead: rounds 0 and 1 start without this rank's fresh tensors
+        calls = 4
+        for k in range(calls):
+            eng.submit(torch.full((4,), float(k + 1)))
+            if rank == 0:
+                time.sleep(0.05)
+        results = [eng.collect(k) for k in range(calls)]
+        seen = [(r.version, r.contributed.tolist(), r.contributed.data_ptr()) for r in results]
+        for r in results:
+            eng.release(r)
+        errors = error_messages({
+            "twice": lambda: eng.release(results[0]),
+            "plain": lambda: eng.release(dataclasses.replace(results[0], contributed=None)),
+        })
+    with WaitAvoidingGroupAllreduce(sched, initial, sync_period=5, timeout=TIMEOUT) as plain:
+        contributed_by_default = plain(initial).contributed
+        errors.update(error_messages({
+            "accumulate": lambda: WaitAvoidingGroupAllreduce(sched, initial, sync_period=5, timeout=TIMEOUT,
+                                                             accumulate=True, keep_contributions=True),
+        }))
+    return seen, errors, contributed_by_default
+
+
+def test_kept_contributions_stay_unchanged_until_released():
+    """keep_contributions=True: each result carries the very snapshot its round summed, even a superseded one that
+    later publishes would otherwise have overwritten, until it is released; releasing twice, releasing a result
+    without one, and accumulate mode are refused."""
+    (seen0, errors0, default0), (seen1, errors1, _) = run_workers(_contributions_worker, 2)
+    for version, values, _ in seen0:
+        assert values == [float(version + 1)] * 4  # call v submitted v + 1
+    versions1 = [v for v, _, _ in seen1]
+    assert versions1[0] == -1, versions1  # rank 1 was late for round 0: its thread sent the initial tensor
+    for version, values, _ in seen1:
+        assert values == ([100.0] * 4 if version == -1 else [float(version + 1)] * 4), seen1
+    assert default0 is None
+    for errors in (errors0, errors1):
+        assert "released already" in errors["twice"]
+        assert "keep_contributions=True" in errors["plain"]
+        assert "accumulate=False" in errors["accumulate"]
 
 
 def _staging_worker(rank, world):

@@ -36,7 +36,7 @@ def _round0_worker(rank, world, mixing):
     return kind, group, [p.detach().clone() for p in model.parameters()], model.stat.clone()
 
 
-@pytest.mark.parametrize("mixing", ["reference", "mean"])
+@pytest.mark.parametrize("mixing", ["reference", "mean", "conserve"])
 def test_round0_mixing_closed_form(mixing):
     world = 4
     out = run_workers(_round0_worker, world, mixing)
@@ -44,7 +44,7 @@ def test_round0_mixing_closed_form(mixing):
         assert kind == "local"
         (partner,) = [j for j in group if j != rank]
         w, o = rank + 1.0, partner + 1.0
-        expected = (w + w + o) / 3 if mixing == "reference" else (w + o) / 2
+        expected = (w + w + o) / 3 if mixing == "reference" else (w + o) / 2  # conserve: the mean when fresh
         for i, p in enumerate(params):
             torch.testing.assert_close(p, torch.full_like(p, expected * (i + 1)))
         torch.testing.assert_close(stat, torch.full_like(stat, expected))  # buffers averaged too
@@ -296,7 +296,7 @@ def test_bad_arguments_raise_value_errors():
     errors = run_workers(_bad_args_worker, 4)[0]
     assert "divisor of the world size 4" in errors["group size"]
     assert "sync_period" in errors["negative sync"]
-    assert "'reference' or 'mean'" in errors["mixing"]
+    assert "('reference', 'mean', 'conserve'), found 'median'" in errors["mixing"]
     assert "average_then_step" in errors["order"]
     assert "max_lead" in errors["lead"]
     assert "schedule" in errors["schedule"]
@@ -661,3 +661,92 @@ def test_wait_avoiding_sync_with_overlap_waits_for_no_late_rank():
     assert sorted(waits)[len(waits) // 2] < delay / 10, sorted(waits)  # the lead bound may hold a rank now and then
     for _, _, _, stats, _ in out:
         assert max(int(k) for k in stats["staleness_hist"]) <= sync_period + 1
+
+
+# -- mixing="conserve": a round replaces what this rank contributed by the group's mean, keeping the rest whole -----
+def _conserve_late_worker(rank, world, overlap):
+    """Rank 1 sleeps before its first step, so its thread runs round 0 with the initial (tagged) model: late."""
+    model = _tagged(rank)
+    with WagmaAverager(2, 5, params=model.parameters(), max_lead=1, mixing="conserve", overlap=overlap,
+                       timeout=TIMEOUT) as avg:
+        if rank == 1:
+            time.sleep(0.5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(10.0 * (rank + 1))  # one local step
+        avg.average_parameters(model.parameters())  # overlap: submits round 0; else: round 0, applied
+        if overlap:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(100.0 * (rank + 1))  # a second local step
+            avg.average_parameters(model.parameters())  # applies round 0
+        after = [p.detach().clone() for p in model.parameters()]
+        hist = dict(avg.stats.as_dict()["staleness_hist"])
+    return after, hist
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_conserve_keeps_a_late_ranks_progress_whole(overlap):
+    """Round 0: rank 0 contributed its fresh model t0 + 10, rank 1's thread its tagged model t1 (rank 1 was still
+    asleep). Rank 0 takes the mean (plus, with overlap, its step since); rank 1 takes the mean plus all its progress
+    since t1, not 1/3 of it as under the reference mixing. The two models still sum to what they summed before."""
+    (after0, hist0), (after1, hist1) = run_workers(_conserve_late_worker, 2, overlap)
+    late = 1 if overlap else 0
+    assert hist0 == {late: 1} and hist1 == {late + 1: 1}, (hist0, hist1)
+    for i, (p0, p1) in enumerate(zip(after0, after1)):
+        t0, t1 = 1.0 * (i + 1), 2.0 * (i + 1)
+        w0, w1 = t0 + 10.0, t1 + 20.0
+        mean = (w0 + t1) / 2  # round 0's sum / 2
+        if overlap:
+            expected0, expected1 = mean + 100.0, mean + (w1 - t1) + 200.0
+        else:
+            expected0, expected1 = mean, mean + (w1 - t1)
+        torch.testing.assert_close(p0, torch.full_like(p0, expected0))
+        torch.testing.assert_close(p1, torch.full_like(p1, expected1))
+        steps = 10.0 + 20.0 + (300.0 if overlap else 0.0)
+        torch.testing.assert_close(p0 + p1, torch.full_like(p0, t0 + t1 + steps))
+
+
+def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_lead):
+    """Random local steps and sleeps; returns the model before and after, the steps' total and the staleness."""
+    model = _tagged(rank)
+    initial, steps = _flat(model), torch.zeros_like(_flat(model))
+    gen = torch.Generator().manual_seed(1000 + rank)
+    with WagmaAverager(2, sync_period, params=model.parameters(), max_lead=max_lead, sync="wait_avoiding",
+                       mixing=mixing, overlap=overlap, timeout=TIMEOUT) as avg:
+        for step in range(rounds):
+            time.sleep(sleeps(rank, step))
+            offset = 0
+            with torch.no_grad():
+                for p in model.parameters():
+                    delta = torch.randn(p.shape, generator=gen)
+                    p.add_(delta)
+                    steps[offset:offset + p.numel()] += delta.reshape(-1)
+                    offset += p.numel()
+            avg.average_parameters(model.parameters())
+        final = _flat(model)  # with overlap, the last round is still in flight: applied by no rank, it changes no sum
+        hist = {int(k): v for k, v in avg.stats.as_dict()["staleness_hist"].items()}
+        avg.synchronize(model.parameters())  # every rank's rounds done before any rank closes its communicators
+    return initial, steps, final, hist
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_conserve_keeps_the_sum_of_all_models_whatever_the_staleness(overlap):
+    """The invariant conserve mixing is for: with a persistently slow rank (contributions up to max_lead rounds
+    old) and wait-avoiding sync rounds, the sum of all models is the initial sum plus every local step, exactly as
+    under DDP, where the mean model moves by the mean step. The reference mixing, on the same run, loses part of
+    each late rank's progress (the check fails for it), so the invariant is conserve's, not the schedule's."""
+    world, rounds, sync_period, lead, delay = 4, 16, 3, 2, 0.06
+    sums = {}
+    for mixing in ("conserve", "reference"):
+        out = run_workers(_sum_worker, world, rounds, _persistent(world - 1, delay), mixing, overlap, sync_period,
+                          lead, timeout_s=90)
+        initial = sum(o[0] for o in out)
+        steps = sum(o[1] for o in out)
+        final = sum(o[2] for o in out)
+        bound = lead + 1 if overlap else lead
+        assert all(max(o[3]) <= bound for o in out), [o[3] for o in out]
+        assert max(out[world - 1][3]) >= 2, out[world - 1][3]  # the slow rank was late: stale rounds happened
+        sums[mixing] = (final - (initial + steps)).abs().max().item(), steps.abs().max().item()
+    assert sums["conserve"][0] < 1e-4 * (1 + sums["conserve"][1]), sums
+    assert sums["reference"][0] > 0.1, sums  # a real loss, far above rounding

@@ -83,6 +83,9 @@ class RoundResult:
         activated_at: ``time.time()`` when this rank's thread saw the round's activation.
         triggered_at: ``time.time()`` when this rank triggered the round (it arrived before it had seen
             the round start; ranks arriving at about the same time may all trigger it), else ``None``.
+        contributed: with ``keep_contributions=True``, what this rank's thread sent into the round: its
+            snapshot of call ``version`` (the tensor itself, not a copy; read it only). It stays unchanged until
+            the result is handed back with :meth:`WaitAvoidingGroupAllreduce.release`. ``None`` otherwise.
     """
 
     round: int
@@ -96,6 +99,7 @@ class RoundResult:
     exchange_s: float
     activated_at: float
     triggered_at: float | None = None
+    contributed: torch.Tensor | None = None
 
 
 class WaitAvoidingGroupAllreduce:
@@ -141,6 +145,10 @@ class WaitAvoidingGroupAllreduce:
             ``"shm"``: CPU tensors of ranks on one host are summed through shared memory
             (:class:`wagma.shm.SharedMemoryAllreduce`, one segment per group of this rank, ``(S + 1) x`` the
             tensor's size; gloo still carries the barriers), which spares the cores gloo's socket copies.
+        keep_contributions: replace mode: every :class:`RoundResult` also carries ``contributed``, the snapshot
+            this rank's thread sent into the round, kept unchanged until the result is handed back with
+            :meth:`release` (instead of :meth:`recycle`). For a caller that applies a round against what it
+            contributed even when that was an older snapshot than its last call's; no copy is made.
     """
 
     def __init__(
@@ -160,6 +168,7 @@ class WaitAvoidingGroupAllreduce:
         start_round: int = 0,
         progress_nice: int = 0,
         transport: str = "default",
+        keep_contributions: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -196,6 +205,13 @@ class WaitAvoidingGroupAllreduce:
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
         check_progress_nice(progress_nice)
         check_transport(transport, initial.device)
+        if not isinstance(keep_contributions, bool):
+            raise ValueError(f"keep_contributions must be True or False, got {keep_contributions!r}")
+        if keep_contributions and accumulate:
+            raise ValueError(
+                "keep_contributions=True needs accumulate=False: in accumulate mode a contribution is a sum that "
+                "the exchange takes over, not a snapshot"
+            )
 
         self.rank = dist.get_rank()
         self.world_size = world_size
@@ -209,6 +225,7 @@ class WaitAvoidingGroupAllreduce:
         self.accumulate = accumulate
         self.progress_nice = progress_nice
         self.transport = transport
+        self.keep_contributions = keep_contributions
         self.shape, self.dtype, self.device = initial.shape, initial.dtype, initial.device
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = f"wagma/{name if name is not None else next(_instance_ids)}/"
@@ -319,6 +336,7 @@ class WaitAvoidingGroupAllreduce:
             exchange_s=done.exchange_s,
             activated_at=done.activated_at,
             triggered_at=triggered_at,
+            contributed=done.contributed,
         )
 
     def recycle(self, tensor: torch.Tensor) -> None:
@@ -344,9 +362,27 @@ class WaitAvoidingGroupAllreduce:
         with core.cond:
             ptr = tensor.data_ptr()
             in_use = [core.snapshot, core.reading, core.staging, *core.spares, *(d.sum for d in core.results.values())]
-            if any(t is not None and t.data_ptr() == ptr for t in in_use):
+            if ptr in core.pins or any(t is not None and t.data_ptr() == ptr for t in in_use):
                 raise ValueError("recycle: this tensor is still in use by the engine (or was recycled already)")
             core.give_spare(tensor)
+
+    def release(self, result: RoundResult) -> None:
+        """``keep_contributions=True``: hand back a collected result once its ``sum`` and ``contributed`` are read
+        for the last time. The sum is recycled (:meth:`recycle`); the snapshot is reused once no other result
+        holds it and a newer one has replaced it. Every collected result must be released once: a snapshot
+        still held is never reused (correct, but each round then allocates)."""
+        self._check_usable()
+        if not isinstance(result, RoundResult):
+            raise ValueError(f"release: expected a RoundResult, got {type(result).__name__}")
+        if result.contributed is None:
+            raise ValueError(
+                "release: expected a result of an engine with keep_contributions=True (it carries `contributed`), "
+                "found one without; hand its sum back with recycle()"
+            )
+        core = self._core
+        with core.cond:
+            core.unpin(result.contributed)
+        self.recycle(result.sum)
 
     def take(self) -> torch.Tensor:
         """Accumulate mode: hand over what is still pending (not yet taken by an exchange) and zero it.

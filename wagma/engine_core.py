@@ -48,6 +48,7 @@ class Done:
     exchange_s: float
     activated_at: float
     event: torch.cuda.Event | None
+    contributed: torch.Tensor | None = None  # keep_contributions: the snapshot the thread sent (pinned)
 
 
 def _splitmix64(x: int) -> int:
@@ -106,6 +107,10 @@ class EngineCore:
         # CUDA tensors come from PyTorch's caching allocator already, and their reuse would need stream fences.
         self.spares: list[torch.Tensor] = []
         self.reading: torch.Tensor | None = None  # replace mode: the snapshot the thread is copying right now
+        # keep_contributions: snapshots a round result still hands to the main thread, by data pointer -> how many
+        # results hold it. A pinned snapshot is never made a spare: nothing may overwrite it before it is released.
+        self.keep_contributions = eng.keep_contributions
+        self.pins: dict[int, int] = {}
         self.arrived = start - 1  # newest call the main thread has published
         self.results: dict[int, Done] = {}
         self.thread_round = start  # the round the thread works on
@@ -216,6 +221,7 @@ class EngineCore:
             shm.close()
         self.results.clear()
         self.spares.clear()
+        self.pins.clear()
         self.groups.clear()
         self.global_pg = None
 
@@ -286,6 +292,9 @@ class EngineCore:
                     send, version, event = self.snapshot, self.snapshot_version, self.snapshot_event
                     self.reading = send
                     spare = self.take_spare()
+                    if self.keep_contributions:
+                        self.pins[send.data_ptr()] = self.pins.get(send.data_ptr(), 0) + 1
+                contributed = send if self.keep_contributions else None
                 gc_floor, published = min(k, self.watching), self.arrived
             self.channel.record(k, gc_floor, published)
             if event is not None:
@@ -317,7 +326,9 @@ class EngineCore:
                     self.done_reading(source)
             exchange_s = time.perf_counter() - t0
             with self.cond:
-                self.results[k] = Done(k, sync, group, send, version, exchange_s, activated_at, self.record_event())
+                self.results[k] = Done(
+                    k, sync, group, send, version, exchange_s, activated_at, self.record_event(), contributed
+                )
                 self.cond.notify_all()
             self.channel.collect(k)
             k += 1
@@ -339,6 +350,20 @@ class EngineCore:
         self.snapshot_event = self.record_event()
         return out, event
 
+    def unpin(self, snapshot: torch.Tensor) -> None:
+        """keep_contributions: a result that held ``snapshot`` was released; once no result holds it and it is
+        neither the current snapshot nor being read, its memory is reused. Caller holds the lock."""
+        ptr = snapshot.data_ptr()
+        count = self.pins.get(ptr, 0)
+        if count <= 0:
+            raise ValueError("release: this result's contribution is not held by the engine (released already?)")
+        if count > 1:
+            self.pins[ptr] = count - 1
+            return
+        del self.pins[ptr]
+        if snapshot is not self.snapshot and snapshot is not self.reading:
+            self.give_spare(snapshot)
+
     def take_spare(self) -> torch.Tensor | None:
         """A buffer to overwrite, or None (then allocate); caller holds the lock."""
         return self.spares.pop() if self.spares else None
@@ -346,7 +371,7 @@ class EngineCore:
     def give_spare(self, tensor: torch.Tensor) -> None:
         """Keep ``tensor``, which nothing reads any more, for reuse (CPU only, at most :data:`SPARES`); caller
         holds the lock."""
-        if not self.cuda and len(self.spares) < SPARES:
+        if not self.cuda and len(self.spares) < SPARES and tensor.data_ptr() not in self.pins:
             self.spares.append(tensor)
 
     def record_event(self) -> torch.cuda.Event | None:

@@ -6,10 +6,16 @@ exchange started at that member, and the rank mixes with its fresh model::
 
     reference mixing:  a = (w + sum_{j in G} w_hat_j) / (S + 1)
     mean mixing:       a = sum_{j in G} w_hat_j / S         (when this rank's contribution was fresh)
+    conserve mixing:   a = w + sum_{j in G} w_hat_j / S - w_hat_i
 
 A rank whose fresh model made it into the exchange counts itself twice in the reference mixing; a late rank
-counts its stale snapshot once and its fresh model once, so nothing it computed is lost. Under mean mixing a
-fully fresh group ends identical; a late rank there falls back to the reference form, for the same reason.
+counts its stale snapshot once and its fresh model once, so nothing it computed is lost, but its progress
+since that snapshot enters with weight 1 / (S + 1). Under mean mixing a fully fresh group ends identical; a
+late rank there falls back to the reference form, for the same reason. Conserve mixing (not in the paper)
+replaces what this rank contributed, w_hat_i, by the group's mean and keeps the rest of its model whole: a
+fresh rank takes the mean, a late rank the mean plus all its progress since its snapshot. The members' terms
+``w_hat_j / S - w_hat_i`` sum to zero, so every round keeps the sum of its group's models, stale members or
+not: the mean of all models moves by the mean of the local steps alone, as under DDP.
 Every ``(sync_period + 1)``-th round is a *sync round*, a global mean over all P ranks. How it runs is the
 ``sync`` option:
 
@@ -42,9 +48,10 @@ from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import check_transport
 
-__all__ = ["ORDERS", "SYNCS", "WagmaAverager"]
+__all__ = ["MIXINGS", "ORDERS", "SYNCS", "WagmaAverager"]
 
-Mixing = Literal["reference", "mean"]
+Mixing = Literal["reference", "mean", "conserve"]
+MIXINGS: tuple[str, ...] = ("reference", "mean", "conserve")
 Order = Literal["average_then_step", "step_then_average"]
 #: "average_then_step" (the reference): gradient at w_t, average w_t, then the optimizer step applies the
 #: gradient to the average. "step_then_average": the step first, then the average (torch's post-local-SGD).
@@ -74,7 +81,11 @@ class WagmaAverager(AveragerBase):
         buffers: e.g. ``model.buffers()``; floating-point ones are averaged too when ``average_buffers``.
         schedule: ``"auto"`` (butterfly when P is a power of S, else mixed radix), ``"butterfly"``,
             ``"mixed_radix"``, a :class:`~wagma.GroupSchedule`, or explicit partitions (one per round).
-        mixing: ``"reference"`` ((w + group sum) / (S + 1)) or ``"mean"`` (group sum / S when fresh).
+        mixing: ``"reference"`` ((w + group sum) / (S + 1)), ``"mean"`` (group sum / S when fresh) or
+            ``"conserve"`` (``w + group sum / S - w_hat``, with ``w_hat`` what this rank contributed: the mean
+            when fresh, the mean plus this rank's progress since its snapshot when late; on every round, sync
+            rounds included, it keeps the group's sum of models). The engines then keep each round's
+            contributed snapshot for the main thread (``keep_contributions``), without a copy.
         order: ``"average_then_step"`` (the reference) or ``"step_then_average"``; informs callers.
         average_buffers: average floating-point buffers with the parameters.
         max_lead: rounds the progress thread may run ahead of its main thread (default ``sync_period``);
@@ -156,8 +167,8 @@ class WagmaAverager(AveragerBase):
             raise ValueError(f"overlap: expected True or False, found {overlap!r}")
         group_size = check_int("group_size", group_size, 1)
         sync_period = check_int("sync_period", sync_period, 0)
-        if mixing not in ("reference", "mean"):
-            raise ValueError(f"mixing: expected 'reference' or 'mean', found {mixing!r}")
+        if mixing not in MIXINGS:
+            raise ValueError(f"mixing: expected one of {MIXINGS}, found {mixing!r}")
         if order not in ORDERS:
             raise ValueError(f"order: expected one of {ORDERS}, found {order!r}")
         if sync not in SYNCS:
@@ -207,7 +218,7 @@ class WagmaAverager(AveragerBase):
             WaitAvoidingGroupAllreduce(
                 self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
                 sync=self.sync, timeout=self.timeout, start_round=start_round, progress_nice=self.progress_nice,
-                transport=self.transport,
+                transport=self.transport, keep_contributions=self.mixing == "conserve",
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]
@@ -235,13 +246,16 @@ class WagmaAverager(AveragerBase):
             results.append(res)
             size = len(res.group)
             # A sync round under "barrier" is always fresh; under "wait_avoiding" a late rank mixes as in a group round.
-            if self._takes_mean(res) and res.fresh:
+            if (self._takes_mean(res) or self.mixing == "conserve") and res.fresh:
                 wide.copy_(res.sum).div_(size)
+            elif self.mixing == "conserve":
+                assert res.contributed is not None
+                wide.add_(res.sum, alpha=1.0 / size).sub_(res.contributed)  # w + sum / S - w_hat
             else:
                 wagma_combine_(wide, res.sum, float(size + 1))
             if wide is not buffer:
                 buffer.copy_(wide)
-            engine.recycle(res.sum)  # read for the last time: its memory serves a later round
+            self._give_back(engine, res)  # read for the last time: its memory serves a later round
         # One round is one reduction, however many dtype buffers carry it; all engines run the same round.
         first = results[0]
         kind: Reduction = "global" if first.is_sync else "local"
@@ -261,7 +275,7 @@ class WagmaAverager(AveragerBase):
             self._pending = None
             for engine, wide, res, sent in zip(self._engines, wides, previous, self._submitted):
                 self._apply_late_round(wide, res, sent)
-                engine.recycle(res.sum)
+                self._give_back(engine, res)
             first = previous[0]
             kind = "global" if first.is_sync else "local"
             self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in previous))
@@ -271,7 +285,7 @@ class WagmaAverager(AveragerBase):
             results = [engine(wide) for engine, wide in zip(self._engines, wides)]
             for engine, wide, res in zip(self._engines, wides, results):
                 wide.copy_(res.sum).div_(len(res.group))
-                engine.recycle(res.sum)
+                self._give_back(engine, res)
             kind = "global"
             self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
             self.stats.record_contribution(results[0].staleness)
@@ -288,6 +302,14 @@ class WagmaAverager(AveragerBase):
         flat.unpack()
         return kind
 
+    def _give_back(self, engine: WaitAvoidingGroupAllreduce, res: RoundResult) -> None:
+        """Hand a result read for the last time back to its engine: its sum (and, under conserve mixing, the
+        snapshot it holds) serve later rounds."""
+        if self.mixing == "conserve":
+            engine.release(res)
+        else:
+            engine.recycle(res.sum)
+
     def _takes_mean(self, res: RoundResult) -> bool:
         """Whether a fresh contribution to round ``res`` takes the group's mean ``sum / S`` (sync rounds, mean
         mixing) rather than the reference ``(w + sum) / (S + 1)``."""
@@ -303,10 +325,14 @@ class WagmaAverager(AveragerBase):
         the update the round would have made without overlap, applied one call later: the optimizer's step is
         not scaled down, and where every member was fresh the group's sum of models is conserved. If the
         progress thread contributed an older snapshot (this rank was late for its own round), ``sent`` is not in
-        the sum and the rank mixes as a late rank does (DESIGN §2.3), ``(w + sum) / (S + 1)``.
+        the sum and the rank mixes as a late rank does (DESIGN §2.3), ``(w + sum) / (S + 1)``. Under conserve
+        mixing, fresh or late, the round's mean replaces what the thread contributed: ``w + sum / S - w_hat``.
         """
         size = len(res.group)
-        if not res.fresh:
+        if self.mixing == "conserve":
+            assert res.contributed is not None
+            wide.add_(res.sum, alpha=1.0 / size).sub_(res.contributed)
+        elif not res.fresh:
             wagma_combine_(wide, res.sum, float(size + 1))
         elif self._takes_mean(res):
             wide.add_(res.sum, alpha=1.0 / size).sub_(sent)  # w + sum / S - sent
@@ -324,7 +350,7 @@ class WagmaAverager(AveragerBase):
         if self._pending is not None:
             pending, self._pending = self._pending, None
             for engine in self._engines:
-                engine.collect(pending)
+                self._give_back(engine, engine.collect(pending))
 
     def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
         """Average another set of tensors from now on: rebind and restart the engines at this step.

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from wagma.averaging.wagma import MIXINGS
+from wagma.averaging.wagma import ORDERS as WAGMA_ORDERS
 from wagma.engine import SYNCS
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import TRANSPORTS
@@ -23,9 +25,10 @@ __all__ = [
 ]
 
 #: When a model-averaging policy averages within a step (DESIGN §2.2).
-ORDERS: tuple[str, ...] = ("average_then_step", "step_then_average")
-#: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), DESIGN §2.2).
-WAGMA_MIXINGS: tuple[str, ...] = ("reference", "mean")
+ORDERS: tuple[str, ...] = WAGMA_ORDERS
+#: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), DESIGN §2.2; ``mean``;
+#: ``conserve``: w_i + Σ_{j∈G} ŵ_j / S - ŵ_i, which keeps each group's sum of models); the averager's own.
+WAGMA_MIXINGS: tuple[str, ...] = MIXINGS
 #: How WAGMA's sync rounds run: ``barrier`` (blocking, fresh models: DESIGN §2.2) or ``wait_avoiding``
 #: (triggered by the first arrival like the group rounds; staleness bounded by ``max_lead``); the engine's own.
 WAGMA_SYNCS: tuple[str, ...] = SYNCS
