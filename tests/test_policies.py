@@ -60,7 +60,9 @@ def test_the_averaging_options_and_experiment_presets_exist():
     assert wagma.overlap is False and _compose("averaging=wagma_overlap").averaging.overlap is True
     assert wagma.progress_nice == 0 and _compose("averaging=wagma_overlap").averaging.progress_nice == 10
     both = _compose("averaging=wagma_relaxed_overlap").averaging
-    assert (both.name, both.sync, both.overlap, both.progress_nice) == ("wagma", "wait_avoiding", True, 19)
+    assert (both.name, both.sync, both.overlap, both.progress_nice, both.mixing) == (
+        "wagma", "wait_avoiding", True, 19, "conserve",
+    )
     assert _compose("averaging=eager_solo_overlap").averaging.overlap is True
     assert _compose("averaging=eager_solo").averaging.sync_period == 32
     assert _compose("averaging=eager_majority").averaging.mode == "majority"

@@ -100,7 +100,8 @@ class WagmaAverager(AveragerBase):
             average of the models submitted replaces the one this rank submitted, and the local step is kept
             whole, ``w + (sent + sum) / (S + 1) - sent`` (``sum / S`` under mean mixing and on sync rounds), the
             update the round makes without overlap, one call later. If this rank was late for its own round
-            (its thread sent an older snapshot), it mixes as a late rank, ``(w + sum) / (S + 1)``. Every
+            (its thread sent an older snapshot), it mixes as a late rank, ``(w + sum) / (S + 1)``; under
+            ``mixing="conserve"``, fresh or late, ``w + sum / S - w_hat`` with ``w_hat`` the snapshot sent. Every
             contribution is applied one call after its round (``stats.staleness_hist`` counts it 1 older). A blocking
             sync round (``sync="barrier"``) still runs at once with the fresh, just-mixed model, and
             :meth:`synchronize` collects the round in flight without applying it (the mean of fresh
@@ -133,7 +134,14 @@ class WagmaAverager(AveragerBase):
        The fast ranks are held back only there, by the slowest rank's lead bound, never by a barrier.
     3. *Consensus after a sync round:* the ranks whose fresh model made it in hold the same model
        m = sum / P exactly; a late rank holds m + (w - m) / (P + 1), i.e. within 1/(P + 1) of its
-       own distance to m, which by 1. and 2. is a bounded number of local steps and group mixes.
+       own distance to m, which by 1. and 2. is a bounded number of local steps and group mixes. Under
+       ``mixing="conserve"`` a late rank holds m + (w - w_hat) instead: the mean plus what it did since the
+       snapshot it contributed, at most L calls of its own (local steps and the group rounds they applied).
+    4. *Under* ``mixing="conserve"`` *no progress is lost to staleness:* each member i of a round's group
+       replaces its contribution w_hat_i by the group mean, so the members' changes (mean - w_hat_i) sum to
+       zero and a round, applied by all its members, leaves the sum of their models as it was, whichever
+       snapshots went in. Once every rank has applied rounds 0..k, the sum of all models is therefore the
+       initial sum plus every local step taken, the same as under DDP.
 
     **With** ``overlap=True`` **as well** (preset ``wagma_relaxed_overlap``), every round, sync rounds
     included, is submitted and applied by the next call, so a call waits only where a bound holds it. 1. holds
