@@ -39,6 +39,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "wagma_sync_period_zero": test_wagma_averager.check_sync_period_zero,
     "wagma_flattened_in_place": test_wagma_averager.check_flattened_bits,
     "wagma_late_rank": test_wagma_averager.check_late_rank_not_waited_for,
+    "wagma_conserve_sum": lambda d: test_wagma_averager.check_conserve_sum(True, d),
     "partial_equals_allreduce": test_partial_hook.check_equals_plain_allreduce,
     "partial_carries_late_solo": lambda d: test_partial_hook.check_late_gradients_carried("solo", d),
     "partial_carries_late_majority": lambda d: test_partial_hook.check_late_gradients_carried("majority", d),

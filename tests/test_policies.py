@@ -153,7 +153,7 @@ KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momen
         ("wagma", {"group_size": 3}, "group_size=3 must be a positive divisor of the world size 4"),
         ("wagma", {"order": "step_average"},
          "averaging.order must be one of average_then_step, step_then_average; got 'step_average'"),
-        ("wagma", {"mixing": "gossip"}, "averaging.mixing must be one of reference, mean; got 'gossip'"),
+        ("wagma", {"mixing": "gossip"}, "averaging.mixing must be one of reference, mean, conserve; got 'gossip'"),
         ("wagma", {"sync": "lazy"}, "averaging.sync must be one of barrier, wait_avoiding; got 'lazy'"),
         ("wagma", {"max_lead": 11}, r"averaging.max_lead must be null or an integer in \[0, sync_period=10\], got 11"),
         ("eager_solo", {"max_lead": 33}, r"averaging.max_lead must be null or an integer in \[0, sync_period=32\], got 33"),

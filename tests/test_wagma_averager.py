@@ -707,9 +707,9 @@ def test_conserve_keeps_a_late_ranks_progress_whole(overlap):
         torch.testing.assert_close(p0 + p1, torch.full_like(p0, t0 + t1 + steps))
 
 
-def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_lead):
+def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_lead, device="cpu"):
     """Random local steps and sleeps; returns the model before and after, the steps' total and the staleness."""
-    model = _tagged(rank)
+    model = _tagged(rank).to(rank_device(device, rank))
     initial, steps = _flat(model), torch.zeros_like(_flat(model))
     gen = torch.Generator().manual_seed(1000 + rank)
     with WagmaAverager(2, sync_period, params=model.parameters(), max_lead=max_lead, sync="wait_avoiding",
@@ -719,7 +719,7 @@ def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_l
             offset = 0
             with torch.no_grad():
                 for p in model.parameters():
-                    delta = torch.randn(p.shape, generator=gen)
+                    delta = torch.randn(p.shape, generator=gen).to(p.device)
                     p.add_(delta)
                     steps[offset:offset + p.numel()] += delta.reshape(-1)
                     offset += p.numel()
@@ -727,7 +727,7 @@ def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_l
         final = _flat(model)  # with overlap, the last round is still in flight: applied by no rank, it changes no sum
         hist = {int(k): v for k, v in avg.stats.as_dict()["staleness_hist"].items()}
         avg.synchronize(model.parameters())  # every rank's rounds done before any rank closes its communicators
-    return initial, steps, final, hist
+    return initial.cpu(), steps.cpu(), final.cpu(), hist
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -736,11 +736,15 @@ def test_conserve_keeps_the_sum_of_all_models_whatever_the_staleness(overlap):
     old) and wait-avoiding sync rounds, the sum of all models is the initial sum plus every local step, exactly as
     under DDP, where the mean model moves by the mean step. The reference mixing, on the same run, loses part of
     each late rank's progress (the check fails for it), so the invariant is conserve's, not the schedule's."""
+    check_conserve_sum(overlap)
+
+
+def check_conserve_sum(overlap: bool, device: str = "cpu") -> None:
     world, rounds, sync_period, lead, delay = 4, 16, 3, 2, 0.06
     sums = {}
     for mixing in ("conserve", "reference"):
         out = run_workers(_sum_worker, world, rounds, _persistent(world - 1, delay), mixing, overlap, sync_period,
-                          lead, timeout_s=90)
+                          lead, device, timeout_s=90)
         initial = sum(o[0] for o in out)
         steps = sum(o[1] for o in out)
         final = sum(o[2] for o in out)
