@@ -234,6 +234,7 @@ class WaitAvoidingGroupAllreduce:
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         self._calls = start_round
         self._uncollected: dict[int, float | None] = {}  # submitted rounds -> when this rank triggered them
+        self._unreleased: set[int] = set()  # keep_contributions: collected rounds whose result is not released yet
 
     # ----------------------------------------------------------------------------------- public API
     @property
@@ -320,6 +321,8 @@ class WaitAvoidingGroupAllreduce:
         done = self._wait_result(k)
         wait_s = time.perf_counter() - t0
         triggered_at = self._uncollected.pop(k)
+        if self.keep_contributions:
+            self._unreleased.add(k)
         if done.event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(done.event)
@@ -379,6 +382,12 @@ class WaitAvoidingGroupAllreduce:
                 "release: expected a result of an engine with keep_contributions=True (it carries `contributed`), "
                 "found one without; hand its sum back with recycle()"
             )
+        if result.round not in self._unreleased:
+            raise ValueError(
+                f"release: round {result.round} is not a collected, unreleased round of this engine (released "
+                f"already?); unreleased: {sorted(self._unreleased) or 'none'}"
+            )
+        self._unreleased.discard(result.round)
         core = self._core
         with core.cond:
             core.unpin(result.contributed)
