@@ -144,7 +144,9 @@ def test_a_really_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoin
     "world_size,overrides",
     [
         (3, ("averaging=allreduce",)),
-        (4, ("averaging=local_sgd", "averaging.warmup_steps=16", "averaging.period=2")),  # resumed in the warm-up
+        pytest.param(  # resumed in the warm-up; 6 s, in the slow phase
+            4, ("averaging=local_sgd", "averaging.warmup_steps=16", "averaging.period=2"), marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_resumed_ddp_run_at_three_or_more_ranks_is_bitwise_the_uninterrupted_one(tmp_path, world_size, overrides):

@@ -764,7 +764,7 @@ def _split_path_worker(rank, world, group):
     return records, calls
 
 
-@pytest.mark.parametrize("world,group", [(4, 2), (8, 2), (6, 3)])
+@pytest.mark.parametrize("world,group", [(4, 2), pytest.param(8, 2, marks=pytest.mark.slow), (6, 3)])  # 8 ranks: 7 s
 def test_split_group_path_makes_one_split_per_distinct_partition(world, group):
     out = run_workers(_split_path_worker, world, group)
     _check_records([records for records, _ in out], world, group, 4, 0, exact=True)

@@ -730,7 +730,7 @@ def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_l
     return initial.cpu(), steps.cpu(), final.cpu(), hist
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True])  # 6 s each
 def test_conserve_keeps_the_sum_of_all_models_whatever_the_staleness(overlap):
     """The invariant conserve mixing is for: with a persistently slow rank (contributions up to max_lead rounds
     old) and wait-avoiding sync rounds, the sum of all models is the initial sum plus every local step, exactly as
