@@ -22,10 +22,16 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
   ``compute`` (the real forward/backward/step), ``averaging`` (the policy on the main thread: DDP's or the
   hook's wait after the last gradient, the averaging before and after the optimizer step, waits included),
   ``finalize`` (the final mean or flush, per timed step); ms/step minus their sum is the slowest rank's excess;
-- ``simulated_ms``: :func:`benchmarks.simulate.simulate` on the recorded trace (per rank and step: the
-  sleeps, plus the real forward/backward up to its last gradient and the optimizer step) with an alpha-beta
-  network calibrated in the same world (allreduce of 1 float and of the model, before training, through the
-  run's transport: 5 samples each, the fastest as the slowest rank saw it).
+- ``simulated_ms``: :func:`benchmarks.simulate.simulate` with the ranks sharing this machine's cores
+  (``cores``, processor sharing): per rank and step it replays the sleeps as durations, and as CPU work the
+  main thread's CPU time (``time.thread_time``) of the forward/backward and optimizer step before the exchange
+  and of the policy's own work after it; a collective costs each member the CPU time (every thread of the
+  process) that an allreduce of 1 float and of the model took in the same world before training, through the
+  run's transport (5 samples each: the median of the mean over ranks; a linear fit in the bytes);
+  ``modeled_cpu_ms`` is the CPU per rank and step this replays, beside the measured ``cpu_ms``;
+- ``simulated_own_cores_ms``: the simulator as if every rank had its own device: the recorded wall-clock trace
+  (sleeps + real forward/backward/step) and the same calibration's wall-clock times (the fastest sample as the
+  slowest rank saw it) as durations;
 
 ``--transport shm`` sets ``averaging.transport=shm`` for every policy that has the key (``allreduce``, the
 ``wagma`` and ``eager`` presets): their collectives go through shared memory instead of gloo's sockets, the
@@ -50,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import shlex
 import statistics
@@ -96,25 +103,28 @@ def hidden_width(params: int) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
 
 
-def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5) -> list[float]:
-    """Times of ``repeats`` allreduces of ``n`` floats over the default group (all ranks call it) by ``reduce``,
-    after one untimed."""
-    buf, times = torch.zeros(n), []
+def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5) -> tuple[list[float], list[float]]:
+    """Wall-clock times and CPU times (every thread of this process) of ``repeats`` allreduces of ``n`` floats over
+    the default group (all ranks call it) by ``reduce``, after one untimed."""
+    buf, times, cpu = torch.zeros(n), [], []
     reduce(buf)
     for _ in range(repeats):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         reduce(buf)
         times.append(time.perf_counter() - t0)
-    return times
+        cpu.append(_cpu_s() - c0)
+    return times, cpu
 
 
 def _calibrate(nparams: int, transport: str) -> dict[str, Any]:
     """Allreduce times of 1 float and of the model, through the run's transport (gloo, or shared memory: what its
     policies' collectives go through); a shared segment lives only as long as this call."""
     reduce = SharedMemoryAllreduce(None, nparams).all_reduce if transport == "shm" else dist.all_reduce
-    return {"allreduce_small_s": _allreduce_s(1, reduce), "allreduce_model_s": _allreduce_s(nparams, reduce),
-            "nparams": nparams}
+    small, small_cpu = _allreduce_s(1, reduce)
+    large, large_cpu = _allreduce_s(nparams, reduce)
+    return {"allreduce_small_s": small, "allreduce_model_s": large, "allreduce_small_cpu_s": small_cpu,
+            "allreduce_model_cpu_s": large_cpu, "nparams": nparams}
 
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -130,9 +140,14 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, An
             dist.broadcast(tensor, src=0)
     nparams = sum(p.numel() for p in net.parameters())
     network = _calibrate(nparams, str(spec["averaging"].get("transport", "default")))
-    ready = [0.0]  # when the last gradient of the current backward pass was accumulated
-    hooks = [q.register_post_accumulate_grad_hook(lambda _q: ready.__setitem__(0, time.perf_counter()))
-             for q in net.parameters()]
+    # When the last gradient of the current backward pass was accumulated, and the main thread's CPU time then
+    # (backward runs on the calling thread on CPU).
+    ready = [0.0, 0.0]
+
+    def mark(_q: torch.Tensor) -> None:
+        ready[0], ready[1] = time.perf_counter(), time.thread_time()
+
+    hooks = [q.register_post_accumulate_grad_hook(mark) for q in net.parameters()]
     try:
         return [_repetition(rank, world_size, spec, rep, net, (x, y), ready) | network for rep in range(spec["reps"])]
     finally:
@@ -159,22 +174,22 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
             imbalance_cfg["seed"] = rep  # a fresh delay trace per repetition, the same for every policy
         imbalance = build_imbalance(imbalance_cfg, rank, world_size)
         compute_s, warmup, steps = spec["compute_ms"] / 1e3, spec["warmup"], spec["steps"]
-        slept, pre, real, averaging = [], [], [], []
+        slept, pre, real, averaging, compute_cpu, averaging_cpu = [], [], [], [], [], []
 
         def one_step(step: int, inject: bool) -> None:
             t0 = time.perf_counter()
             delay = imbalance(step) if inject else 0.0
             time.sleep(compute_s)  # the emulated device compute
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             optimizer.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()  # DDP and the eager hook communicate in here, after the last gradient is ready
             policy.before_step(optimizer, step)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
             optimizer.step()
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.thread_time()
             policy.after_step(optimizer, step)
-            t4 = time.perf_counter()
+            t4, c4 = time.perf_counter(), time.thread_time()
             if inject:  # the trace the simulator replays: sleeps, and the real compute without any waiting
                 slept.append(delay)
                 pre.append(t1 - t0)
@@ -182,6 +197,9 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
                 # The policy's time on the main thread: DDP's or the hook's wait after the last gradient, the
                 # averaging before and after the optimizer step (copies, store calls, waiting for results).
                 averaging.append((t2 - ready[0]) + (t4 - t3))
+                # The same two spans in the main thread's CPU time: the work, without waiting or being descheduled.
+                compute_cpu.append((ready[1] - c1) + (c3 - c2))
+                averaging_cpu.append((c2 - ready[1]) + (c4 - c3))
 
         for step in range(warmup):
             one_step(step, inject=False)
@@ -194,7 +212,8 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
         dist.barrier()
         end = time.monotonic()
         return {"rep": rep, "start": start, "finished": finished, "end": end, "slept": slept, "pre": pre,
-                "real": real, "averaging": averaging, "cpu_s": cpu1 - cpu0, "stats": policy.stats()}
+                "real": real, "averaging": averaging, "compute_cpu": compute_cpu, "averaging_cpu": averaging_cpu,
+                "cpu_s": cpu1 - cpu0, "stats": policy.stats()}
     finally:
         policy.close()
 
@@ -227,12 +246,18 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
     # holding the cores) must not set the network's speed.
     small = min(max(s) for s in zip(*(r["allreduce_small_s"] for r in ranks), strict=True))
     large = min(max(s) for s in zip(*(r["allreduce_model_s"] for r in ranks), strict=True))
-    alpha = small / (2 * (world - 1))
-    spread = large - small
-    bandwidth = 2 * (world - 1) / world * nbytes / spread if spread > 0 else float("inf")
-    net = Network(alpha_s=alpha, bandwidth_Bps=bandwidth, activation_s=args.activation_ms / 1e3)
-    total = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
+    net = _alpha_beta(small, large, world, nbytes, args.activation_ms / 1e3)
+    # The CPU a collective costs each member: per sample the mean over ranks, then the median over samples.
+    small_cpu, large_cpu = (statistics.median(statistics.mean(s) for s in zip(*(r[key] for r in ranks), strict=True))
+                            for key in ("allreduce_small_cpu_s", "allreduce_model_cpu_s"))
+    cpu_net = _alpha_beta(small_cpu, large_cpu, world, nbytes, args.activation_ms / 1e3)
+    compute_cpu = np.array([r["compute_cpu"] for r in ranks])
+    averaging_cpu = np.array([r["averaging_cpu"] for r in ranks])
+    cores = _cores()
     avg = spec["averaging"]
+    shared = simulate(avg, pre, network=cpu_net, nbytes=nbytes, first_step=args.warmup,
+                      cpu_s=compute_cpu, after_cpu_s=averaging_cpu, cores=cores)
+    total = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
     return {
         "rep": ranks[0]["rep"], "ms_per_step": 1e3 * total / args.steps,
         "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
@@ -242,7 +267,13 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         # The same protocol on the compute each rank really did (sleeps + its real forward/backward/step),
         # with free communication: what the implementation loses beyond the cost of computing.
         "bound_trace_ms": simulate(avg, pre + real, network=ZERO_NETWORK, first_step=args.warmup).ms_per_step,
-        "simulated_ms": simulate(avg, pre + real, network=net, nbytes=nbytes, first_step=args.warmup).ms_per_step,
+        "simulated_ms": shared.ms_per_step,
+        "simulated_own_cores_ms": simulate(avg, pre + real, network=net, nbytes=nbytes,
+                                           first_step=args.warmup).ms_per_step,
+        "cores": cores,
+        # The CPU per rank and timed step the simulation replays (compute, the policy's main-thread work, the
+        # collectives' calibrated CPU), beside the measured cpu_ms: what the model leaves out is their difference.
+        "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * args.steps),
         "real_compute_ms": 1e3 * float(real.mean()),
         # Where a step goes (means over ranks and steps): the sleeps, the real compute, the policy on the main
         # thread; the final mean or flush per timed step; the rest is the slowest rank's excess over the mean.
@@ -254,18 +285,38 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         # CPU time per rank and timed step, every thread of the rank's process (mean over ranks). Ranks share the
         # machine's cores: P x cpu_ms / cores is a floor under ms/step that sleeping cannot hide.
         "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps,
-        "network": {"alpha_s": alpha, "bandwidth_Bps": bandwidth, "activation_s": net.activation_s,
+        "network": {"alpha_s": net.alpha_s, "bandwidth_Bps": net.bandwidth_Bps, "activation_s": net.activation_s,
                     "allreduce_1_float_s": small, "allreduce_model_s": large},
+        "cpu_network": {"alpha_s": cpu_net.alpha_s, "bandwidth_Bps": cpu_net.bandwidth_Bps,
+                        "activation_s": cpu_net.activation_s, "allreduce_1_float_s": small_cpu,
+                        "allreduce_model_s": large_cpu},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
         # The recorded traces, [rank][step]: the delays (to recompute bounds) and the simulator's input.
         "delays_ms": np.round(1e3 * delays, 3).tolist(), "trace_ms": np.round(1e3 * (pre + real), 3).tolist(),
+        "sleeps_ms": np.round(1e3 * pre, 3).tolist(), "compute_cpu_ms": np.round(1e3 * compute_cpu, 3).tolist(),
+        "averaging_cpu_ms": np.round(1e3 * averaging_cpu, 3).tolist(),
     }
+
+
+def _alpha_beta(small: float, large: float, world: int, nbytes: float, activation_s: float) -> Network:
+    """The :class:`Network` through an allreduce's cost of 1 float (``small``) and of ``nbytes`` (``large``)."""
+    spread = large - small
+    bandwidth = 2 * (world - 1) / world * nbytes / spread if spread > 0 else float("inf")
+    return Network(alpha_s=small / (2 * (world - 1)), bandwidth_Bps=bandwidth, activation_s=activation_s)
+
+
+def _cores() -> int:
+    """The cores this process (and the ranks it forks) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
+    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores"):
+        if all(key in r for r in reps):
+            out[key] = statistics.median(r[key] for r in reps)
     if all("no_wait_ms" in r for r in reps):
         out["no_wait_ms"] = statistics.median(r["no_wait_ms"] for r in reps)
     if all("cpu_ms" in r for r in reps):

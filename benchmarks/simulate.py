@@ -30,11 +30,20 @@ The protocols are those of the library, with the library's own round rules:
 
 With a zero-cost network and the bare compute time, the simulated time is the policy's *protocol
 bound* (:func:`protocol_bound`): the best its protocol permits on that delay trace.
+
+**Shared cores.** By default every rank has its own device, as in the papers: a rank's compute and a
+collective's cost are durations. Given ``cores`` (and the CPU work each rank does per step, ``cpu_s`` before
+its exchange and ``after_cpu_s`` after it), the ranks' CPU work instead shares ``cores`` cores by processor
+sharing: while ``n`` pieces of work are running each advances at ``min(1, cores / n)``. A collective's
+alpha-beta cost is then the CPU work each member does for it (gloo on one host: the copies, the reductions
+and the loopback sockets are CPU), so a step cannot be shorter than the CPU its ranks burn in it divided by
+the cores: the floor that ranks sharing one machine's cores meet, and that a model of an idle network misses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
@@ -87,7 +96,8 @@ class SimResult:
 
     ``total_s`` is the time from the common start to the closing barrier (the slowest rank, final flush
     included); ``ms_per_step`` is ``1e3 * total_s / steps``; ``finish_s`` is each rank's time after its
-    last step, before the flush; ``wait_s`` each rank's summed waiting in steps (not in the flush).
+    last step, before the flush; ``wait_s`` each rank's summed waiting in steps (not in the flush);
+    ``cpu_work_s`` the work run on shared cores.
     """
 
     policy: str
@@ -96,18 +106,74 @@ class SimResult:
     total_s: float
     finish_s: list[float]
     wait_s: list[float]
+    cpu_work_s: float = 0.0
+    """The CPU work run on shared cores, all ranks together (0 with cores of their own)."""
 
     @property
     def ms_per_step(self) -> float:
         return 1e3 * self.total_s / self.steps
 
 
-class _Rendezvous:
-    """Collectives by key: the k-th ``join`` of a key with ``n`` members returns an event that fires
-    ``cost`` after the last member joined. ``done`` gives the event without joining."""
+class _Cores:
+    """Processor sharing of ``cores`` cores: :meth:`run` starts ``work`` seconds of CPU work and returns the
+    event of its end. While ``n`` pieces of work run, each advances at ``min(1, cores / n)`` (``inf`` cores:
+    always 1, so work is a plain duration)."""
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.env = env
+    _EPS = 1e-12
+
+    def __init__(self, env: simpy.Environment, cores: float) -> None:
+        if not cores > 0:
+            raise ValueError(f"cores must be > 0 (or inf), got {cores}")
+        self.env, self.cores = env, float(cores)
+        self._jobs: list[list[Any]] = []  # [remaining seconds of work, event]
+        self._last = 0.0
+        self._generation = 0
+        self.total_work = 0.0
+
+    def run(self, work: float) -> simpy.Event:
+        if work <= 0 or math.isinf(self.cores):
+            return self.env.timeout(max(0.0, work))
+        self.total_work += work
+        self._advance()
+        event = self.env.event()
+        self._jobs.append([float(work), event])
+        self._schedule()
+        return event
+
+    def _rate(self) -> float:
+        return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
+
+    def _advance(self) -> None:
+        done = (self.env.now - self._last) * self._rate()
+        for job in self._jobs:
+            job[0] -= done
+        self._last = self.env.now
+
+    def _schedule(self) -> None:
+        self._generation += 1
+        if self._jobs:
+            wait = max(0.0, min(job[0] for job in self._jobs) / self._rate())
+            generation = self._generation
+            self.env.timeout(wait).callbacks.append(lambda _e: self._tick(generation))
+
+    def _tick(self, generation: int) -> None:
+        if generation != self._generation:  # work started or ended since: a newer tick is scheduled
+            return
+        self._advance()
+        finished = [job for job in self._jobs if job[0] <= self._EPS]
+        self._jobs = [job for job in self._jobs if job[0] > self._EPS]
+        for _, event in finished:
+            event.succeed()
+        self._schedule()
+
+
+class _Rendezvous:
+    """Collectives by key: the k-th ``join`` of a key with ``n`` members returns an event that fires when,
+    after the last member joined, each of the ``n`` members has done ``cost`` seconds of work on ``cores``
+    (with cores of their own: ``cost`` after the last join). ``done`` gives the event without joining."""
+
+    def __init__(self, env: simpy.Environment, cores: _Cores) -> None:
+        self.env, self.cores = env, cores
         self._open: dict[Any, list[Any]] = {}
 
     def done(self, key: Any) -> simpy.Event:
@@ -119,7 +185,8 @@ class _Rendezvous:
         entry[0] = (members if entry[0] is None else entry[0]) - 1
         if entry[0] == 0:
             event = entry[1]
-            self.env.timeout(cost).callbacks.append(lambda _e: event.succeed())
+            work = [self.cores.run(cost) for _ in range(members)] if members > 1 and cost > 0 else [self.env.timeout(0)]
+            self.env.all_of(work).callbacks.append(lambda _e: event.succeed())
         return entry[1]
 
 
@@ -127,15 +194,20 @@ class _Sim:
     """One simulation: P main-thread processes (and progress threads for wagma and eager)."""
 
     def __init__(self, options: Mapping[str, Any], compute: np.ndarray, net: Network, nbytes: float,
-                 first_step: int) -> None:
+                 first_step: int, cpu: np.ndarray | None = None, after_cpu: np.ndarray | None = None,
+                 cores: float = math.inf) -> None:
         self.opt = dict(options)
         self.name = str(self.opt.get("name"))
         if self.name not in SIMULATED_POLICIES:
             raise ValueError(f"cannot simulate policy {self.name!r}: expected one of {', '.join(SIMULATED_POLICIES)}")
         self.compute, self.net, self.nbytes, self.first = compute, net, float(nbytes), int(first_step)
         self.p, self.n = compute.shape
+        zeros = np.zeros_like(compute)
+        self.cpu = zeros if cpu is None else cpu
+        self.after_cpu = zeros if after_cpu is None else after_cpu
         self.env = simpy.Environment()
-        self.coll = _Rendezvous(self.env)
+        self.cores = _Cores(self.env, cores)
+        self.coll = _Rendezvous(self.env, self.cores)
         self.wait = [0.0] * self.p
         self.finish = [0.0] * self.p
         self.arrived: list[dict[int, simpy.Event]] = [{} for _ in range(self.p)]  # rank -> round -> event
@@ -218,10 +290,14 @@ class _Sim:
         env = self.env
         for i in range(self.n):
             yield env.timeout(float(self.compute[rank, i]))
+            if self.cpu[rank, i] > 0:
+                yield self.cores.run(float(self.cpu[rank, i]))
             step = self.first + i
             arrive = env.now
             yield from self._exchange(rank, step)
             self.wait[rank] += env.now - arrive
+            if self.after_cpu[rank, i] > 0:
+                yield self.cores.run(float(self.after_cpu[rank, i]))
         self.finish[rank] = env.now
         if self.overlap and self.pending[rank] is not None:  # synchronize() / flush() collect it first
             j = self.pending[rank]
@@ -285,7 +361,7 @@ class _Sim:
                 self.env.process(self._thread(rank))
         self.env.run()
         total = self.env.now
-        return SimResult(self.name, self.p, self.n, total, list(self.finish), list(self.wait))
+        return SimResult(self.name, self.p, self.n, total, list(self.finish), list(self.wait), self.cores.total_work)
 
 
 def simulate(
@@ -295,26 +371,46 @@ def simulate(
     network: Network = ZERO_NETWORK,
     nbytes: float = 0.0,
     first_step: int = 0,
+    cpu_s: np.ndarray | None = None,
+    after_cpu_s: np.ndarray | None = None,
+    cores: float = math.inf,
 ) -> SimResult:
     """Simulate one policy on one trace.
 
     Args:
         options: the policy's ``averaging`` config (``name`` and its keys, as in ``configs/averaging/``).
-        compute_s: ``(P, N)`` seconds each rank spends before its step's exchange (compute + injected delay).
+        compute_s: ``(P, N)`` seconds each rank spends before its step's exchange (compute + injected delay)
+            that take no shared core (with ``cpu_s``: the sleeps; without it: everything before the exchange).
         network: the cost model of collectives and of a round's activation.
         nbytes: bytes each allreduce carries (model or gradient size).
         first_step: the step index of column 0 (a trace measured after warm-up steps starts there, so
             that sync rounds fall where the library puts them).
+        cpu_s: ``(P, N)`` seconds of CPU work each rank's main thread does after ``compute_s`` and before its
+            exchange (the forward/backward and optimizer step), run on the shared ``cores``.
+        after_cpu_s: ``(P, N)`` seconds of CPU work after the exchange (the policy's own work on the main
+            thread: copies, the averaging passes), on the shared ``cores``.
+        cores: the cores all ranks' CPU work shares, collectives' included (module docstring, "Shared
+            cores"); ``inf`` (the default): every rank has its own, and work is a plain duration.
 
     Raises:
-        ValueError: an unknown policy or wagma ``sync``, or a trace that is not a non-negative ``(P, N)`` array with N >= 1.
+        ValueError: an unknown policy or wagma ``sync``, a trace that is not a non-negative ``(P, N)`` array
+            with N >= 1, CPU traces of another shape, or ``cores <= 0``.
     """
-    trace = np.asarray(compute_s, dtype=np.float64)
-    if trace.ndim != 2 or trace.shape[1] < 1 or trace.shape[0] < 1 or (trace < 0).any() or not np.isfinite(trace).all():
-        raise ValueError(f"compute_s must be a finite non-negative (P, N) array with N >= 1, got shape {trace.shape}")
+    trace = _trace("compute_s", compute_s)
+    cpu = None if cpu_s is None else _trace("cpu_s", cpu_s, trace.shape)
+    after = None if after_cpu_s is None else _trace("after_cpu_s", after_cpu_s, trace.shape)
     if first_step < 0:
         raise ValueError(f"first_step must be >= 0, got {first_step}")
-    return _Sim(options, trace, network, nbytes, first_step).run()
+    return _Sim(options, trace, network, nbytes, first_step, cpu, after, cores).run()
+
+
+def _trace(name: str, values: np.ndarray, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    trace = np.asarray(values, dtype=np.float64)
+    if trace.ndim != 2 or trace.shape[1] < 1 or trace.shape[0] < 1 or (trace < 0).any() or not np.isfinite(trace).all():
+        raise ValueError(f"{name} must be a finite non-negative (P, N) array with N >= 1, got shape {trace.shape}")
+    if shape is not None and trace.shape != shape:
+        raise ValueError(f"{name} must have compute_s's shape {shape}, got {trace.shape}")
+    return trace
 
 
 def protocol_bound(

@@ -72,12 +72,21 @@ def test_tiny_run_end_to_end(tmp_path):
         want = {"allreduce": 10.0 + delays.max(axis=0).mean(), "wagma": 10.0 + delays.sum(axis=1).max() / 6}
         if rep["policy"] in want:
             assert rep["bound_ms"] == pytest.approx(want[rep["policy"]], abs=1e-2), rep["policy"]
-        if rep["policy"] == "allreduce":  # the stored trace and network re-simulate to the stored value
-            net = rep["network"]
-            again = simulate({"name": "allreduce"}, np.array(rep["trace_ms"]) / 1e3, first_step=2,
-                             nbytes=4.0 * rep["params"],
-                             network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]))
-            assert again.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
+        if rep["policy"] == "allreduce":  # the stored traces and networks re-simulate to the stored values
+            net, cpu_net = rep["network"], rep["cpu_network"]
+            own = simulate({"name": "allreduce"}, np.array(rep["trace_ms"]) / 1e3, first_step=2,
+                           nbytes=4.0 * rep["params"],
+                           network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]))
+            assert own.ms_per_step == pytest.approx(rep["simulated_own_cores_ms"], rel=1e-3)
+            shared = simulate({"name": "allreduce"}, np.array(rep["sleeps_ms"]) / 1e3, first_step=2,
+                              nbytes=4.0 * rep["params"], cores=rep["cores"],
+                              cpu_s=np.array(rep["compute_cpu_ms"]) / 1e3,
+                              after_cpu_s=np.array(rep["averaging_cpu_ms"]) / 1e3,
+                              network=Network(cpu_net["alpha_s"], cpu_net["bandwidth_Bps"], cpu_net["activation_s"]))
+            assert shared.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
+            # The CPU the model replays is what the ranks' main threads and the calibrated collectives used:
+            # positive, and (the main thread's share at least) within what the whole process measured.
+            assert 0 < rep["modeled_cpu_ms"] and np.mean(rep["compute_cpu_ms"]) <= rep["cpu_ms"] + 1e-6
     assert len(saved["records"]) == 3 and len(saved["reps"]) == 3 and saved["invocations"][0]["machine"]
     # A record from before no_wait_ms was stored: the report recomputes it from its repetitions' delay traces.
     from benchmarks import regime_report
