@@ -85,7 +85,7 @@ from wagma.app.policies import build_policy  # noqa: E402
 from wagma.shm import SharedMemoryAllreduce  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 
-__all__ = ["hidden_width", "main", "parse_args", "run_reps", "summarize"]
+__all__ = ["hidden_width", "main", "parse_args", "resimulate", "run_reps", "shared_cores", "summarize"]
 
 IN_DIM, CLASSES = 64, 10  # the synthetic MLP's input and output sizes (digits-like)
 SCENARIOS: tuple[str, ...] = ("random_k1", "random_k2", "persistent", "heavy_tail")
@@ -118,8 +118,8 @@ def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5
 
 
 def _calibrate(nparams: int, transport: str) -> dict[str, Any]:
-    """Allreduce times of 1 float and of the model, through the run's transport (gloo, or shared memory: what its
-    policies' collectives go through); a shared segment lives only as long as this call."""
+    """Allreduce times (wall-clock and CPU) of 1 float and of the model, through the run's transport (gloo, or shared
+    memory: what its policies' collectives go through); a shared segment lives only as long as this call."""
     reduce = SharedMemoryAllreduce(None, nparams).all_reduce if transport == "shm" else dist.all_reduce
     small, small_cpu = _allreduce_s(1, reduce)
     large, large_cpu = _allreduce_s(nparams, reduce)
@@ -251,14 +251,19 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
     small_cpu, large_cpu = (statistics.median(statistics.mean(s) for s in zip(*(r[key] for r in ranks), strict=True))
                             for key in ("allreduce_small_cpu_s", "allreduce_model_cpu_s"))
     cpu_net = _alpha_beta(small_cpu, large_cpu, world, nbytes, args.activation_ms / 1e3)
-    compute_cpu = np.array([r["compute_cpu"] for r in ranks])
-    averaging_cpu = np.array([r["averaging_cpu"] for r in ranks])
-    cores = _cores()
     avg = spec["averaging"]
-    shared = simulate(avg, pre, network=cpu_net, nbytes=nbytes, first_step=args.warmup,
-                      cpu_s=compute_cpu, after_cpu_s=averaging_cpu, cores=cores)
     total = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
-    return {
+    traces = {
+        "sleeps_ms": np.round(1e3 * pre, 3).tolist(),
+        "compute_cpu_ms": np.round(1e3 * np.array([r["compute_cpu"] for r in ranks]), 3).tolist(),
+        "averaging_cpu_ms": np.round(1e3 * np.array([r["averaging_cpu"] for r in ranks]), 3).tolist(),
+        "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps, "cores": _cores(),
+        "nbytes": nbytes, "averaging_options": avg,
+        "cpu_network": {"alpha_s": cpu_net.alpha_s, "bandwidth_Bps": cpu_net.bandwidth_Bps,
+                        "activation_s": cpu_net.activation_s, "allreduce_1_float_s": small_cpu,
+                        "allreduce_model_s": large_cpu},
+    }
+    return traces | shared_cores(avg, traces, args.warmup) | {
         "rep": ranks[0]["rep"], "ms_per_step": 1e3 * total / args.steps,
         "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
         "ideal_ms": 1e3 * (t + float(delays.mean())),
@@ -267,13 +272,8 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         # The same protocol on the compute each rank really did (sleeps + its real forward/backward/step),
         # with free communication: what the implementation loses beyond the cost of computing.
         "bound_trace_ms": simulate(avg, pre + real, network=ZERO_NETWORK, first_step=args.warmup).ms_per_step,
-        "simulated_ms": shared.ms_per_step,
         "simulated_own_cores_ms": simulate(avg, pre + real, network=net, nbytes=nbytes,
                                            first_step=args.warmup).ms_per_step,
-        "cores": cores,
-        # The CPU per rank and timed step the simulation replays (compute, the policy's main-thread work, the
-        # collectives' calibrated CPU), beside the measured cpu_ms: what the model leaves out is their difference.
-        "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * args.steps),
         "real_compute_ms": 1e3 * float(real.mean()),
         # Where a step goes (means over ranks and steps): the sleeps, the real compute, the policy on the main
         # thread; the final mean or flush per timed step; the rest is the slowest rank's excess over the mean.
@@ -282,24 +282,44 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
             "averaging": 1e3 * float(np.mean([r["averaging"] for r in ranks])),
             "finalize": 1e3 * (max(r["end"] for r in ranks) - max(r["finished"] for r in ranks)) / args.steps,
         },
-        # CPU time per rank and timed step, every thread of the rank's process (mean over ranks). Ranks share the
-        # machine's cores: P x cpu_ms / cores is a floor under ms/step that sleeping cannot hide.
-        "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps,
+        # (cpu_ms, in traces above: CPU time per rank and timed step, every thread of the rank's process, mean over
+        # ranks. Ranks share the machine's cores: P x cpu_ms / cores is a floor under ms/step that sleeping cannot hide.)
         "network": {"alpha_s": net.alpha_s, "bandwidth_Bps": net.bandwidth_Bps, "activation_s": net.activation_s,
                     "allreduce_1_float_s": small, "allreduce_model_s": large},
-        "cpu_network": {"alpha_s": cpu_net.alpha_s, "bandwidth_Bps": cpu_net.bandwidth_Bps,
-                        "activation_s": cpu_net.activation_s, "allreduce_1_float_s": small_cpu,
-                        "allreduce_model_s": large_cpu},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
         # The recorded traces, [rank][step]: the delays (to recompute bounds) and the simulator's input.
         "delays_ms": np.round(1e3 * delays, 3).tolist(), "trace_ms": np.round(1e3 * (pre + real), 3).tolist(),
-        "sleeps_ms": np.round(1e3 * pre, 3).tolist(), "compute_cpu_ms": np.round(1e3 * compute_cpu, 3).tolist(),
-        "averaging_cpu_ms": np.round(1e3 * averaging_cpu, 3).tolist(),
     }
 
 
+def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """The simulation of one repetition with its ranks sharing the machine's cores, from what the repetition stored:
+    ``sleeps_ms``, ``compute_cpu_ms`` and ``averaging_cpu_ms`` ([rank][step]), ``cpu_ms``, ``cores``, ``nbytes`` and
+    the idle world's ``cpu_network`` calibration.
+
+    The collectives' CPU is the calibration's, scaled by one factor per run (``comm_scale``): the CPU the ranks'
+    processes used beyond their main threads' measured work (every other thread: gloo's, the progress thread's),
+    over what the calibration predicts for the collectives the protocol runs in the timed steps. So the CPU the
+    model replays is the CPU the run used, and the calibration (the ring formula through an idle world's allreduce
+    of 1 float and of the model) only sets how it splits between collectives (of 2 ranks or all, of the model or of
+    a float); a scale above 1 is the collectives' cost under load.
+    """
+    sleeps, cpu, after = (np.array(rep[k]) / 1e3 for k in ("sleeps_ms", "compute_cpu_ms", "averaging_cpu_ms"))
+    world, steps = sleeps.shape
+    c = rep["cpu_network"]
+    net = Network(c["alpha_s"], c["bandwidth_Bps"], c["activation_s"])
+    common = {"network": net, "nbytes": rep["nbytes"], "first_step": warmup, "cpu_s": cpu, "after_cpu_s": after}
+    predicted = sum(simulate(averaging, sleeps, **common).comm_s)  # the protocol alone sets which collectives run
+    other = max(0.0, rep["cpu_ms"] / 1e3 * world * steps - float(cpu.sum() + after.sum()))
+    scale = other / predicted if predicted > 0 else 1.0
+    shared = simulate(averaging, sleeps, **common, cores=rep["cores"], comm_scale=scale)
+    return {"simulated_ms": shared.ms_per_step, "comm_scale": scale,
+            "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * steps)}
+
+
 def _alpha_beta(small: float, large: float, world: int, nbytes: float, activation_s: float) -> Network:
-    """The :class:`Network` through an allreduce's cost of 1 float (``small``) and of ``nbytes`` (``large``)."""
+    """The :class:`Network` through an allreduce's cost over ``world`` ranks of 1 float (``small``) and of ``nbytes``
+    (``large``)."""
     spread = large - small
     bandwidth = 2 * (world - 1) / world * nbytes / spread if spread > 0 else float("inf")
     return Network(alpha_s=small / (2 * (world - 1)), bandwidth_Bps=bandwidth, activation_s=activation_s)
@@ -314,7 +334,7 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
-    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores"):
+    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale"):
         if all(key in r for r in reps):
             out[key] = statistics.median(r[key] for r in reps)
     if all("no_wait_ms" in r for r in reps):
@@ -356,6 +376,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
     p.add_argument("--no-report", action="store_true", help="write regime.json only")
     p.add_argument("--report-only", action="store_true", help="only rewrite regime.md and the plots from regime.json")
+    p.add_argument("--resimulate", action="store_true",
+                   help="redo the shared-cores simulation of every repetition in regime.json from its stored traces "
+                        "(no run), then rewrite the records' medians and the report")
     args = p.parse_args(argv)
     mode = QUICK if args.quick else FULL
     for key, value in mode.items():
@@ -381,11 +404,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "regime.json"
-    if args.report_only:
+    if args.report_only or args.resimulate:
         if not path.exists():
-            raise FileNotFoundError(
-                f"--report-only needs {path}: expected a regime.json from an earlier run, found none")
+            flag = "--resimulate" if args.resimulate else "--report-only"
+            raise FileNotFoundError(f"{flag} needs {path}: expected a regime.json from an earlier run, found none")
         result = json.loads(path.read_text(encoding="utf-8"))
+        if args.resimulate:
+            resimulate(result)
+            path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         _report(args.out, result)
         return result
     result = _load(path, args.append)
@@ -435,6 +461,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         _report(args.out, result)
     print(f"done in {time.perf_counter() - started:.0f} s -> {path}", flush=True)
     return result
+
+
+def resimulate(result: dict[str, Any]) -> None:
+    """Redo :func:`shared_cores` for every repetition of ``result`` (a ``regime.json``) that stored its CPU traces,
+    in place, and the medians of their records. A repetition without its averaging options (stored since this
+    function exists) gets them composed again from its invocation's settings, and keeps them."""
+    records = {tuple(r[k] for k in KEY): r for r in result["records"] if r.get("status") == "ok"}
+    redone: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        for rep in result["reps"]:
+            if "compute_cpu_ms" not in rep:
+                continue  # from before CPU traces were recorded: its simulated_ms stays the own-cores model's
+            invocation = result["invocations"][rep["invocation"]]
+            settings = invocation["settings"]
+            if "averaging_options" not in rep:
+                rep["averaging_options"] = _averaging_options(rep, settings)
+            rep.setdefault("nbytes", 4.0 * rep["params_actual"])
+            rep.setdefault("cores", invocation["machine"]["cpu_count"])
+            rep |= shared_cores(rep["averaging_options"], rep, settings["warmup"])
+            redone.setdefault(tuple(rep[k] for k in KEY), []).append(rep)
+    for key, reps in redone.items():
+        if key in records:
+            records[key] |= summarize(reps)
+
+
+def _averaging_options(rep: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """The averaging options ``rep``'s run had, composed as :func:`main` composed them."""
+    base = ["device=cpu", *sc.SCENARIO_TABLE[rep["scenario"]].overrides(settings["compute_ms"] / 1e3, rep["world_size"]),
+            *settings["extra"]]
+    cfg, reason = sc.resolve_policy(rep["policy"], lambda o: compose("config", overrides=o), ROOT / "configs",
+                                    rep["world_size"], base)
+    if cfg is None:
+        raise ValueError(f"cannot compose the options of {rep['policy']!r} again: {reason}")
+    if "transport" in cfg.averaging:
+        cfg.averaging.transport = settings.get("transport", "default")
+    return group_options(cfg, "averaging")
 
 
 def _report(out: Path, result: dict[str, Any]) -> None:

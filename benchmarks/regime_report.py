@@ -47,9 +47,12 @@ DEFINITIONS: tuple[str, ...] = (
     "bound (trace): the same protocol bound on each rank's recorded compute (the sleeps plus its real "
     "forward/backward and optimizer step, which ranks sharing 2 cores slow down) instead of exactly T; "
     "×bound (trace) = that / ms: what communication and the implementation lose.",
-    "sim: benchmarks.simulate.simulate on the recorded per-rank trace (sleeps + real forward/backward/step) "
-    "with an alpha-beta network calibrated in the same world before training (allreduce of 1 float and of "
-    "the model: 5 samples each, the fastest as the slowest rank saw it).",
+    "sim: benchmarks.simulate.simulate with the ranks sharing this machine's cores (processor sharing): per rank "
+    "and step the recorded sleeps, then as CPU work the main thread's CPU time of the forward/backward and "
+    "optimizer step before the exchange and of the policy's own work after it; a collective costs each member the "
+    "CPU an allreduce of 1 float and of the model took in the same world before training (5 samples each, median "
+    "of the mean over ranks, linear in the bytes). Records from before this model (no `cores` field) hold the "
+    "own-cores model's number: the recorded wall-clock trace and the calibration's wall-clock times as durations.",
     "×DDP: DDP's ms / the policy's ms, same scenario, P and model (median of each first).",
 )
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -108,6 +108,9 @@ class SimResult:
     wait_s: list[float]
     cpu_work_s: float = 0.0
     """The CPU work run on shared cores, all ranks together (0 with cores of their own)."""
+    comm_s: list[float] = dataclasses.field(default_factory=list)
+    """Per rank, the network's cost (unscaled) of the collectives it took part in during its steps (the final
+    flush and barrier not counted): set by the protocol alone."""
 
     @property
     def ms_per_step(self) -> float:
@@ -168,25 +171,32 @@ class _Cores:
 
 
 class _Rendezvous:
-    """Collectives by key: the k-th ``join`` of a key with ``n`` members returns an event that fires when,
-    after the last member joined, each of the ``n`` members has done ``cost`` seconds of work on ``cores``
-    (with cores of their own: ``cost`` after the last join). ``done`` gives the event without joining."""
+    """Collectives by key: the ``join`` of a key by each of its ``members`` returns an event that fires when,
+    after the last member joined, every member has done ``cost * scale`` seconds of work on ``cores`` (with
+    cores of their own: ``cost * scale`` after the last join). ``done`` gives the event without joining;
+    ``nominal[rank]`` sums the ``cost`` of the collectives each rank took part in during its steps (not the
+    final flush and barrier)."""
 
-    def __init__(self, env: simpy.Environment, cores: _Cores) -> None:
-        self.env, self.cores = env, cores
+    def __init__(self, env: simpy.Environment, cores: _Cores, world: int, scale: float) -> None:
+        self.env, self.cores, self.scale = env, cores, scale
         self._open: dict[Any, list[Any]] = {}
+        self.nominal = [0.0] * world
 
     def done(self, key: Any) -> simpy.Event:
         entry = self._open.setdefault(key, [None, self.env.event()])
         return entry[1]
 
-    def join(self, key: Any, members: int, cost: float) -> simpy.Event:
+    def join(self, key: Any, members: Sequence[int], cost: float) -> simpy.Event:
         entry = self._open.setdefault(key, [None, self.env.event()])
-        entry[0] = (members if entry[0] is None else entry[0]) - 1
+        entry[0] = (len(members) if entry[0] is None else entry[0]) - 1
         if entry[0] == 0:
             event = entry[1]
-            work = [self.cores.run(cost) for _ in range(members)] if members > 1 and cost > 0 else [self.env.timeout(0)]
-            self.env.all_of(work).callbacks.append(lambda _e: event.succeed())
+            if key[0] not in ("flush", "barrier"):
+                for rank in members:
+                    self.nominal[rank] += cost
+            work = cost * self.scale
+            jobs = [self.cores.run(work) for _ in members] if len(members) > 1 and work > 0 else [self.env.timeout(0)]
+            self.env.all_of(jobs).callbacks.append(lambda _e: event.succeed())
         return entry[1]
 
 
@@ -195,7 +205,7 @@ class _Sim:
 
     def __init__(self, options: Mapping[str, Any], compute: np.ndarray, net: Network, nbytes: float,
                  first_step: int, cpu: np.ndarray | None = None, after_cpu: np.ndarray | None = None,
-                 cores: float = math.inf) -> None:
+                 cores: float = math.inf, comm_scale: float = 1.0) -> None:
         self.opt = dict(options)
         self.name = str(self.opt.get("name"))
         if self.name not in SIMULATED_POLICIES:
@@ -207,7 +217,7 @@ class _Sim:
         self.after_cpu = zeros if after_cpu is None else after_cpu
         self.env = simpy.Environment()
         self.cores = _Cores(self.env, cores)
-        self.coll = _Rendezvous(self.env, self.cores)
+        self.coll = _Rendezvous(self.env, self.cores, self.p, comm_scale)
         self.wait = [0.0] * self.p
         self.finish = [0.0] * self.p
         self.arrived: list[dict[int, simpy.Event]] = [{} for _ in range(self.p)]  # rank -> round -> event
@@ -283,7 +293,7 @@ class _Sim:
         return self.activated.setdefault(k, self.env.event())
 
     def _global(self, key: Any) -> simpy.Event:
-        return self.coll.join(key, self.p, self.net.allreduce_s(self.p, self.nbytes))
+        return self.coll.join(key, range(self.p), self.net.allreduce_s(self.p, self.nbytes))
 
     # -- processes -------------------------------------------------------------------------------------
     def _main(self, rank: int) -> Generator[simpy.Event, Any, None]:
@@ -304,7 +314,7 @@ class _Sim:
             yield self.coll.done(("round", j, tuple(range(self.p)) if self._is_sync(j) else self._group(rank, j)))
         if self.name != "allreduce" and not self._ended_global():
             yield self._global(("flush",))  # the final flush: a blocking global mean (or eager's residual flush)
-        yield self.coll.join(("barrier",), self.p, self.net.allreduce_s(self.p, 0.0))
+        yield self.coll.join(("barrier",), range(self.p), self.net.allreduce_s(self.p, 0.0))
 
     def _exchange(self, rank: int, step: int) -> Generator[simpy.Event, Any, None]:
         name = self.name
@@ -319,7 +329,7 @@ class _Sim:
                 yield self._global(("avg", step))
             elif self.has_local and s % self.local_period == 0:
                 group = self.block[rank]
-                yield self.coll.join(("local", step, group), len(group), self.net.allreduce_s(len(group), self.nbytes))
+                yield self.coll.join(("local", step, group), group, self.net.allreduce_s(len(group), self.nbytes))
         else:  # wagma, eager: the main thread publishes, may trigger, and waits for its round's result
             k = self._round(step)
             sync = self._is_sync(k)
@@ -352,7 +362,7 @@ class _Sim:
             if not blocking:
                 yield self._activation(k)
             group = tuple(range(self.p)) if sync else self._group(rank, k)
-            yield self.coll.join(("round", k, group), len(group), self.net.allreduce_s(len(group), self.nbytes))
+            yield self.coll.join(("round", k, group), group, self.net.allreduce_s(len(group), self.nbytes))
 
     def run(self) -> SimResult:
         for rank in range(self.p):
@@ -361,7 +371,8 @@ class _Sim:
                 self.env.process(self._thread(rank))
         self.env.run()
         total = self.env.now
-        return SimResult(self.name, self.p, self.n, total, list(self.finish), list(self.wait), self.cores.total_work)
+        return SimResult(self.name, self.p, self.n, total, list(self.finish), list(self.wait), self.cores.total_work,
+                         list(self.coll.nominal))
 
 
 def simulate(
@@ -374,6 +385,7 @@ def simulate(
     cpu_s: np.ndarray | None = None,
     after_cpu_s: np.ndarray | None = None,
     cores: float = math.inf,
+    comm_scale: float = 1.0,
 ) -> SimResult:
     """Simulate one policy on one trace.
 
@@ -391,6 +403,9 @@ def simulate(
             thread: copies, the averaging passes), on the shared ``cores``.
         cores: the cores all ranks' CPU work shares, collectives' included (module docstring, "Shared
             cores"); ``inf`` (the default): every rank has its own, and work is a plain duration.
+        comm_scale: a factor on every collective's cost: with the network calibrated on an idle world, the ratio
+            of the CPU a run's collectives really took (measured under load) to what the calibration predicts
+            for them (:attr:`SimResult.comm_s`, which the protocol alone sets).
 
     Raises:
         ValueError: an unknown policy or wagma ``sync``, a trace that is not a non-negative ``(P, N)`` array
@@ -401,7 +416,9 @@ def simulate(
     after = None if after_cpu_s is None else _trace("after_cpu_s", after_cpu_s, trace.shape)
     if first_step < 0:
         raise ValueError(f"first_step must be >= 0, got {first_step}")
-    return _Sim(options, trace, network, nbytes, first_step, cpu, after, cores).run()
+    if not (comm_scale >= 0 and math.isfinite(comm_scale)):
+        raise ValueError(f"comm_scale must be a finite number >= 0, got {comm_scale}")
+    return _Sim(options, trace, network, nbytes, first_step, cpu, after, cores, comm_scale).run()
 
 
 def _trace(name: str, values: np.ndarray, shape: tuple[int, ...] | None = None) -> np.ndarray:

@@ -82,12 +82,25 @@ def test_tiny_run_end_to_end(tmp_path):
                               nbytes=4.0 * rep["params"], cores=rep["cores"],
                               cpu_s=np.array(rep["compute_cpu_ms"]) / 1e3,
                               after_cpu_s=np.array(rep["averaging_cpu_ms"]) / 1e3,
-                              network=Network(cpu_net["alpha_s"], cpu_net["bandwidth_Bps"], cpu_net["activation_s"]))
+                              network=Network(cpu_net["alpha_s"], cpu_net["bandwidth_Bps"], cpu_net["activation_s"]),
+                              comm_scale=rep["comm_scale"])
             assert shared.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
-            # The CPU the model replays is what the ranks' main threads and the calibrated collectives used:
-            # positive, and (the main thread's share at least) within what the whole process measured.
-            assert 0 < rep["modeled_cpu_ms"] and np.mean(rep["compute_cpu_ms"]) <= rep["cpu_ms"] + 1e-6
+            assert regime.shared_cores(rep["averaging_options"], rep, 2)["simulated_ms"] == rep["simulated_ms"]
+            # The CPU the model replays is the CPU the run used in its timed steps (every thread of each rank's
+            # process), plus the final flush's and barrier's: the collectives' calibration is scaled to it.
+            main_thread = np.mean(np.array(rep["compute_cpu_ms"]) + np.array(rep["averaging_cpu_ms"]))
+            assert rep["comm_scale"] > 0 and main_thread < rep["cpu_ms"]
+            assert rep["cpu_ms"] - 1e-6 <= rep["modeled_cpu_ms"] <= rep["cpu_ms"] * 1.5
     assert len(saved["records"]) == 3 and len(saved["reps"]) == 3 and saved["invocations"][0]["machine"]
+    # --resimulate redoes the shared-cores simulation from the stored traces alone: the same numbers, also for a
+    # repetition whose averaging options must be composed again from its invocation's settings.
+    stripped = json.loads(json.dumps(saved))
+    del stripped["reps"][1]["averaging_options"]
+    stripped["reps"][0]["simulated_ms"] = stripped["records"][0]["simulated_ms"] = -1.0
+    regime.resimulate(stripped)
+    assert [r["simulated_ms"] for r in stripped["reps"]] == [r["simulated_ms"] for r in saved["reps"]]
+    assert stripped["records"][0]["simulated_ms"] == saved["records"][0]["simulated_ms"]
+    assert stripped["reps"][1]["averaging_options"] == saved["reps"][1]["averaging_options"]
     # A record from before no_wait_ms was stored: the report recomputes it from its repetitions' delay traces.
     from benchmarks import regime_report
 

@@ -3,6 +3,7 @@
 No process is started: every test runs the SimPy model on a small hand-made or seeded trace.
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -137,6 +138,95 @@ def test_bad_inputs_are_refused():
         simulate({"name": "allreduce"}, -np.ones((2, 2)))
     with pytest.raises(ValueError, match="bandwidth_Bps > 0"):
         Network(bandwidth_Bps=0.0)
+    with pytest.raises(ValueError, match=r"cpu_s must have compute_s's shape \(2, 2\), got \(2, 3\)"):
+        simulate({"name": "allreduce"}, np.ones((2, 2)), cpu_s=np.ones((2, 3)))
+    with pytest.raises(ValueError, match="after_cpu_s must be a finite non-negative"):
+        simulate({"name": "allreduce"}, np.ones((2, 2)), after_cpu_s=-np.ones((2, 2)))
+    with pytest.raises(ValueError, match="comm_scale must be a finite number >= 0, got nan"):
+        simulate({"name": "allreduce"}, np.ones((2, 2)), comm_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"cores must be > 0 \(or inf\), got 0"):
+        simulate({"name": "allreduce"}, np.ones((2, 2)), cpu_s=np.ones((2, 2)), cores=0)
+
+
+# -- ranks sharing a machine's cores (processor sharing) ------------------------------------------------------
+def test_processor_sharing_closed_forms():
+    """On one core, work A = 1 s from t = 0 and B = 1 s from t = 0.5: A runs alone for 0.5 s, then both at half
+    speed until A ends at 1.5 (B has done 0.5), then B alone to 2.0. With two cores neither slows the other."""
+    import simpy
+
+    from benchmarks.simulate import _Cores
+
+    for cores, want in ((1, (1.5, 2.0)), (2, (1.0, 1.5)), (math.inf, (1.0, 1.5))):
+        env = simpy.Environment()
+        pool, ends = _Cores(env, cores), {}
+
+        def job(name, start, work, pool=pool, env=env, ends=ends):
+            yield env.timeout(start)
+            yield pool.run(work)
+            ends[name] = env.now
+
+        env.process(job("a", 0.0, 1.0))
+        env.process(job("b", 0.5, 1.0))
+        env.run()
+        assert (ends["a"], ends["b"]) == pytest.approx(want), cores
+        assert pool.total_work == (0.0 if math.isinf(cores) else 2.0)
+
+
+@pytest.mark.parametrize("p, cores", [(4, 2), (8, 2), (16, 2), (3, 4)])
+def test_aligned_ranks_pay_their_cpu_divided_by_the_cores(p, cores):
+    """No imbalance, DDP: every rank sleeps T, then does c of CPU work, then the allreduce costs each member w of
+    CPU work: a step takes T + max(1, P / cores) (c + w) exactly. The floor that ranks sharing cores cannot sleep
+    away, and that the model of ranks with cores of their own (T + c + w) misses."""
+    n, c, w = 5, 0.004, 0.002
+    net = Network(alpha_s=w / (2 * (p - 1)))  # an allreduce of 0 bytes costs w
+    shared = simulate({"name": "allreduce"}, np.full((p, n), T), cpu_s=np.full((p, n), c), network=net, cores=cores)
+    stretch = max(1.0, p / cores)
+    want = n * (T + stretch * (c + w)) + stretch * w  # + the closing barrier
+    assert shared.total_s == pytest.approx(want)
+    assert shared.cpu_work_s == pytest.approx(p * (n * (c + w) + w))
+    own = simulate({"name": "allreduce"}, np.full((p, n), T + c), network=net)
+    assert own.total_s == pytest.approx(n * (T + c + w) + w)
+    # The collectives of the steps, unscaled, per rank (the closing barrier not counted); a comm_scale multiplies
+    # every collective's work, the barrier's too.
+    assert shared.comm_s == pytest.approx([n * w] * p)
+    scaled = simulate({"name": "allreduce"}, np.full((p, n), T), cpu_s=np.full((p, n), c), network=net, cores=cores,
+                      comm_scale=3.0)
+    assert scaled.total_s == pytest.approx(n * (T + stretch * (c + 3 * w)) + stretch * 3 * w)
+    assert scaled.comm_s == shared.comm_s
+
+
+def test_without_shared_cores_cpu_work_is_a_duration():
+    """cores = inf (every rank its own device): CPU work before the exchange is the same as adding it to the
+    trace, for every protocol (the extrapolation's model is unchanged)."""
+    p, n = 8, 23
+    delays = _random_k_trace(p, n)
+    cpu = np.random.default_rng(3).uniform(0.001, 0.01, (p, n))
+    net = Network(alpha_s=1e-4, bandwidth_Bps=1e9, activation_s=2e-4)
+    for options in ({"name": "allreduce"}, {"name": "local_sgd", "period": 4},
+                    {"name": "wagma", "group_size": 2, "sync_period": 10},
+                    {"name": "wagma", "group_size": 4, "sync_period": 5, "sync": "wait_avoiding", "overlap": True},
+                    {"name": "eager_solo", "sync_period": 8, "warmup_iters": 2}):
+        split = simulate(options, T + delays, cpu_s=cpu, network=net, nbytes=1e6)
+        joined = simulate(options, T + delays + cpu, network=net, nbytes=1e6)
+        assert split.total_s == pytest.approx(joined.total_s, rel=1e-12), options
+        assert split.cpu_work_s == 0.0
+
+
+def test_shared_cores_slow_wait_avoiding_rounds_but_keep_their_order():
+    """Sharing 2 cores among 8 ranks makes every policy slower than with cores of their own, by at most the CPU
+    they burn divided by the cores; and WAGMA stays faster than DDP under one straggler per step."""
+    p, n = 8, 22
+    delays = _random_k_trace(p, n)
+    cpu = np.full((p, n), 0.005)
+    after = np.full((p, n), 0.001)
+    net = Network(alpha_s=2e-5, bandwidth_Bps=1e9, activation_s=2e-4)
+    got = {}
+    for options in ({"name": "allreduce"}, {"name": "wagma", "group_size": 2, "sync_period": 10}):
+        own = simulate(options, T + delays, cpu_s=cpu, after_cpu_s=after, network=net, nbytes=4e6)
+        shared = simulate(options, T + delays, cpu_s=cpu, after_cpu_s=after, network=net, nbytes=4e6, cores=2)
+        assert own.total_s < shared.total_s <= own.total_s + shared.cpu_work_s / 2 + 1e-9, options["name"]
+        got[options["name"]] = shared.ms_per_step
+    assert got["wagma"] < got["allreduce"]
 
 
 def test_paper_extrapolation_and_pending_validation(tmp_path):
