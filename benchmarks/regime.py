@@ -411,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = json.loads(path.read_text(encoding="utf-8"))
         if args.resimulate:
             resimulate(result)
+            command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+            result.setdefault("resimulations", []).append({"command": command, "machine": machine_info(ROOT)})
             path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         _report(args.out, result)
         return result

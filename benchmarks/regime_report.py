@@ -107,6 +107,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"steps after {s['warmup']} warm-up steps, batch {s['batch_size']}, {s['reps']} repetition(s); "
             f"{_fmt(inv.get('duration_s'), '.0f')} s.",
         ]
+    for again in result.get("resimulations", []):
+        lines.append(f"- `{again['command']}` (commit `{again['machine']['git_commit']}`): the shared-cores "
+                     "simulation (sim) redone from the stored traces, no run.")
     lines += [
         "", "## Results", "",
         "| params | scenario | P | steps | policy | ms/step | ideal | no-wait | bound | sim | ×DDP | ×ideal | ×bound "
