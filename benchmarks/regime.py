@@ -29,6 +29,9 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
   process) that an allreduce of 1 float and of the model took in the same world before training, through the
   run's transport (5 samples each: the median of the mean over ranks; a linear fit in the bytes);
   ``modeled_cpu_ms`` is the CPU per rank and step this replays, beside the measured ``cpu_ms``;
+- ``bound_cores_ms``: the protocol's best *on this machine*: the shared-cores simulation of the same sleeps and
+  compute CPU with free communication and no averaging work; ``x_bound_cores`` = that / ms: what communication
+  and the policy's own work cost here, the cores' contention among the ranks' compute counted as the protocol's;
 - ``simulated_own_cores_ms``: the simulator as if every rank had its own device: the recorded wall-clock trace
   (sleeps + real forward/backward/step) and the same calibration's wall-clock times (the fastest sample as the
   slowest rank saw it) as durations;
@@ -313,8 +316,11 @@ def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) ->
     other = max(0.0, rep["cpu_ms"] / 1e3 * world * steps - float(cpu.sum() + after.sum()))
     scale = other / predicted if predicted > 0 else 1.0
     shared = simulate(averaging, sleeps, **common, cores=rep["cores"], comm_scale=scale)
+    # The protocol's best on this machine: the same sleeps and compute CPU on the same shared cores, with free
+    # communication and no averaging work, so what is left is what the protocol and the cores cost.
+    best = simulate(averaging, sleeps, first_step=warmup, cpu_s=cpu, cores=rep["cores"])
     return {"simulated_ms": shared.ms_per_step, "comm_scale": scale,
-            "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * steps)}
+            "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * steps), "bound_cores_ms": best.ms_per_step}
 
 
 def _alpha_beta(small: float, large: float, world: int, nbytes: float, activation_s: float) -> Network:
@@ -334,9 +340,11 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
-    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale"):
+    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale", "bound_cores_ms"):
         if all(key in r for r in reps):
             out[key] = statistics.median(r[key] for r in reps)
+    if "bound_cores_ms" in out:
+        out["x_bound_cores"] = out["bound_cores_ms"] / out["ms_per_step"]
     if all("no_wait_ms" in r for r in reps):
         out["no_wait_ms"] = statistics.median(r["no_wait_ms"] for r in reps)
     if all("cpu_ms" in r for r in reps):

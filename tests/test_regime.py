@@ -53,8 +53,10 @@ def test_tiny_run_end_to_end(tmp_path):
         # what was measured.
         assert r["ideal_ms"] <= r["no_wait_ms"] + 1e-6 <= r["bound_ms"] + 2e-6 <= r["ms_per_step"] + 3e-6
         assert r["steps"] == 6
-        # The bound on the recorded compute adds the real forward/backward/step to T: above the T-only bound.
+        # The bound on the recorded compute adds the real forward/backward/step to T: above the T-only bound. So
+        # does the bound on the compute's CPU shared by the machine's cores.
         assert r["bound_ms"] < r["bound_trace_ms"] <= r["ms_per_step"] + 1e-9
+        assert r["bound_ms"] < r["bound_cores_ms"] and r["x_bound_cores"] == r["bound_cores_ms"] / r["ms_per_step"]
         # The breakdown: the sleeps are at least T, and its parts add up to no more than a step.
         parts = r["breakdown_ms"]
         assert parts["sleeps"] >= 10.0 and min(parts.values()) >= 0.0
