@@ -254,7 +254,7 @@ class WagmaAverager(AveragerBase):
             results.append(res)
             size = len(res.group)
             # A sync round under "barrier" is always fresh; under "wait_avoiding" a late rank mixes as in a group round.
-            if (self._takes_mean(res) or self.mixing == "conserve") and res.fresh:
+            if self._takes_mean(res) and res.fresh:
                 wide.copy_(res.sum).div_(size)
             elif self.mixing == "conserve":
                 assert res.contributed is not None
@@ -320,8 +320,9 @@ class WagmaAverager(AveragerBase):
 
     def _takes_mean(self, res: RoundResult) -> bool:
         """Whether a fresh contribution to round ``res`` takes the group's mean ``sum / S`` (sync rounds, mean
-        mixing) rather than the reference ``(w + sum) / (S + 1)``."""
-        return res.is_sync or self.mixing == "mean"
+        mixing, and conserve mixing, whose ``w + sum / S - w_hat`` is the mean when ``w`` is what was sent) rather
+        than the reference ``(w + sum) / (S + 1)``."""
+        return res.is_sync or self.mixing in ("mean", "conserve")
 
     def _apply_late_round(self, wide: torch.Tensor, res: RoundResult, sent: torch.Tensor) -> None:
         """``overlap=True``: apply round ``res``, submitted one call ago with the model ``sent``, to ``wide``, the
