@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import platform
+import statistics
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["git_commit", "load_average", "machine_info"]
+__all__ = ["git_commit", "load_average", "machine_info", "scheduler_slice_s"]
 
 
 def git_commit(repo: Path) -> str | None:
@@ -35,6 +38,44 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def _spin(duration_s: float, gap_s: float, out: Any) -> None:
+    """Read the clock in a loop for ``duration_s``; put the lengths of the stretches it ran without a gap longer than
+    ``gap_s`` (being descheduled), the first and last left out as cut by the start and the end."""
+    runs, t0 = [], time.perf_counter()
+    start = last = t0
+    while last - t0 < duration_s:
+        now = time.perf_counter()
+        if now - last > gap_s:
+            runs.append(last - start)
+            start = now
+        last = now
+    out.put(runs[1:])
+
+
+def scheduler_slice_s(processes: int | None = None, duration_s: float = 1.0, gap_s: float = 50e-6) -> float:
+    """How long the OS scheduler lets a CPU-bound thread run before it switches, measured: ``processes`` (default
+    4 per usable core) processes spin for ``duration_s`` at once, and the median of their uninterrupted stretches
+    is returned (seconds). The simulator time-slices shared cores with it (``benchmarks.simulate``, ``slice_s``).
+
+    Raises:
+        RuntimeError: no process was ever descheduled (fewer processes than cores, or a duration too short).
+    """
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    count = processes if processes is not None else 4 * usable
+    ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_spin, args=(duration_s, gap_s, out), daemon=True) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    runs = [r for _ in procs for r in out.get(timeout=duration_s + 60.0)]
+    for proc in procs:
+        proc.join(timeout=10.0)
+    if not runs:
+        raise RuntimeError(f"scheduler_slice_s: {count} spinning processes on {usable} cores were never descheduled "
+                           f"in {duration_s} s; expected more processes than cores")
+    return statistics.median(runs)
 
 
 def _cpu_model() -> str | None:

@@ -79,7 +79,7 @@ import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from benchmarks import scenarios as sc  # noqa: E402
-from benchmarks.machine import load_average, machine_info  # noqa: E402
+from benchmarks.machine import load_average, machine_info, scheduler_slice_s  # noqa: E402
 from benchmarks.simulate import ZERO_NETWORK, Network, no_wait_ms, protocol_bound, simulate  # noqa: E402
 from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
@@ -261,6 +261,7 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "compute_cpu_ms": np.round(1e3 * np.array([r["compute_cpu"] for r in ranks]), 3).tolist(),
         "averaging_cpu_ms": np.round(1e3 * np.array([r["averaging_cpu"] for r in ranks]), 3).tolist(),
         "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps, "cores": _cores(),
+        "slice_s": args.slice_s,
         "nbytes": nbytes, "averaging_options": avg,
         "cpu_network": {"alpha_s": cpu_net.alpha_s, "bandwidth_Bps": cpu_net.bandwidth_Bps,
                         "activation_s": cpu_net.activation_s, "allreduce_1_float_s": small_cpu,
@@ -297,8 +298,9 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
 
 def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) -> dict[str, Any]:
     """The simulation of one repetition with its ranks sharing the machine's cores, from what the repetition stored:
-    ``sleeps_ms``, ``compute_cpu_ms`` and ``averaging_cpu_ms`` ([rank][step]), ``cpu_ms``, ``cores``, ``nbytes`` and
-    the idle world's ``cpu_network`` calibration.
+    ``sleeps_ms``, ``compute_cpu_ms`` and ``averaging_cpu_ms`` ([rank][step]), ``cpu_ms``, ``cores``, ``slice_s``
+    (the scheduler's time slice, measured on the machine: the cores run work round robin in slices of it; None:
+    processor sharing), ``nbytes`` and the idle world's ``cpu_network`` calibration.
 
     The collectives' CPU is the calibration's, scaled by one factor per run (``comm_scale``): the CPU the ranks'
     processes used beyond their main threads' measured work (every other thread: gloo's, the progress thread's),
@@ -308,6 +310,7 @@ def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) ->
     a float); a scale above 1 is the collectives' cost under load.
     """
     sleeps, cpu, after = (np.array(rep[k]) / 1e3 for k in ("sleeps_ms", "compute_cpu_ms", "averaging_cpu_ms"))
+    cores = {"cores": rep["cores"], "slice_s": rep["slice_s"]}
     world, steps = sleeps.shape
     c = rep["cpu_network"]
     net = Network(c["alpha_s"], c["bandwidth_Bps"], c["activation_s"])
@@ -315,10 +318,10 @@ def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) ->
     predicted = sum(simulate(averaging, sleeps, **common).comm_s)  # the protocol alone sets which collectives run
     other = max(0.0, rep["cpu_ms"] / 1e3 * world * steps - float(cpu.sum() + after.sum()))
     scale = other / predicted if predicted > 0 else 1.0
-    shared = simulate(averaging, sleeps, **common, cores=rep["cores"], comm_scale=scale)
+    shared = simulate(averaging, sleeps, **common, **cores, comm_scale=scale)
     # The protocol's best on this machine: the same sleeps and compute CPU on the same shared cores, with free
     # communication and no averaging work, so what is left is what the protocol and the cores cost.
-    best = simulate(averaging, sleeps, first_step=warmup, cpu_s=cpu, cores=rep["cores"])
+    best = simulate(averaging, sleeps, first_step=warmup, cpu_s=cpu, **cores)
     return {"simulated_ms": shared.ms_per_step, "comm_scale": scale,
             "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * steps), "bound_cores_ms": best.ms_per_step}
 
@@ -340,7 +343,7 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
-    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale", "bound_cores_ms"):
+    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale", "bound_cores_ms", "slice_s"):
         if all(key in r for r in reps):
             out[key] = statistics.median(r[key] for r in reps)
     if "bound_cores_ms" in out:
@@ -375,6 +378,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="repetitions, medians reported (full: 3)")
     p.add_argument("--batch-size", type=int, default=4, help="examples per rank and step (real compute stays small)")
     p.add_argument("--activation-ms", type=float, default=0.2, help="simulator: round activation latency")
+    p.add_argument("--slice-ms", type=float, default=None,
+                   help="simulator: the time slice of the shared cores (default: measured on this machine, "
+                        "benchmarks.machine.scheduler_slice_s)")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
                    help="extra Hydra override for every run, e.g. --set averaging.group_size=4 (repeatable)")
     p.add_argument("--transport", choices=("default", "shm"), default="default",
@@ -418,17 +424,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             raise FileNotFoundError(f"{flag} needs {path}: expected a regime.json from an earlier run, found none")
         result = json.loads(path.read_text(encoding="utf-8"))
         if args.resimulate:
-            resimulate(result)
+            # The slice: as given, else as each invocation measured it, else measured now (the same machine).
+            slice_s = args.slice_ms / 1e3 if args.slice_ms is not None else None
+            measured = None
+            if slice_s is None and any("slice_s" not in i["settings"] for i in result["invocations"]):
+                measured = scheduler_slice_s()
+            resimulate(result, slice_s, measured)
             command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
-            result.setdefault("resimulations", []).append({"command": command, "machine": machine_info(ROOT)})
+            result.setdefault("resimulations", []).append(
+                {"command": command, "machine": machine_info(ROOT), "slice_s": slice_s, "slice_s_measured": measured})
             path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         _report(args.out, result)
         return result
     result = _load(path, args.append)
+    args.slice_s = args.slice_ms / 1e3 if args.slice_ms is not None else scheduler_slice_s()
     command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     invocation = len(result["invocations"])
     settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
-                                             "warmup", "reps", "batch_size", "activation_ms", "extra", "transport")}
+                                             "warmup", "reps", "batch_size", "activation_ms", "extra", "transport",
+                                             "slice_s")}
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
     started = time.perf_counter()
     t = args.compute_ms / 1e3
@@ -473,10 +487,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def resimulate(result: dict[str, Any]) -> None:
+def resimulate(result: dict[str, Any], slice_s: float | None = None, measured_slice_s: float | None = None) -> None:
     """Redo :func:`shared_cores` for every repetition of ``result`` (a ``regime.json``) that stored its CPU traces,
     in place, and the medians of their records. A repetition without its averaging options (stored since this
-    function exists) gets them composed again from its invocation's settings, and keeps them."""
+    function exists) gets them composed again from its invocation's settings, and keeps them.
+
+    Args:
+        result: the contents of a ``regime.json``.
+        slice_s: the scheduler's time slice for every repetition; None: the one its invocation measured, else
+            ``measured_slice_s``.
+        measured_slice_s: the slice measured now, for invocations from before the slice was measured; None
+            there: processor sharing.
+    """
     records = {tuple(r[k] for k in KEY): r for r in result["records"] if r.get("status") == "ok"}
     redone: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
@@ -489,6 +511,7 @@ def resimulate(result: dict[str, Any]) -> None:
                 rep["averaging_options"] = _averaging_options(rep, settings)
             rep.setdefault("nbytes", 4.0 * rep["params_actual"])
             rep.setdefault("cores", invocation["machine"]["cpu_count"])
+            rep["slice_s"] = slice_s if slice_s is not None else settings.get("slice_s", measured_slice_s)
             rep |= shared_cores(rep["averaging_options"], rep, settings["warmup"])
             redone.setdefault(tuple(rep[k] for k in KEY), []).append(rep)
     for key, reps in redone.items():

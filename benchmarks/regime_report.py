@@ -50,7 +50,9 @@ DEFINITIONS: tuple[str, ...] = (
     "bound (trace): the same protocol bound on each rank's recorded compute (the sleeps plus its real "
     "forward/backward and optimizer step, which ranks sharing 2 cores slow down) instead of exactly T; "
     "×bound (trace) = that / ms: what communication and the implementation lose.",
-    "sim: benchmarks.simulate.simulate with the ranks sharing this machine's cores (processor sharing): per rank "
+    "sim: benchmarks.simulate.simulate with the ranks sharing this machine's cores (round robin in the scheduler's "
+    "time slice, measured on the machine: benchmarks.machine.scheduler_slice_s; processor sharing where none was "
+    "measured): per rank "
     "and step the recorded sleeps, then as CPU work the main thread's CPU time of the forward/backward and "
     "optimizer step before the exchange and of the policy's own work after it; a collective costs each member the "
     "CPU an allreduce of 1 float and of the model took in the same world before training (5 samples each, median "
@@ -111,8 +113,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"{_fmt(inv.get('duration_s'), '.0f')} s.",
         ]
     for again in result.get("resimulations", []):
+        measured = again.get("slice_s_measured")
+        slice_note = (f"; the scheduler's time slice measured then: {1e3 * measured:.2f} ms" if measured else "")
         lines.append(f"- `{again['command']}` (commit `{again['machine']['git_commit']}`): the shared-cores "
-                     "simulation (sim) redone from the stored traces, no run.")
+                     f"simulation (sim) redone from the stored traces, no run{slice_note}.")
     lines += [
         "", "## Results", "",
         "| params | scenario | P | steps | policy | ms/step | ideal | no-wait | bound | sim | ×DDP | ×ideal | ×bound "

@@ -45,7 +45,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "In the validation the ranks share this machine's cores, as they do in the real runs: each rank's recorded "
         "sleeps are durations, and its main thread's CPU time (forward/backward and optimizer step before the "
         "exchange, the policy's own work after it) and each collective's calibrated CPU per member are CPU work "
-        "that the cores share by processor sharing. *own cores* is the same run simulated as if every rank had its "
+        "that the cores run round robin in the scheduler's time slice, measured on the machine. *own cores* is the "
+        "same run simulated as if every rank had its "
         "own cores (the wall-clock trace and the idle world's wall-clock network as durations), the model used "
         "before; *CPU* is the CPU per rank and step, measured (every thread of the process) and as the model "
         "replays it. The extrapolation below gives every rank its own device, as in the paper.", "",

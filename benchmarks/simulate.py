@@ -33,8 +33,12 @@ bound* (:func:`protocol_bound`): the best its protocol permits on that delay tra
 
 **Shared cores.** By default every rank has its own device, as in the papers: a rank's compute and a
 collective's cost are durations. Given ``cores`` (and the CPU work each rank does per step, ``cpu_s`` before
-its exchange and ``after_cpu_s`` after it), the ranks' CPU work instead shares ``cores`` cores by processor
-sharing: while ``n`` pieces of work are running each advances at ``min(1, cores / n)``. A collective's
+its exchange and ``after_cpu_s`` after it), the ranks' CPU work instead shares ``cores`` cores: by processor
+sharing (while ``n`` pieces of work are running each advances at ``min(1, cores / n)``), or, given ``slice_s``,
+round robin as an OS scheduler runs threads: a piece runs on a free core for at most ``slice_s``, then waits at
+the end of the queue. The difference matters: under processor sharing ranks that start their work together end
+it together and stay in step, while slices let them finish in turn and drift apart, so one rank's compute
+overlaps another's sleep where the protocol does not put them back in step. A collective's
 alpha-beta cost is then the CPU work each member does for it (gloo on one host: the copies, the reductions
 and the loopback sockets are CPU), so a step cannot be shorter than the CPU its ranks burn in it divided by
 the cores: the floor that ranks sharing one machine's cores meet, and that a model of an idle network misses.
@@ -42,6 +46,7 @@ the cores: the floor that ranks sharing one machine's cores meet, and that a mod
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import types
@@ -170,6 +175,48 @@ class _Cores:
         self._schedule()
 
 
+class _SlicedCores:
+    """Round-robin time slicing of ``cores`` cores: work waits in one FIFO queue, runs for at most ``slice_s`` on a
+    free core, and goes back to the end of the queue while some is left (the interface of :class:`_Cores`)."""
+
+    _EPS = 1e-12
+
+    def __init__(self, env: simpy.Environment, cores: float, slice_s: float) -> None:
+        if not cores > 0 or math.isinf(cores) or cores != int(cores):
+            raise ValueError(f"time slicing needs a whole number of cores > 0, got {cores}")
+        if not slice_s > 0:
+            raise ValueError(f"slice_s must be > 0, got {slice_s}")
+        self.env, self.cores, self.slice_s = env, int(cores), float(slice_s)
+        self._queue: collections.deque[list[Any]] = collections.deque()  # [remaining seconds of work, event]
+        self._busy = 0
+        self.total_work = 0.0
+
+    def run(self, work: float) -> simpy.Event:
+        if work <= 0:
+            return self.env.timeout(0.0)
+        self.total_work += work
+        event = self.env.event()
+        self._queue.append([float(work), event])
+        self._dispatch()
+        return event
+
+    def _dispatch(self) -> None:
+        while self._busy < self.cores and self._queue:
+            job = self._queue.popleft()
+            self._busy += 1
+            ran = min(self.slice_s, job[0])
+            self.env.timeout(ran).callbacks.append(lambda _e, job=job, ran=ran: self._end_slice(job, ran))
+
+    def _end_slice(self, job: list[Any], ran: float) -> None:
+        self._busy -= 1
+        job[0] -= ran
+        if job[0] <= self._EPS:
+            job[1].succeed()
+        else:
+            self._queue.append(job)
+        self._dispatch()
+
+
 class _Rendezvous:
     """Collectives by key: the ``join`` of a key by each of its ``members`` returns an event that fires when,
     after the last member joined, every member has done ``cost * scale`` seconds of work on ``cores`` (with
@@ -177,7 +224,7 @@ class _Rendezvous:
     ``nominal[rank]`` sums the ``cost`` of the collectives each rank took part in during its steps (not the
     final flush and barrier)."""
 
-    def __init__(self, env: simpy.Environment, cores: _Cores, world: int, scale: float) -> None:
+    def __init__(self, env: simpy.Environment, cores: _Cores | _SlicedCores, world: int, scale: float) -> None:
         self.env, self.cores, self.scale = env, cores, scale
         self._open: dict[Any, list[Any]] = {}
         self.nominal = [0.0] * world
@@ -205,7 +252,7 @@ class _Sim:
 
     def __init__(self, options: Mapping[str, Any], compute: np.ndarray, net: Network, nbytes: float,
                  first_step: int, cpu: np.ndarray | None = None, after_cpu: np.ndarray | None = None,
-                 cores: float = math.inf, comm_scale: float = 1.0) -> None:
+                 cores: float = math.inf, comm_scale: float = 1.0, slice_s: float | None = None) -> None:
         self.opt = dict(options)
         self.name = str(self.opt.get("name"))
         if self.name not in SIMULATED_POLICIES:
@@ -216,7 +263,8 @@ class _Sim:
         self.cpu = zeros if cpu is None else cpu
         self.after_cpu = zeros if after_cpu is None else after_cpu
         self.env = simpy.Environment()
-        self.cores = _Cores(self.env, cores)
+        self.cores = (_Cores(self.env, cores) if slice_s is None or math.isinf(cores)
+                      else _SlicedCores(self.env, cores, slice_s))
         self.coll = _Rendezvous(self.env, self.cores, self.p, comm_scale)
         self.wait = [0.0] * self.p
         self.finish = [0.0] * self.p
@@ -386,6 +434,7 @@ def simulate(
     after_cpu_s: np.ndarray | None = None,
     cores: float = math.inf,
     comm_scale: float = 1.0,
+    slice_s: float | None = None,
 ) -> SimResult:
     """Simulate one policy on one trace.
 
@@ -403,13 +452,16 @@ def simulate(
             thread: copies, the averaging passes), on the shared ``cores``.
         cores: the cores all ranks' CPU work shares, collectives' included (module docstring, "Shared
             cores"); ``inf`` (the default): every rank has its own, and work is a plain duration.
+        slice_s: with finite ``cores``, run the CPU work round robin in slices of this many seconds (the OS
+            scheduler's, :func:`benchmarks.machine.scheduler_slice_s`) instead of processor sharing.
         comm_scale: a factor on every collective's cost: with the network calibrated on an idle world, the ratio
             of the CPU a run's collectives really took (measured under load) to what the calibration predicts
             for them (:attr:`SimResult.comm_s`, which the protocol alone sets).
 
     Raises:
         ValueError: an unknown policy or wagma ``sync``, a trace that is not a non-negative ``(P, N)`` array
-            with N >= 1, CPU traces of another shape, or ``cores <= 0``.
+            with N >= 1, CPU traces of another shape, ``cores <= 0``, or, with ``slice_s`` and finite ``cores``,
+            a slice that is not > 0 or a number of cores that is not whole.
     """
     trace = _trace("compute_s", compute_s)
     cpu = None if cpu_s is None else _trace("cpu_s", cpu_s, trace.shape)
@@ -418,7 +470,7 @@ def simulate(
         raise ValueError(f"first_step must be >= 0, got {first_step}")
     if not (comm_scale >= 0 and math.isfinite(comm_scale)):
         raise ValueError(f"comm_scale must be a finite number >= 0, got {comm_scale}")
-    return _Sim(options, trace, network, nbytes, first_step, cpu, after, cores, comm_scale).run()
+    return _Sim(options, trace, network, nbytes, first_step, cpu, after, cores, comm_scale, slice_s).run()
 
 
 def _trace(name: str, values: np.ndarray, shape: tuple[int, ...] | None = None) -> np.ndarray:

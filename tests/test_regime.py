@@ -81,7 +81,7 @@ def test_tiny_run_end_to_end(tmp_path):
                            network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]))
             assert own.ms_per_step == pytest.approx(rep["simulated_own_cores_ms"], rel=1e-3)
             shared = simulate({"name": "allreduce"}, np.array(rep["sleeps_ms"]) / 1e3, first_step=2,
-                              nbytes=4.0 * rep["params"], cores=rep["cores"],
+                              nbytes=4.0 * rep["params"], cores=rep["cores"], slice_s=rep["slice_s"],
                               cpu_s=np.array(rep["compute_cpu_ms"]) / 1e3,
                               after_cpu_s=np.array(rep["averaging_cpu_ms"]) / 1e3,
                               network=Network(cpu_net["alpha_s"], cpu_net["bandwidth_Bps"], cpu_net["activation_s"]),
@@ -94,6 +94,9 @@ def test_tiny_run_end_to_end(tmp_path):
             assert rep["comm_scale"] > 0 and main_thread < rep["cpu_ms"]
             assert rep["cpu_ms"] - 1e-6 <= rep["modeled_cpu_ms"] <= rep["cpu_ms"] * 1.5
     assert len(saved["records"]) == 3 and len(saved["reps"]) == 3 and saved["invocations"][0]["machine"]
+    # The scheduler's slice was measured for the invocation, and every repetition was simulated with it.
+    slice_s = saved["invocations"][0]["settings"]["slice_s"]
+    assert 0 < slice_s < 1.0 and all(r["slice_s"] == slice_s for r in saved["reps"])
     # --resimulate redoes the shared-cores simulation from the stored traces alone: the same numbers, also for a
     # repetition whose averaging options must be composed again from its invocation's settings.
     stripped = json.loads(json.dumps(saved))
@@ -112,7 +115,8 @@ def test_tiny_run_end_to_end(tmp_path):
     assert (tmp_path / "regime.md").exists() and (tmp_path / "regime_ms_per_step.png").exists()
     assert "| 6 | wagma |" in (tmp_path / "regime.md").read_text()  # the steps column
     again = regime.main([*argv[:5], "allreduce", "--compute-ms", "10", "--steps", "4", "--warmup", "2",
-                         "--reps", "1", "--out", str(tmp_path), "--append", "--no-report"])
+                         "--reps", "1", "--out", str(tmp_path), "--append", "--no-report", "--slice-ms", "4"])
+    assert again["reps"][-1]["slice_s"] == 0.004 and again["invocations"][1]["settings"]["slice_s"] == 0.004
     assert len(again["records"]) == 3 and len(again["invocations"]) == 2
     # The replaced record's repetitions went with it: one per record, the new one from invocation 1.
     assert len(again["reps"]) == 3
@@ -129,7 +133,7 @@ def test_tiny_run_end_to_end(tmp_path):
 def test_transport_shm_reaches_the_policies_that_have_it(tmp_path):
     argv = ["--worlds", "2", "--scenarios", "none", "--policies", "allreduce", "eager_solo", "local_sgd",
             "--compute-ms", "5", "--steps", "4", "--warmup", "2", "--reps", "1", "--out", str(tmp_path),
-            "--transport", "shm", "--no-report"]
+            "--transport", "shm", "--no-report", "--slice-ms", "4"]
     result = regime.main(argv)
     assert [(r["policy"], r["status"], r.get("transport")) for r in result["records"]] == [
         ("allreduce", "ok", "shm"), ("eager_solo", "ok", "shm"), ("local_sgd", "ok", "default"),

@@ -172,6 +172,56 @@ def test_processor_sharing_closed_forms():
         assert pool.total_work == (0.0 if math.isinf(cores) else 2.0)
 
 
+def test_time_slicing_closed_forms():
+    """Round robin on one core with slices of 0.5 s: A (1 s) and B (1 s), both from t = 0, alternate: A ends at 1.5,
+    B at 2.0 (processor sharing ends both at 2.0). With slices longer than the work, two cores serve four equal
+    pieces two at a time: the first pair ends at 1, the second at 2 (processor sharing: all four at 2)."""
+    import simpy
+
+    from benchmarks.simulate import _SlicedCores
+
+    def ends(cores, slice_s, works):
+        env = simpy.Environment()
+        pool, out = _SlicedCores(env, cores, slice_s), {}
+
+        def job(name, work):
+            yield pool.run(work)
+            out[name] = env.now
+
+        for name, work in enumerate(works):
+            env.process(job(name, work))
+        env.run()
+        assert pool.total_work == pytest.approx(sum(works))
+        return [out[k] for k in sorted(out)]
+
+    assert ends(1, 0.5, [1.0, 1.0]) == pytest.approx([1.5, 2.0])
+    assert ends(2, 5.0, [1.0] * 4) == pytest.approx([1.0, 1.0, 2.0, 2.0])
+    # Three pieces on two cores: the short one ends at 0.1 and frees its core, so the others never queue again.
+    assert ends(2, 0.25, [0.1, 1.0, 1.0]) == pytest.approx([0.1, 1.0, 1.1])
+    with pytest.raises(ValueError, match="slice_s must be > 0, got 0"):
+        _SlicedCores(simpy.Environment(), 2, 0.0)
+    with pytest.raises(ValueError, match="a whole number of cores > 0, got 1.5"):
+        _SlicedCores(simpy.Environment(), 1.5, 0.1)
+
+
+def test_time_slices_let_ranks_that_do_not_wait_for_each_other_drift_apart():
+    """16 aligned ranks, 2 cores, no imbalance, free communication: under processor sharing every rank's compute
+    ends at the same time, so the ranks stay in step and each step costs T + 16 c / 2 whatever the protocol. With
+    slices as long as the work, the ranks finish two at a time and drift apart: WAGMA (no barrier between sync
+    rounds) then overlaps one rank's compute with another's sleep and beats the lockstep time, while DDP's
+    allreduce puts the ranks back in step every step."""
+    p, n, c = 16, 22, 0.006
+    compute, cpu = np.full((p, n), T), np.full((p, n), c)
+    lockstep = n * (T + p * c / 2)
+    wagma = {"name": "wagma", "group_size": 2, "sync_period": 10}
+    shared = simulate(wagma, compute, cpu_s=cpu, cores=2)
+    assert shared.total_s == pytest.approx(lockstep)
+    sliced = simulate(wagma, compute, cpu_s=cpu, cores=2, slice_s=0.004)
+    assert sliced.total_s < 0.95 * lockstep
+    ddp = simulate({"name": "allreduce"}, compute, cpu_s=cpu, cores=2, slice_s=0.004)
+    assert ddp.total_s == pytest.approx(lockstep)
+
+
 @pytest.mark.parametrize("p, cores", [(4, 2), (8, 2), (16, 2), (3, 4)])
 def test_aligned_ranks_pay_their_cpu_divided_by_the_cores(p, cores):
     """No imbalance, DDP: every rank sleeps T, then does c of CPU work, then the allreduce costs each member w of
