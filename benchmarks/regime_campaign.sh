@@ -2,7 +2,7 @@
 # The full compute-bound regime campaign (issue 13, points 1, 5, 6). Run it on a QUIET machine (nothing
 # else running: the ranks share the cores, and the numbers are wall-clock times), from the repository root:
 #
-#     bash benchmarks/regime_campaign.sh          # 38 min on the 2-core CI machine (measured once, quiet)
+#     bash benchmarks/regime_campaign.sh          # 39 min on the 2-core CI machine (measured on ccd9d76, quiet)
 #
 # It writes benchmarks/results/regime.json, regime.md, regime_*.png (the measurements), then
 # simulation.json, simulation.md, simulation_*.png (the simulator validated against them, and the
