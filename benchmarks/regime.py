@@ -22,13 +22,16 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
   ``compute`` (the real forward/backward/step), ``averaging`` (the policy on the main thread: DDP's or the
   hook's wait after the last gradient, the averaging before and after the optimizer step, waits included),
   ``finalize`` (the final mean or flush, per timed step); ms/step minus their sum is the slowest rank's excess;
-- ``simulated_ms``: :func:`benchmarks.simulate.simulate` with the ranks sharing this machine's cores
-  (``cores``, processor sharing): per rank and step it replays the sleeps as durations, and as CPU work the
-  main thread's CPU time (``time.thread_time``) of the forward/backward and optimizer step before the exchange
-  and of the policy's own work after it; a collective costs each member the CPU time (every thread of the
-  process) that an allreduce of 1 float and of the model took in the same world before training, through the
-  run's transport (5 samples each: the median of the mean over ranks; a linear fit in the bytes);
-  ``modeled_cpu_ms`` is the CPU per rank and step this replays, beside the measured ``cpu_ms``;
+- ``simulated_ms``: :func:`benchmarks.simulate.simulate` with the ranks sharing this machine's ``cores``, which
+  run the CPU work round robin in the scheduler's time slice ``slice_s`` (measured once per invocation,
+  :func:`benchmarks.machine.scheduler_slice_s`, or ``--slice-ms``): per rank and step it replays the sleeps as
+  durations, and as CPU work the main thread's CPU time (``time.thread_time``) of the forward/backward and
+  optimizer step before the exchange and of the policy's own work after it; a collective costs each member the
+  CPU time (every thread of the process) that an allreduce of 1 float and of the model took in the same world
+  before training, through the run's transport (5 samples each: the median of the mean over ranks; a linear fit
+  in the bytes), times ``comm_scale`` (:func:`shared_cores`: the run's own CPU beyond its main threads', over
+  that calibration's prediction); ``modeled_cpu_ms`` is the CPU per rank and step this replays, beside the
+  measured ``cpu_ms``;
 - ``bound_cores_ms``: the protocol's best *on this machine*: the shared-cores simulation of the same sleeps and
   compute CPU with free communication and no averaging work; ``x_bound_cores`` = that / ms: what communication
   and the policy's own work cost here, the cores' contention among the ranks' compute counted as the protocol's;
@@ -344,7 +347,7 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
     for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale", "bound_cores_ms", "slice_s"):
-        if all(key in r for r in reps):
+        if all(r.get(key) is not None for r in reps):
             out[key] = statistics.median(r[key] for r in reps)
     if "bound_cores_ms" in out:
         out["x_bound_cores"] = out["bound_cores_ms"] / out["ms_per_step"]
