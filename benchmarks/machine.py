@@ -7,14 +7,14 @@ import os
 import platform
 import statistics
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["git_commit", "load_average", "machine_info", "scheduler_slice_s"]
+__all__ = ["git_commit", "load_average", "machine_info", "scheduler_slice_s", "usable_cores"]
 
 
 def git_commit(repo: Path) -> str | None:
@@ -40,6 +40,13 @@ def load_average() -> list[float] | None:
         return None
 
 
+def usable_cores() -> int:
+    """The cores this process (and the processes it forks) may run on: its CPU affinity where the OS has one."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _spin(duration_s: float, gap_s: float, out: Any) -> None:
     """Read the clock in a loop for ``duration_s``; put the lengths of the stretches it ran without a gap longer than
     ``gap_s`` (being descheduled), the first and last left out as cut by the start and the end."""
@@ -62,7 +69,7 @@ def scheduler_slice_s(processes: int | None = None, duration_s: float = 1.0, gap
     Raises:
         RuntimeError: no process was ever descheduled (fewer processes than cores, or a duration too short).
     """
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    usable = usable_cores()
     count = processes if processes is not None else 4 * usable
     ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
     out = ctx.Queue()
@@ -90,13 +97,9 @@ def _cpu_model() -> str | None:
 
 def machine_info(repo: Path) -> dict[str, Any]:
     """CPU count and model, platform, Python and torch versions, git commit and the current load."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
     return {
         "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
+        "cpus_usable": usable_cores(),
         "cpu_model": _cpu_model(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
