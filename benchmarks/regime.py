@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import shlex
 import statistics
@@ -82,7 +81,7 @@ import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from benchmarks import scenarios as sc  # noqa: E402
-from benchmarks.machine import load_average, machine_info, scheduler_slice_s  # noqa: E402
+from benchmarks.machine import load_average, machine_info, scheduler_slice_s, usable_cores  # noqa: E402
 from benchmarks.simulate import ZERO_NETWORK, Network, no_wait_ms, protocol_bound, simulate  # noqa: E402
 from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
@@ -263,7 +262,7 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "sleeps_ms": np.round(1e3 * pre, 3).tolist(),
         "compute_cpu_ms": np.round(1e3 * np.array([r["compute_cpu"] for r in ranks]), 3).tolist(),
         "averaging_cpu_ms": np.round(1e3 * np.array([r["averaging_cpu"] for r in ranks]), 3).tolist(),
-        "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps, "cores": _cores(),
+        "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps, "cores": usable_cores(),
         "slice_s": args.slice_s,
         "nbytes": nbytes, "averaging_options": avg,
         "cpu_network": {"alpha_s": cpu_net.alpha_s, "bandwidth_Bps": cpu_net.bandwidth_Bps,
@@ -317,14 +316,18 @@ def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) ->
     world, steps = sleeps.shape
     c = rep["cpu_network"]
     net = Network(c["alpha_s"], c["bandwidth_Bps"], c["activation_s"])
-    common = {"network": net, "nbytes": rep["nbytes"], "first_step": warmup, "cpu_s": cpu, "after_cpu_s": after}
-    predicted = sum(simulate(averaging, sleeps, **common).comm_s)  # the protocol alone sets which collectives run
+    # The protocol's best on this machine: the same sleeps and compute CPU on the same shared cores, with free
+    # communication (the collectives' work scaled to 0, no activation latency) and no averaging work, so what is
+    # left is what the protocol and the cores cost. Its comm_s counts the calibration's cost of the collectives
+    # the protocol runs, which no timing changes.
+    free = Network(net.alpha_s, net.bandwidth_Bps)
+    best = simulate(averaging, sleeps, network=free, nbytes=rep["nbytes"], first_step=warmup, cpu_s=cpu, **cores,
+                    comm_scale=0.0)
+    predicted = sum(best.comm_s)
     other = max(0.0, rep["cpu_ms"] / 1e3 * world * steps - float(cpu.sum() + after.sum()))
     scale = other / predicted if predicted > 0 else 1.0
-    shared = simulate(averaging, sleeps, **common, **cores, comm_scale=scale)
-    # The protocol's best on this machine: the same sleeps and compute CPU on the same shared cores, with free
-    # communication and no averaging work, so what is left is what the protocol and the cores cost.
-    best = simulate(averaging, sleeps, first_step=warmup, cpu_s=cpu, **cores)
+    shared = simulate(averaging, sleeps, network=net, nbytes=rep["nbytes"], first_step=warmup, cpu_s=cpu,
+                      after_cpu_s=after, **cores, comm_scale=scale)
     return {"simulated_ms": shared.ms_per_step, "comm_scale": scale,
             "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * steps), "bound_cores_ms": best.ms_per_step}
 
@@ -335,11 +338,6 @@ def _alpha_beta(small: float, large: float, world: int, nbytes: float, activatio
     spread = large - small
     bandwidth = 2 * (world - 1) / world * nbytes / spread if spread > 0 else float("inf")
     return Network(alpha_s=small / (2 * (world - 1)), bandwidth_Bps=bandwidth, activation_s=activation_s)
-
-
-def _cores() -> int:
-    """The cores this process (and the ranks it forks) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -513,7 +511,7 @@ def resimulate(result: dict[str, Any], slice_s: float | None = None, measured_sl
             if "averaging_options" not in rep:
                 rep["averaging_options"] = _averaging_options(rep, settings)
             rep.setdefault("nbytes", 4.0 * rep["params_actual"])
-            rep.setdefault("cores", invocation["machine"]["cpu_count"])
+            rep.setdefault("cores", invocation["machine"]["cpus_usable"])
             rep["slice_s"] = slice_s if slice_s is not None else settings.get("slice_s", measured_slice_s)
             rep |= shared_cores(rep["averaging_options"], rep, settings["warmup"])
             redone.setdefault(tuple(rep[k] for k in KEY), []).append(rep)

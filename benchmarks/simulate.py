@@ -221,8 +221,8 @@ class _Rendezvous:
     """Collectives by key: the ``join`` of a key by each of its ``members`` returns an event that fires when,
     after the last member joined, every member has done ``cost * scale`` seconds of work on ``cores`` (with
     cores of their own: ``cost * scale`` after the last join). ``done`` gives the event without joining;
-    ``nominal[rank]`` sums the ``cost`` of the collectives each rank took part in during its steps (not the
-    final flush and barrier)."""
+    ``nominal[rank]`` sums the ``cost`` of the collectives joined with ``in_steps`` (those of the steps, not the
+    final flush and barrier) that each rank took part in."""
 
     def __init__(self, env: simpy.Environment, cores: _Cores | _SlicedCores, world: int, scale: float) -> None:
         self.env, self.cores, self.scale = env, cores, scale
@@ -233,12 +233,12 @@ class _Rendezvous:
         entry = self._open.setdefault(key, [None, self.env.event()])
         return entry[1]
 
-    def join(self, key: Any, members: Sequence[int], cost: float) -> simpy.Event:
+    def join(self, key: Any, members: Sequence[int], cost: float, in_steps: bool = True) -> simpy.Event:
         entry = self._open.setdefault(key, [None, self.env.event()])
         entry[0] = (len(members) if entry[0] is None else entry[0]) - 1
         if entry[0] == 0:
             event = entry[1]
-            if key[0] not in ("flush", "barrier"):
+            if in_steps:
                 for rank in members:
                     self.nominal[rank] += cost
             work = cost * self.scale
@@ -340,8 +340,8 @@ class _Sim:
     def _activation(self, k: int) -> simpy.Event:
         return self.activated.setdefault(k, self.env.event())
 
-    def _global(self, key: Any) -> simpy.Event:
-        return self.coll.join(key, range(self.p), self.net.allreduce_s(self.p, self.nbytes))
+    def _global(self, key: Any, in_steps: bool = True) -> simpy.Event:
+        return self.coll.join(key, range(self.p), self.net.allreduce_s(self.p, self.nbytes), in_steps)
 
     # -- processes -------------------------------------------------------------------------------------
     def _main(self, rank: int) -> Generator[simpy.Event, Any, None]:
@@ -361,8 +361,8 @@ class _Sim:
             j = self.pending[rank]
             yield self.coll.done(("round", j, tuple(range(self.p)) if self._is_sync(j) else self._group(rank, j)))
         if self.name != "allreduce" and not self._ended_global():
-            yield self._global(("flush",))  # the final flush: a blocking global mean (or eager's residual flush)
-        yield self.coll.join(("barrier",), range(self.p), self.net.allreduce_s(self.p, 0.0))
+            yield self._global(("flush",), in_steps=False)  # the final flush: a blocking global mean (or eager's residual flush)
+        yield self.coll.join(("barrier",), range(self.p), self.net.allreduce_s(self.p, 0.0), in_steps=False)
 
     def _exchange(self, rank: int, step: int) -> Generator[simpy.Event, Any, None]:
         name = self.name
