@@ -45,7 +45,7 @@ DEFINITIONS: tuple[str, ...] = (
     "the last; eager solo: rounds need the fastest rank, majority the round's initiator, sync rounds everyone). "
     "×bound = bound / ms: what the implementation keeps of what its protocol permits.",
     "bound (cores): the protocol's best on this machine: each rank's recorded sleeps, then its compute's CPU time "
-    "on the cores all ranks share (processor sharing), free communication and no averaging work; ×bound (cores) "
+    "on the cores all ranks share (as sim shares them), free communication and no averaging work; ×bound (cores) "
     "= that / ms: what communication and the policy's own work cost here.",
     "bound (trace): the same protocol bound on each rank's recorded compute (the sleeps plus its real "
     "forward/backward and optimizer step, which ranks sharing 2 cores slow down) instead of exactly T; "
@@ -56,7 +56,8 @@ DEFINITIONS: tuple[str, ...] = (
     "and step the recorded sleeps, then as CPU work the main thread's CPU time of the forward/backward and "
     "optimizer step before the exchange and of the policy's own work after it; a collective costs each member the "
     "CPU an allreduce of 1 float and of the model took in the same world before training (5 samples each, median "
-    "of the mean over ranks, linear in the bytes). Records from before this model (no `cores` field) hold the "
+    "of the mean over ranks, linear in the bytes), scaled so that the collectives' total is the CPU the run's "
+    "other threads used (comm_scale). Records from before this model (no `cores` field) hold the "
     "own-cores model's number: the recorded wall-clock trace and the calibration's wall-clock times as durations.",
     "×DDP: DDP's ms / the policy's ms, same scenario, P and model (median of each first).",
 )

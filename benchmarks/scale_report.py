@@ -115,8 +115,8 @@ def plot_vs_measured(path: Path, records: list[Record]) -> None:
     ax.fill_between([lo, top], [0.9 * lo, 0.9 * top], [1.1 * lo, 1.1 * top], color="grey", alpha=0.2, label="±10 %")
     ax.plot([lo, top], [lo, top], color="black", linewidth=1)
     if own:
-        ax.scatter([r["measured_ms"] for r in own], [r["simulated_own_cores_ms"] for r in own], s=18, facecolors="none", edgecolors="grey",
-                   label="same runs, ranks with cores of their own")
+        ax.scatter([r["measured_ms"] for r in own], [r["simulated_own_cores_ms"] for r in own], s=18,
+                   facecolors="none", edgecolors="grey", label="same runs, ranks with cores of their own")
     for policy in policies:
         mine = [r for r in records if r["policy"] == policy]
         ax.scatter([r["measured_ms"] for r in mine], [r["simulated_ms"] for r in mine], s=18, color=colors[policy],
