@@ -351,6 +351,10 @@ class WaitAvoidingGroupAllreduce:
         used again by the caller: the engine will overwrite it.
         """
         self._check_usable()
+        self._recycle(tensor)
+
+    def _recycle(self, tensor: torch.Tensor) -> None:
+        """:meth:`recycle` once the engine is known to be usable."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"recycle: expected a torch.Tensor, got {type(tensor).__name__}")
         if (tensor.shape != self.shape or tensor.dtype != self.dtype or tensor.device != self.device
@@ -391,7 +395,7 @@ class WaitAvoidingGroupAllreduce:
         core = self._core
         with core.cond:
             core.unpin(result.contributed)
-        self.recycle(result.sum)
+        self._recycle(result.sum)
 
     def take(self) -> torch.Tensor:
         """Accumulate mode: hand over what is still pending (not yet taken by an exchange) and zero it.
