@@ -335,6 +335,8 @@ def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) ->
 def _alpha_beta(small: float, large: float, world: int, nbytes: float, activation_s: float) -> Network:
     """The :class:`Network` through an allreduce's cost over ``world`` ranks of 1 float (``small``) and of ``nbytes``
     (``large``)."""
+    if world == 1:  # a world of one rank has nothing to exchange
+        return Network(alpha_s=0.0, bandwidth_Bps=float("inf"), activation_s=activation_s)
     spread = large - small
     bandwidth = 2 * (world - 1) / world * nbytes / spread if spread > 0 else float("inf")
     return Network(alpha_s=small / (2 * (world - 1)), bandwidth_Bps=bandwidth, activation_s=activation_s)
@@ -370,7 +372,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: P=4, random_k1, 14 steps, T=20 ms, 1 rep")
     p.add_argument("--compute-ms", type=float, default=None, help="emulated compute T per step (full: 100)")
     p.add_argument("--params", type=float, nargs="+", default=[0.25e6], help="MLP sizes (default 0.25e6)")
-    p.add_argument("--worlds", type=int, nargs="+", default=None, help="world sizes (full: 4 8 16)")
+    p.add_argument("--worlds", type=int, nargs="+", default=None,
+                   help="world sizes (full: 4 8 16; 1: one rank alone, with nothing to wait for or share the cores with)")
     p.add_argument("--scenarios", nargs="+", default=None, choices=(*SCENARIOS, "none"),
                    help="imbalance scenarios (full: the four with stragglers; 'none' measures the overhead)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
@@ -401,8 +404,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.out is None:
         args.out = ROOT / ("benchmarks/results/quick" if args.quick else "benchmarks/results")
-    if args.compute_ms <= 0 or args.steps < 1 or args.warmup < 2 or args.reps < 1 or min(args.worlds) < 2:
-        p.error("need --compute-ms > 0, --steps >= 1, --warmup >= 2 (DDP rebuilds buckets), --reps >= 1, worlds >= 2")
+    if args.compute_ms <= 0 or args.steps < 1 or args.warmup < 2 or args.reps < 1 or min(args.worlds) < 1:
+        p.error("need --compute-ms > 0, --steps >= 1, --warmup >= 2 (DDP rebuilds buckets), --reps >= 1, worlds >= 1")
     args.params = [int(v) for v in args.params]
     args.policies = [sc.BASELINE] + [q for q in dict.fromkeys(args.policies) if q != sc.BASELINE]
     return args

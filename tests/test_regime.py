@@ -157,3 +157,18 @@ def test_an_override_a_policy_lacks_fails_that_policy_only():
         assert cfg is None and "averaging.progress_nice=10" in reason and "averaging=allreduce" in reason, reason
         cfg, reason = sc.resolve_policy("wagma", compose_fn, regime.ROOT / "configs", 4, base)
         assert reason is None and cfg.averaging.progress_nice == 10
+
+
+def test_a_world_of_one_rank_measures_the_step_alone(tmp_path):
+    """P = 1: nothing to exchange and no rank to share the cores with, so a step is T plus the real
+    forward/backward/step alone; the record is complete, and the bound with T alone is below what was measured
+    by about that compute. A policy that cannot run on one rank is refused with its reason, not run."""
+    argv = ["--worlds", "1", "--scenarios", "none", "--policies", "allreduce", "wagma", "--compute-ms", "5",
+            "--steps", "4", "--warmup", "2", "--reps", "1", "--out", str(tmp_path), "--no-report",
+            "--slice-ms", "4"]
+    recs = regime.main(argv)["records"]
+    ddp, wagma = recs
+    assert ddp["status"] == "ok" and all(ddp.get(k) is not None for k in REQUIRED), ddp
+    assert ddp["world_size"] == 1 and ddp["x_ddp"] == 1.0 and ddp["bound_ms"] == pytest.approx(5.0, abs=1e-6)
+    assert ddp["ms_per_step"] >= 5.0 + ddp["breakdown_ms"]["compute"] * 0.9 and ddp["breakdown_ms"]["compute"] > 0
+    assert wagma["status"] != "ok" and "group_size" in wagma["reason"], wagma
