@@ -373,7 +373,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-ms", type=float, default=None, help="emulated compute T per step (full: 100)")
     p.add_argument("--params", type=float, nargs="+", default=[0.25e6], help="MLP sizes (default 0.25e6)")
     p.add_argument("--worlds", type=int, nargs="+", default=None,
-                   help="world sizes (full: 4 8 16; 1: one rank alone, with nothing to wait for or share the cores with)")
+                   help="world sizes (full: 4 8 16; 1: one rank alone, nothing to wait for or share cores with)")
     p.add_argument("--scenarios", nargs="+", default=None, choices=(*SCENARIOS, "none"),
                    help="imbalance scenarios (full: the four with stragglers; 'none' measures the overhead)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
