@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import _colors, _finish_grid, ms_per_step_panel  # noqa: E402
+from benchmarks.report import _colors, _finish_grid, _num, ms_per_step_panel  # noqa: E402
 from benchmarks.simulate import no_wait_ms  # noqa: E402
 
 __all__ = ["write_all", "write_markdown"]
@@ -75,10 +75,6 @@ def _ok(records: Sequence[Record]) -> list[Record]:
     return [r for r in records if r.get("status") == "ok"]
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def _steps(record: Record, result: dict[str, Any]) -> int:
     """The timed steps behind ``record`` (records written before they carried it: its invocation's setting)."""
     if "steps" in record:
@@ -111,7 +107,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"commit `{m['git_commit']}`, load average at start {m.get('load_average_start')}, at end "
             f"{inv.get('load_average_end')}; T = {s['compute_ms']:g} ms emulated compute (a sleep), {s['steps']} timed "
             f"steps after {s['warmup']} warm-up steps, batch {s['batch_size']}, {s['reps']} repetition(s); "
-            f"{_fmt(inv.get('duration_s'), '.0f')} s.",
+            f"{_num(inv.get('duration_s'), '.0f')} s.",
         ]
     for again in result.get("resimulations", []):
         measured = again.get("slice_s_measured")
@@ -131,10 +127,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             continue
         lines.append(
             f"| {r['params']:,} | {r['scenario']} | {r['world_size']} | {_steps(r, result)} | {r['policy']} | "
-            f"{r['ms_per_step']:.1f} | {r['ideal_ms']:.1f} | {_fmt(_no_wait(r, result), '.1f')} | "
-            f"{r['bound_ms']:.1f} | {r['simulated_ms']:.1f} | {_fmt(r['x_ddp'], '.2f')} | "
-            f"{r['x_ideal']:.2f} | {r['x_bound']:.2f} | {_fmt(r.get('x_bound_trace'), '.2f')} | "
-            f"{_fmt(r.get('x_bound_cores'), '.2f')} | {r['simulated_ms'] / r['ms_per_step']:.2f} |"
+            f"{r['ms_per_step']:.1f} | {r['ideal_ms']:.1f} | {_num(_no_wait(r, result), '.1f')} | "
+            f"{r['bound_ms']:.1f} | {r['simulated_ms']:.1f} | {_num(r['x_ddp'], '.2f')} | "
+            f"{r['x_ideal']:.2f} | {r['x_bound']:.2f} | {_num(r.get('x_bound_trace'), '.2f')} | "
+            f"{_num(r.get('x_bound_cores'), '.2f')} | {r['simulated_ms'] / r['ms_per_step']:.2f} |"
         )
     split = [r for r in result["records"] if r.get("status") == "ok" and "breakdown_ms" in r]
     cores = result["invocations"][-1]["machine"]["cpu_count"] if result["invocations"] else 1
@@ -157,7 +153,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             lines.append(
                 f"| {r['params']:,} | {r['scenario']} | {r['world_size']} | {r['policy']} | {r['ms_per_step']:.1f} | "
                 f"{b['sleeps']:.1f} | {b['compute']:.1f} | {b['averaging']:.1f} | {b['finalize']:.1f} | {excess:.1f} | "
-                f"{_fmt(cpu, '.1f')} | {_fmt(floor, '.1f')} |"
+                f"{_num(cpu, '.1f')} | {_num(floor, '.1f')} |"
             )
     if failed:
         lines += ["", "## Failed or skipped", ""]

@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.report import _colors, _finish_grid, ms_per_step_panel  # noqa: E402
+from benchmarks.report import _colors, _finish_grid, _num, ms_per_step_panel  # noqa: E402
 
 __all__ = ["write_all", "write_markdown"]
 
@@ -82,10 +82,6 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     lines += ["", "The claims' baselines and workloads differ from this setting (see each claim); the simulated "
               "ratio is against plain synchronous allreduce SGD on the same trace.", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def plot_scale(path: Path, records: list[Record]) -> None:
