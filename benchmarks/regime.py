@@ -346,18 +346,14 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
     out = {k: statistics.median(r[k] for r in reps)
            for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
-    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale", "bound_cores_ms", "slice_s"):
+    # Fields older repetitions lack (recorded since): a median only where every repetition has one.
+    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale", "bound_cores_ms", "slice_s",
+                "no_wait_ms", "cpu_ms", "bound_trace_ms"):
         if all(r.get(key) is not None for r in reps):
             out[key] = statistics.median(r[key] for r in reps)
-    if "bound_cores_ms" in out:
-        out["x_bound_cores"] = out["bound_cores_ms"] / out["ms_per_step"]
-    if all("no_wait_ms" in r for r in reps):
-        out["no_wait_ms"] = statistics.median(r["no_wait_ms"] for r in reps)
-    if all("cpu_ms" in r for r in reps):
-        out["cpu_ms"] = statistics.median(r["cpu_ms"] for r in reps)
-    if all("bound_trace_ms" in r for r in reps):
-        out["bound_trace_ms"] = statistics.median(r["bound_trace_ms"] for r in reps)
-        out["x_bound_trace"] = out["bound_trace_ms"] / out["ms_per_step"]
+    for bound in ("bound_cores", "bound_trace"):
+        if f"{bound}_ms" in out:
+            out[f"x_{bound}"] = out[f"{bound}_ms"] / out["ms_per_step"]
     out["reps"] = len(reps)
     if all("breakdown_ms" in r for r in reps):
         out["breakdown_ms"] = {k: statistics.median(r["breakdown_ms"][k] for r in reps) for k in reps[0]["breakdown_ms"]}
