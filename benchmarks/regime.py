@@ -418,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "regime.json"
+    command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     if args.report_only or args.resimulate:
         if not path.exists():
             flag = "--resimulate" if args.resimulate else "--report-only"
@@ -430,7 +431,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if slice_s is None and any("slice_s" not in i["settings"] for i in result["invocations"]):
                 measured = scheduler_slice_s()
             resimulate(result, slice_s, measured)
-            command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
             result.setdefault("resimulations", []).append(
                 {"command": command, "machine": machine_info(ROOT), "slice_s": slice_s, "slice_s_measured": measured})
             path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -438,14 +438,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return result
     result = _load(path, args.append)
     args.slice_s = args.slice_ms / 1e3 if args.slice_ms is not None else scheduler_slice_s()
-    command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     invocation = len(result["invocations"])
     settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
                                              "warmup", "reps", "batch_size", "activation_ms", "extra", "transport",
                                              "slice_s")}
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
     started = time.perf_counter()
-    t = args.compute_ms / 1e3
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         for params in args.params:
             for world in args.worlds:
@@ -453,11 +451,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     ddp_ms = None
                     for policy in args.policies:
                         key = dict(zip(KEY, (scenario, policy, world, params, args.compute_ms)))
-                        base = ["device=cpu", *sc.SCENARIO_TABLE[scenario].overrides(t, world), *args.extra]
-                        cfg, reason = sc.resolve_policy(policy, lambda o: compose("config", overrides=o),
-                                                        ROOT / "configs", world, base)
-                        if cfg is not None and "transport" in cfg.averaging:
-                            cfg.averaging.transport = args.transport
+                        cfg, reason = _compose(policy, scenario, world, args.compute_ms, args.extra, args.transport)
                         rec: dict[str, Any] = key | {"status": "ok", "invocation": invocation, "steps": args.steps}
                         reps: list[dict[str, Any]] = []
                         try:
@@ -519,16 +513,24 @@ def resimulate(result: dict[str, Any], slice_s: float | None = None, measured_sl
             records[key] |= summarize(reps)
 
 
+def _compose(policy: str, scenario: str, world: int, compute_ms: float, extra: Sequence[str],
+             transport: str) -> tuple[Any, str | None]:
+    """``policy``'s config for one world of the grid (inside ``initialize_config_dir``), with the scenario's
+    imbalance, the ``--set`` overrides and the transport for policies that have the key; or None and the reason
+    the policy cannot run there."""
+    base = ["device=cpu", *sc.SCENARIO_TABLE[scenario].overrides(compute_ms / 1e3, world), *extra]
+    cfg, reason = sc.resolve_policy(policy, lambda o: compose("config", overrides=o), ROOT / "configs", world, base)
+    if cfg is not None and "transport" in cfg.averaging:
+        cfg.averaging.transport = transport
+    return cfg, reason
+
+
 def _averaging_options(rep: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The averaging options ``rep``'s run had, composed as :func:`main` composed them."""
-    base = ["device=cpu", *sc.SCENARIO_TABLE[rep["scenario"]].overrides(settings["compute_ms"] / 1e3, rep["world_size"]),
-            *settings["extra"]]
-    cfg, reason = sc.resolve_policy(rep["policy"], lambda o: compose("config", overrides=o), ROOT / "configs",
-                                    rep["world_size"], base)
+    cfg, reason = _compose(rep["policy"], rep["scenario"], rep["world_size"], settings["compute_ms"],
+                           settings["extra"], settings.get("transport", "default"))
     if cfg is None:
         raise ValueError(f"cannot compose the options of {rep['policy']!r} again: {reason}")
-    if "transport" in cfg.averaging:
-        cfg.averaging.transport = settings.get("transport", "default")
     return group_options(cfg, "averaging")
 
 
