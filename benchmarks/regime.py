@@ -262,6 +262,8 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "sleeps_ms": np.round(1e3 * pre, 3).tolist(),
         "compute_cpu_ms": np.round(1e3 * np.array([r["compute_cpu"] for r in ranks]), 3).tolist(),
         "averaging_cpu_ms": np.round(1e3 * np.array([r["averaging_cpu"] for r in ranks]), 3).tolist(),
+        # CPU time per rank and timed step, every thread of the rank's process, mean over ranks. Ranks share the
+        # machine's cores: P x cpu_ms / cores is a floor under ms/step that sleeping cannot hide.
         "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps, "cores": usable_cores(),
         "slice_s": args.slice_s,
         "nbytes": nbytes, "averaging_options": avg,
@@ -288,8 +290,6 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
             "averaging": 1e3 * float(np.mean([r["averaging"] for r in ranks])),
             "finalize": 1e3 * (max(r["end"] for r in ranks) - max(r["finished"] for r in ranks)) / args.steps,
         },
-        # (cpu_ms, in traces above: CPU time per rank and timed step, every thread of the rank's process, mean over
-        # ranks. Ranks share the machine's cores: P x cpu_ms / cores is a floor under ms/step that sleeping cannot hide.)
         "network": {"alpha_s": net.alpha_s, "bandwidth_Bps": net.bandwidth_Bps, "activation_s": net.activation_s,
                     "allreduce_1_float_s": small, "allreduce_model_s": large},
         "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
