@@ -149,7 +149,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             b = r["breakdown_ms"]
             excess = r["ms_per_step"] - sum(b.values())
             cpu = r.get("cpu_ms")
-            floor = None if cpu is None else cpu * r["world_size"] / cores
+            # The cores the record's own run could use (recorded since the shared-cores model), else the machine's.
+            floor = None if cpu is None else cpu * r["world_size"] / (r.get("cores") or cores)
             lines.append(
                 f"| {r['params']:,} | {r['scenario']} | {r['world_size']} | {r['policy']} | {r['ms_per_step']:.1f} | "
                 f"{b['sleeps']:.1f} | {b['compute']:.1f} | {b['averaging']:.1f} | {b['finalize']:.1f} | {excess:.1f} | "
