@@ -1,18 +1,31 @@
-"""Test accuracy at equal samples against DDP, on several datasets and seeds (issue 13 point 4).
+"""Test accuracy at equal samples against DDP, over a grid of workloads, worlds, scenarios, quotas and seeds.
 
-For every (dataset, seed) it runs :mod:`benchmarks.run` once (every policy on the same data, model, seed and
-injected imbalance, DDP first), then sets each policy's final test accuracy, taken at the same sample budget,
-beside DDP's. The question it answers: does a policy that waits less still learn as well per sample?
+For every cell of the grid -- a workload (dataset and model), a world size P, an imbalance scenario, a per-rank
+CPU quota (``--rank-cpus``, 0: none) -- and every seed it runs :mod:`benchmarks.run` once: every policy on the
+same data, model, seed and injected imbalance, DDP first. Per cell and policy it takes the median over the seeds
+of the final test accuracy and sets it beside DDP's median: the gap in points. The question it answers: does a
+policy that waits less still learn as well per sample, everywhere it ships? A policy passes when its gap is at
+most ``--tolerance`` in every cell and none of its runs failed.
 
 Usage::
 
-    python benchmarks/accuracy.py                      # digits and mnist, seeds 0 and 1 -> benchmarks/results/accuracy/
-    python benchmarks/accuracy.py --datasets digits --seeds 0 --steps 60 --out /tmp/acc   # a quick look
+    python benchmarks/accuracy.py                     # the issue-28 grid -> benchmarks/results/accuracy/
+    python benchmarks/accuracy.py --workloads digits:mlp --worlds 4 --scenarios random_k1 --seeds 0 \\
+        --steps 60 --out /tmp/acc                    # a quick look
 
-Outputs in ``--out``: ``accuracy.json`` (``records``: dataset, seed, policy, final_accuracy, gap_points = DDP's
-accuracy minus the policy's, in percentage points, samples; ``summary``: per policy the largest gap over datasets
-and seeds; ``invocations``: every run.py command) and ``accuracy.md``. run.py's own outputs (its tables, plots and
-per-run metrics) go to ``--work``, which is not committed.
+The grid is long (hours): ``accuracy.json`` is rewritten after every run.py invocation, and ``--resume``
+skips the (cell, seed) invocations it already holds, so an interrupted grid continues where it stopped.
+Outputs in ``--out``: ``accuracy.json`` (``records``: one per cell, seed and policy with its final accuracy,
+the gap to DDP of that seed, throughput, staleness and fresh fraction; ``cells``: per cell and policy the
+medians; ``summary``: per policy the worst median gap and whether every cell is within tolerance;
+``invocations``: every run.py command) and ``accuracy.md``. run.py's own outputs (tables, plots, per-run
+metrics) go to ``--work``, which is not committed.
+
+The delay unit d is fixed (``--delay-s``, 20 ms by default: about a quarter of a P = 8 MNIST/CNN step on the
+2-core VM) rather than measured, so every cell's scenario means the same sleeps whatever its world size.
+Evaluations are collective and re-synchronise the ranks, as do consensus measurements: the grid evaluates
+every ``--eval-every`` steps (100 by default, the application's default) and measures no consensus, so that
+staleness builds up as it does in a user's run.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -31,48 +45,119 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 from benchmarks import run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.scenarios import BASELINE  # noqa: E402
+from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
 
-__all__ = ["main", "summarize"]
+__all__ = ["cell_key", "main", "parse_args", "summarize", "summarize_cells"]
+
+DEFAULT_POLICIES = (
+    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_overlap", "wagma_relaxed",
+    "wagma_relaxed_overlap", "eager_solo", "eager_majority",
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Final test accuracy at equal samples, each policy against DDP")
-    p.add_argument("--datasets", nargs="+", default=["digits", "mnist"], help="configs/data/ names")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--policies", nargs="+", default=["allreduce", "wagma", "wagma_relaxed", "wagma_relaxed_overlap"],
+    p = argparse.ArgumentParser(description="Final test accuracy at equal samples, each policy against DDP, over a grid")
+    p.add_argument("--workloads", nargs="+", default=["mnist:cnn"], metavar="DATASET:MODEL",
+                   help="configs/data and configs/model names, e.g. mnist:cnn digits:mlp")
+    p.add_argument("--worlds", type=int, nargs="+", default=[8, 16], help="world sizes P")
+    p.add_argument("--scenarios", nargs="+", default=["random_k1", "random_k2", "persistent", "heavy_tail"],
+                   choices=SCENARIOS, help="benchmarks/scenarios.py names")
+    p.add_argument("--rank-cpus", type=float, nargs="+", default=[0.0],
+                   help="per-rank CPU quotas to run each cell with (0: none; see the app's rank_cpus)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
                    help="configs/averaging/ names (DDP is always run)")
-    p.add_argument("--scenario", default="random_k1", help="benchmarks/scenarios.py name")
-    p.add_argument("--world", type=int, default=8)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32, help="examples per rank and step")
-    p.add_argument("--delay-s", type=float, default=0.02, help="the scenario's delay unit d")
-    p.add_argument("--tolerance", type=float, default=1.0, help="the largest acceptable gap to DDP, in points")
+    p.add_argument("--delay-s", type=float, default=0.02, help="the scenarios' delay unit d")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between (collective) test evaluations")
+    p.add_argument("--tolerance", type=float, default=1.0, help="the largest acceptable median gap to DDP, in points")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
+                   help="extra Hydra override for every run (repeatable)")
+    p.add_argument("--resume", action="store_true", help="keep the records in --out's accuracy.json, run the rest")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/accuracy")
     p.add_argument("--work", type=Path, default=Path("/tmp/wagma-accuracy"), help="run.py's outputs (not committed)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.world < 2 or args.delay_s < 0 or args.tolerance < 0:
-        p.error("need --steps >= 1, --batch-size >= 1, --world >= 2, --delay-s >= 0, --tolerance >= 0")
+    if (args.steps < 1 or args.batch_size < 1 or min(args.worlds) < 2 or args.delay_s < 0 or args.tolerance < 0
+            or args.eval_every < 0 or min(args.rank_cpus) < 0):
+        p.error("need --steps >= 1, --batch-size >= 1, --worlds >= 2, --delay-s >= 0, --tolerance >= 0, "
+                "--eval-every >= 0, --rank-cpus >= 0")
+    workloads = []
+    for w in args.workloads:
+        dataset, sep, model = w.partition(":")
+        if not sep or not dataset or not model:
+            p.error(f"--workloads: expected DATASET:MODEL such as mnist:cnn, found {w!r}")
+        workloads.append((dataset, model))
+    args.workloads = workloads
     args.policies = [BASELINE] + [q for q in dict.fromkeys(args.policies) if q != BASELINE]
     return args
 
 
-def summarize(records: list[dict[str, Any]], tolerance: float) -> dict[str, dict[str, Any]]:
-    """Per policy: the largest gap to DDP (points; positive: DDP was better), where, and whether it is within
-    ``tolerance``. A policy with a failed run (no accuracy) is reported as such, never as within tolerance."""
+def cell_key(r: dict[str, Any]) -> tuple[str, str, int, str, float]:
+    """The grid cell of a record: (dataset, model, world_size, scenario, rank_cpus)."""
+    return (r["dataset"], r["model"], int(r["world_size"]), r["scenario"], float(r.get("rank_cpus") or 0.0))
+
+
+def _cell_name(key: tuple[str, str, int, str, float]) -> str:
+    dataset, model, world, scenario, cpus = key
+    return f"{dataset}/{model} P={world} {scenario}" + (f" quota {cpus:g}" if cpus else "")
+
+
+def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell and policy: the median final accuracy over the seeds beside DDP's, and the gap of the medians.
+
+    A policy's failed run (no accuracy) is counted in ``missing`` and its median is over the seeds that ran.
+    """
+    out: list[dict[str, Any]] = []
+    for key in dict.fromkeys(cell_key(r) for r in records):
+        mine = [r for r in records if cell_key(r) == key]
+        ddp = [r["final_accuracy"] for r in mine if r["policy"] == BASELINE and r["final_accuracy"] is not None]
+        ddp_median = statistics.median(ddp) if ddp else None
+        for policy in dict.fromkeys(r["policy"] for r in mine):
+            runs = [r for r in mine if r["policy"] == policy]
+            accs = [r["final_accuracy"] for r in runs if r["final_accuracy"] is not None]
+            median = statistics.median(accs) if accs else None
+
+            def med(field: str) -> float | None:
+                vals = [r[field] for r in runs if r.get(field) is not None]
+                return statistics.median(vals) if vals else None
+
+            out.append({
+                "cell": _cell_name(key), "dataset": key[0], "model": key[1], "world_size": key[2], "scenario": key[3],
+                "rank_cpus": key[4], "policy": policy, "seeds": sorted(r["seed"] for r in runs),
+                "missing": sorted(r["seed"] for r in runs if r["final_accuracy"] is None),
+                "median_accuracy": median, "ddp_median_accuracy": ddp_median,
+                "gap_points": None if median is None or ddp_median is None else 100.0 * (ddp_median - median),
+                "median_samples_per_s": med("samples_per_s"), "median_ddp_ratio": med("ddp_ratio"),
+                "median_staleness": med("staleness"), "max_staleness": max(
+                    (r["staleness_max"] for r in runs if r.get("staleness_max") is not None), default=None),
+                "median_fresh_fraction": med("fresh_fraction"),
+            })
+    return out
+
+
+def summarize(cells: list[dict[str, Any]], tolerance: float) -> dict[str, dict[str, Any]]:
+    """Per policy: the largest median gap to DDP over the cells (positive: DDP was better), where, and whether
+    every cell is within ``tolerance``. A policy with a failed run is reported as such, never as within tolerance."""
     out: dict[str, dict[str, Any]] = {}
-    for policy in dict.fromkeys(r["policy"] for r in records if r["policy"] != BASELINE):
-        mine = [r for r in records if r["policy"] == policy]
-        missing = [f"{r['dataset']}/seed {r['seed']}" for r in mine if r["gap_points"] is None]
-        gaps = [r for r in mine if r["gap_points"] is not None]
-        worst = max(gaps, key=lambda r: r["gap_points"], default=None)
+    for policy in dict.fromkeys(c["policy"] for c in cells if c["policy"] != BASELINE):
+        mine = [c for c in cells if c["policy"] == policy]
+        missing = [f"{c['cell']}/seed {s}" for c in mine for s in c["missing"]]
+        gaps = [c for c in mine if c["gap_points"] is not None]
+        missing += [c["cell"] for c in mine if c["gap_points"] is None and not c["missing"]]
+        worst = max(gaps, key=lambda c: c["gap_points"], default=None)
         out[policy] = {
-            "runs": len(mine), "missing": missing,
+            "cells": len(mine), "missing": missing,
             "max_gap_points": None if worst is None else worst["gap_points"],
-            "where": None if worst is None else f"{worst['dataset']}/seed {worst['seed']}",
-            "within_tolerance": not missing and worst is not None and worst["gap_points"] <= tolerance,
+            "where": None if worst is None else worst["cell"],
+            "within_tolerance": not missing and worst is not None and len(gaps) == len(mine)
+            and worst["gap_points"] <= tolerance,
         }
     return out
+
+
+def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "–" if value is None else format(scale * value, fmt)
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -80,72 +165,117 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Test accuracy at equal samples, against DDP",
         "",
-        f"Command: `{result['command']}` (commit `{result['machine'].get('git_commit', '?')}`), {result['duration_s']:.0f} s.",
+        f"Command: `{result['command']}` (commit `{result['machine'].get('git_commit', '?')}`), "
+        f"{result['duration_s'] / 60:.0f} min of runs on {result['machine'].get('cpus_usable', '?')} usable cores.",
         "",
-        f"{s['world']} gloo CPU ranks, {s['steps']} steps of batch {s['batch_size']} per rank ({s['samples']:,} samples), "
-        f"`{s['scenario']}` with d = {1e3 * s['delay_s']:g} ms; each (dataset, seed) is one `benchmarks/run.py` "
-        "invocation, every policy on the same data, model, seed and delays. Gap = DDP's accuracy minus the policy's "
-        "(points; negative: the policy was better).",
+        f"gloo CPU ranks, {s['steps']} steps of batch {s['batch_size']} per rank (P x {s['steps'] * s['batch_size']:,} "
+        f"samples), delay unit d = {1e3 * s['delay_s']:g} ms, test evaluations every {s['eval_every']} steps. Each (cell, "
+        "seed) is one `benchmarks/run.py` invocation, every policy on the same data, model, seed and delays. Accuracy: "
+        "the median over the seeds of the final test accuracy; gap = DDP's median minus the policy's (points; "
+        "negative: the policy was better); x DDP: median samples/s ratio to DDP in the same invocation; staleness: "
+        "median of the runs' mean (max over the runs) as the policy reports it; fresh: median fresh fraction.",
         "",
-        "| dataset | seed | policy | final accuracy | gap to DDP (points) |",
-        "|---|---:|---|---:|---:|",
+        "| cell | policy | seeds | accuracy | gap | x DDP | staleness (max) | fresh |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in result["records"]:
-        acc = "failed" if r["final_accuracy"] is None else f"{100 * r['final_accuracy']:.2f} %"
-        gap = "" if r["policy"] == BASELINE else ("n/a" if r["gap_points"] is None else f"{r['gap_points']:+.2f}")
-        lines.append(f"| {r['dataset']} | {r['seed']} | {r['policy']} | {acc} | {gap} |")
-    lines += ["", f"Largest gap per policy (tolerance {s['tolerance']:g} point):", ""]
+    for c in result["cells"]:
+        seeds = ",".join(str(x) for x in c["seeds"]) + (f" (failed: {c['missing']})" if c["missing"] else "")
+        gap = "" if c["policy"] == BASELINE else _num(c["gap_points"], "+.2f")
+        stale = "–" if c["median_staleness"] is None else f"{c['median_staleness']:.2f} ({c['max_staleness']})"
+        lines.append(
+            f"| {c['cell']} | {c['policy']} | {seeds} | {_num(c['median_accuracy'], '.2f', 100)} | {gap} | "
+            f"{_num(c['median_ddp_ratio'], '.2f')} | {stale} | {_num(c['median_fresh_fraction'], '.2f')} |")
+    lines += ["", f"Largest median gap per policy over the cells (tolerance {s['tolerance']:g} point):", ""]
     for policy, v in result["summary"].items():
         if v["max_gap_points"] is None:
             lines.append(f"- {policy}: no accuracy (failed runs: {', '.join(v['missing'])})")
             continue
         verdict = "within" if v["within_tolerance"] else "NOT within"
-        missing = f"; failed runs: {', '.join(v['missing'])}" if v["missing"] else ""
+        missing = f"; failed or incomplete: {', '.join(v['missing'])}" if v["missing"] else ""
         lines.append(f"- {policy}: {v['max_gap_points']:+.2f} ({v['where']}), {verdict} tolerance{missing}")
     return "\n".join(lines) + "\n"
 
 
+def _record(result: dict[str, Any], policy: str, scenario: str) -> dict[str, Any] | None:
+    return next((r for r in result["records"] if r["scenario"] == scenario and r["policy"] == policy), None)
+
+
+def _staleness(rec: dict[str, Any] | None) -> tuple[float | None, int | None]:
+    hist = (rec or {}).get("staleness_hist") or {}
+    count = sum(hist.values())
+    if not count:
+        return None, None
+    return sum(int(k) * v for k, v in hist.items()) / count, max(int(k) for k in hist)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run every (dataset, seed), write ``accuracy.json`` and ``accuracy.md``; return the JSON's contents."""
+    """Run every (cell, seed) not yet recorded, write ``accuracy.json`` and ``accuracy.md``; return the JSON's contents."""
     args = parse_args(argv)
     started = time.perf_counter()
+    command = "python " + shlex.join(["benchmarks/accuracy.py", *(sys.argv[1:] if argv is None else argv)])
+    saved = args.out / "accuracy.json"
     records: list[dict[str, Any]] = []
     invocations: list[str] = []
-    for dataset in args.datasets:
-        for seed in args.seeds:
-            run_argv = [
-                "--world", str(args.world), "--policies", *args.policies, "--scenarios", args.scenario,
-                "--dataset", dataset, "--seed", str(seed), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                "--step-s", str(args.delay_s), "--delay-s", str(args.delay_s),
-                "--out", str(args.work / f"{dataset}_seed{seed}"),
-            ]
-            invocations.append("python benchmarks/run.py " + shlex.join(run_argv))
-            print(f"== {dataset}, seed {seed}", flush=True)
-            result = run.main(run_argv)
-            found = {r["policy"]: r for r in result["records"] if r["scenario"] == args.scenario}
-            ddp = found.get(BASELINE, {}).get("final_accuracy")
-            for policy in args.policies:
-                acc = found.get(policy, {}).get("final_accuracy")
-                gap = None if acc is None or ddp is None else 100.0 * (ddp - acc)
-                records.append({"dataset": dataset, "seed": seed, "policy": policy, "final_accuracy": acc,
-                                "gap_points": gap, "scenario": args.scenario, "world_size": args.world})
-    out = {
-        "command": "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine_info(ROOT),
-        "settings": {"world": args.world, "steps": args.steps, "batch_size": args.batch_size,
-                     "samples": args.steps * args.batch_size * args.world,
-                     "scenario": args.scenario, "delay_s": args.delay_s, "tolerance": args.tolerance,
-                     "datasets": args.datasets, "seeds": args.seeds, "policies": args.policies},
-        "invocations": invocations, "records": records, "summary": summarize(records, args.tolerance),
-        "duration_s": time.perf_counter() - started,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accuracy.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
-    (args.out / "accuracy.md").write_text(_markdown(out), encoding="utf-8")
+    earlier_s = 0.0
+    if args.resume and saved.exists():
+        old = json.loads(saved.read_text(encoding="utf-8"))
+        records, invocations, earlier_s = old["records"], old["invocations"], float(old.get("duration_s", 0.0))
+    done = {(cell_key(r), r["seed"]) for r in records}
+    settings = {"steps": args.steps, "batch_size": args.batch_size, "delay_s": args.delay_s,
+                "eval_every": args.eval_every, "tolerance": args.tolerance, "policies": args.policies,
+                "extra_overrides": args.extra}
+
+    def write() -> dict[str, Any]:
+        cells = summarize_cells(records)
+        out = {
+            "command": command, "machine": machine_info(ROOT), "settings": settings, "invocations": invocations,
+            "records": records, "cells": cells, "summary": summarize(cells, args.tolerance),
+            "duration_s": earlier_s + time.perf_counter() - started,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        (args.out / "accuracy.md").write_text(_markdown(out), encoding="utf-8")
+        return out
+
+    out = write() if records else {}
+    grid = [(w, p, s, q, seed) for w in args.workloads for p in args.worlds for s in args.scenarios
+            for q in args.rank_cpus for seed in args.seeds]
+    for n, ((dataset, model), world, scenario, cpus, seed) in enumerate(grid, 1):
+        key = (dataset, model, world, scenario, float(cpus))
+        if (key, seed) in done:
+            continue
+        extra = [*args.extra, *([f"rank_cpus={cpus:g}"] if cpus else [])]
+        run_argv = [
+            "--world", str(world), "--policies", *args.policies, "--scenarios", scenario, "--dataset", dataset,
+            "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--step-s", str(args.delay_s), "--delay-s", str(args.delay_s), "--eval-every", str(args.eval_every),
+            "--consensus-every", "0", *[a for o in extra for a in ("--set", o)],
+            "--out", str(args.work / f"{dataset}_{model}_P{world}_{scenario}_q{cpus:g}_seed{seed}"),
+        ]
+        invocations.append("python benchmarks/run.py " + shlex.join(run_argv))
+        print(f"== [{n}/{len(grid)}] {_cell_name(key)}, seed {seed}", flush=True)
+        result = run.main(run_argv)
+        ddp = (_record(result, BASELINE, scenario) or {}).get("final_accuracy")
+        for policy in args.policies:
+            rec = _record(result, policy, scenario)
+            acc = (rec or {}).get("final_accuracy")
+            stats = (rec or {}).get("policy_stats") or {}
+            mean_stale, max_stale = _staleness(rec)
+            records.append({
+                "dataset": dataset, "model": model, "world_size": world, "scenario": scenario, "rank_cpus": cpus,
+                "seed": seed, "policy": policy, "final_accuracy": acc,
+                "gap_points": None if acc is None or ddp is None else 100.0 * (ddp - acc),
+                "samples_per_s": (rec or {}).get("samples_per_s"), "ddp_ratio": (rec or {}).get("ddp_ratio"),
+                "staleness": mean_stale, "staleness_max": max_stale, "fresh_fraction": stats.get("fresh_fraction"),
+                "reason": (rec or {}).get("reason"),
+            })
+        out = write()
+    if not out:
+        out = write()
     for policy, v in out["summary"].items():
-        print(f"{policy:<24} largest gap to DDP {v['max_gap_points'] if v['max_gap_points'] is not None else 'n/a'} "
-              f"points ({v['where']}); within {args.tolerance:g}: {v['within_tolerance']}", flush=True)
-    print(f"done in {out['duration_s']:.0f} s -> {args.out}")
+        print(f"{policy:<24} largest median gap to DDP {_num(v['max_gap_points'], '+.2f')} points ({v['where']}); "
+              f"within {args.tolerance:g}: {v['within_tolerance']}", flush=True)
+    print(f"done in {time.perf_counter() - started:.0f} s -> {args.out}")
     return out
 
 

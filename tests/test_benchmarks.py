@@ -176,27 +176,35 @@ def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_accuracy_summary_names_the_largest_gap_and_never_passes_a_failed_run():
-    def rec(dataset, seed, policy, gap):
-        return {"dataset": dataset, "seed": seed, "policy": policy, "gap_points": gap}
+def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_failed_run():
+    def rec(world, seed, policy, acc, scenario="random_k1"):
+        return {"dataset": "mnist", "model": "cnn", "world_size": world, "scenario": scenario, "rank_cpus": 0.0,
+                "seed": seed, "policy": policy, "final_accuracy": acc, "samples_per_s": 100.0 * (seed + 1),
+                "ddp_ratio": 1.0, "staleness": 0.5 if acc else None, "staleness_max": seed, "fresh_fraction": None}
 
-    records = [rec("digits", 0, "allreduce", None), rec("digits", 0, "a", 0.4), rec("digits", 0, "b", -2.0),
-               rec("digits", 0, "c", None), rec("mnist", 1, "allreduce", None), rec("mnist", 1, "a", 1.3),
-               rec("mnist", 1, "b", 0.2), rec("mnist", 1, "c", 0.1)]
-    summary = accuracy.summarize(records, tolerance=1.0)
-    assert list(summary) == ["a", "b", "c"]  # DDP is the reference, not a row
-    assert summary["a"] == {"runs": 2, "missing": [], "max_gap_points": 1.3, "where": "mnist/seed 1",
-                            "within_tolerance": False}
-    assert summary["b"]["max_gap_points"] == 0.2 and summary["b"]["within_tolerance"]  # better than DDP counts as 0.2
-    assert summary["c"]["missing"] == ["digits/seed 0"] and not summary["c"]["within_tolerance"]
+    records = [rec(8, s, "allreduce", a) for s, a in enumerate([0.96, 0.95, 0.97])]
+    records += [rec(8, s, "a", a) for s, a in enumerate([0.90, 0.955, 0.96])]  # median 0.955: gap 0.5
+    records += [rec(8, s, "b", a) for s, a in enumerate([0.97, 0.98, 0.90])]  # median 0.97: gap -1.0
+    records += [rec(16, 0, "allreduce", 0.9), rec(16, 0, "a", 0.87), rec(16, 0, "b", None)]
+    cells = accuracy.summarize_cells(records)
+    a8 = next(c for c in cells if c["policy"] == "a" and c["world_size"] == 8)
+    assert a8["median_accuracy"] == 0.955 and a8["ddp_median_accuracy"] == 0.96
+    assert a8["gap_points"] == pytest.approx(0.5) and a8["seeds"] == [0, 1, 2] and a8["missing"] == []
+    assert a8["cell"] == "mnist/cnn P=8 random_k1" and a8["median_samples_per_s"] == 200.0 and a8["max_staleness"] == 2
+    summary = accuracy.summarize(cells, tolerance=1.0)
+    assert list(summary) == ["a", "b"]  # DDP is the reference, not a row
+    assert summary["a"]["max_gap_points"] == pytest.approx(3.0) and summary["a"]["where"] == "mnist/cnn P=16 random_k1"
+    assert not summary["a"]["within_tolerance"]
+    assert summary["b"]["missing"] == ["mnist/cnn P=16 random_k1/seed 0"] and not summary["b"]["within_tolerance"]
+    assert summary["b"]["max_gap_points"] == pytest.approx(-1.0)  # better than DDP where it ran, still not a pass
 
 
 @pytest.mark.slow
-def test_accuracy_script_sets_each_policy_beside_ddp_at_equal_samples(tmp_path, test_policy):
-    out = accuracy.main([
-        "--datasets", "digits", "--seeds", "0", "--world", "2", "--steps", "12", "--delay-s", "0.005",
-        "--policies", test_policy, "no_such_policy", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work"),
-    ])
+def test_accuracy_grid_sets_each_policy_beside_ddp_at_equal_samples_and_resumes(tmp_path, test_policy):
+    argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0", "--steps", "12",
+            "--delay-s", "0.005", "--eval-every", "0", "--policies", test_policy, "no_such_policy",
+            "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")]
+    out = accuracy.main(argv)
     saved = json.loads((tmp_path / "acc" / "accuracy.json").read_text())
     assert saved["records"] == json.loads(json.dumps(out["records"]))
     by_policy = {r["policy"]: r for r in saved["records"]}
@@ -205,10 +213,13 @@ def test_accuracy_script_sets_each_policy_beside_ddp_at_equal_samples(tmp_path, 
     assert 0 < ddp <= 1 and 0 < mine <= 1
     assert by_policy[test_policy]["gap_points"] == pytest.approx(100 * (ddp - mine))
     assert by_policy["no_such_policy"]["final_accuracy"] is None
-    assert saved["summary"]["no_such_policy"]["missing"] == ["digits/seed 0"]
-    assert saved["settings"]["samples"] == 12 * 32 * 2 and len(saved["invocations"]) == 1
+    assert saved["summary"]["no_such_policy"]["missing"] == ["digits/mlp P=2 random_k1/seed 0"]
+    assert len(saved["invocations"]) == 1 and "--eval-every 0" in saved["invocations"][0]
     table = (tmp_path / "acc" / "accuracy.md").read_text()
-    assert f"| digits | 0 | {test_policy} |" in table and "no_such_policy: no accuracy" in table
+    assert f"| digits/mlp P=2 random_k1 | {test_policy} | 0 |" in table and "no_such_policy: no accuracy" in table
+    again = accuracy.main([*argv, "--resume", "--seeds", "0", "1"])  # seed 0 is kept, only seed 1 runs
+    assert len(again["invocations"]) == 2 and again["records"][:3] == saved["records"]
+    assert sorted({r["seed"] for r in again["records"]}) == [0, 1]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ of tracebacks halfway through training.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -16,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.data import DATASET_INFO, KNOWN_DATASETS, train_split_size
 from wagma.app.imbalance import build_imbalance
+from wagma.app.quota import check_rank_cpus
 from wagma.app.models import build_model
 from wagma.app.policies import validate_policy_config
 
@@ -129,6 +132,11 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
         problems.append(f"resume must be true or false, got {plain['resume']!r}")
     if not isinstance(plain.get("resume_policy_change", False), bool):
         problems.append(f"resume_policy_change must be true or false, got {plain['resume_policy_change']!r}")
+    if world_size >= 1:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        quota_problem = check_rank_cpus(plain.get("rank_cpus"), min(local_ranks, world_size))
+        if quota_problem is not None:
+            problems.append(quota_problem)
 
     data = plain["data"]
     if data.get("name") not in KNOWN_DATASETS:

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 SUMMARY_KEYS: tuple[str, ...] = (
     "policy", "world_size", "steps", "test_accuracy", "samples_per_s", "mean_wait_s", "global_reductions",
-    "staleness", "staleness_max", "startup_s", "train_s", "wall_s",
+    "staleness", "staleness_max", "startup_s", "train_s", "wall_s", "guard",
 )
 
 #: The columns of ``metrics.csv``, in order (fixed, so every run's CSV has the same header).

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, validate_config, validate_launch
 from wagma.app.deps import missing_dependency, require
+from wagma.app.quota import job_name, remove_job_cgroups
 from wagma.app.sweep import JOB_FILE
 
 __all__ = [
@@ -181,6 +182,9 @@ def launch_local(
     except ChildFailedError as exc:
         code, message = _root_cause(exc, directory)
         return LocalRun(code, None, directory, message)
+    finally:
+        if cfg.get("rank_cpus"):  # what killed ranks left of their CPU quotas (each rank removes its own)
+            remove_job_cgroups(job_name(directory))
     summary_path = directory / "summary.json"
     if not summary_path.is_file():
         return LocalRun(1, None, directory, f"the ranks ended without writing {summary_path}")
@@ -210,6 +214,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"training {float(summary.get('train_s') or 0.0):.1f} s)",
         f"outputs       {summary.get('run_dir', '?')}",
     ]
+    lines += [f"warning       {line}" for line in (summary.get("guard") or {}).get("warnings", [])]
     return "\n".join(lines)
 
 

@@ -48,6 +48,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -68,11 +69,13 @@ from wagma.app.checkpoint import (
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import BatchIterator, load_dataset
+from wagma.app.guard import TrainingGuard
 from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter, preload_tensorboard, write_summary
 from wagma.app.models import build_model
 from wagma.app.progress import Progress, progress_every
+from wagma.app.quota import RankQuota, job_name
 from wagma.app.policies import ModelAveragingPolicy
 from wagma.app.policies import AllreducePolicy, Policy, build_policy
 from wagma.app.roll_call import FINAL, RollCall
@@ -106,10 +109,17 @@ def train(cfg: DictConfig, *, step_callback: StepCallback | None = None) -> dict
     progress_every(cfg.get("progress_every"), int(cfg.steps))  # checked here too: before any communication
     run_dir = _resolve_run_dir(cfg)
     ctx = launch.init_distributed(str(cfg.device), timeout_s=float(cfg.get("dist_timeout_s", 300.0)))
+    quota: RankQuota | None = None
     try:
+        if cfg.get("rank_cpus"):  # before any work: every thread of the rank runs under the cap
+            quota = RankQuota(float(cfg.rank_cpus), job=job_name(run_dir), rank=ctx.rank)
         return _train(cfg, ctx, run_dir, started, step_callback)
     finally:
-        launch.shutdown(ctx)
+        try:
+            launch.shutdown(ctx)
+        finally:
+            if quota is not None:
+                quota.leave()
 
 
 @dataclasses.dataclass
@@ -218,6 +228,10 @@ def _train(
             total=steps, initial=start_step, every=progress_every(cfg.get("progress_every"), steps),
             samples_per_step=batch_size * world_size, enabled=rank == 0 and bool(cfg.get("progress", True)),
         )
+        averaging_cfg = group_options(cfg, "averaging")
+        guard = TrainingGuard(policy.name, steps, validated_staleness=averaging_cfg.get("validated_staleness"),
+                              remedy=policy.remedy, start_step=start_step,
+                              chance_loss=math.log(dataset.num_classes))
         first_step = time.perf_counter()
         with roll_call.watching():
             for step in range(start_step, steps):
@@ -243,6 +257,9 @@ def _train(
                 if ckpt_every and done % ckpt_every == 0 and done < steps:
                     save(done)
                 progress.update(done, record)
+                warning = guard.observe(done, timings["loss"], record)
+                if warning is not None and rank == 0:
+                    log.warning("guard: %s", warning)
                 if step_callback is not None:
                     step_callback(done, timings)
         progress.close()
@@ -266,7 +283,13 @@ def _train(
         )
         summary["resumed_from"] = resume_from
         summary["restarts"] = launch.restart_count()
+        before = len(guard.warnings)
+        warnings = guard.finish(staleness=summary["staleness"], staleness_max=summary["staleness_max"],
+                                test_accuracy=test_accuracy, num_classes=dataset.num_classes, steps=steps)
+        summary["guard"] = TrainingGuard.summary_field(warnings)
         if rank == 0:
+            for line in warnings[before:]:
+                log.warning("guard: %s", line)
             torch.save(net.state_dict(), run_dir / "model.pt")
             write_summary(run_dir, summary)
             log.info(
@@ -521,4 +544,5 @@ def _summary(
         "batch_size": int(cfg.batch_size),
         "seed": int(cfg.seed),
         "run_dir": str(run_dir),
+        "rank_cpus": float(cfg.get("rank_cpus") or 0.0),  # the per-rank CPU quota the run had (0: none)
     }

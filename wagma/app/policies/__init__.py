@@ -49,7 +49,8 @@ from wagma.app.policies.options import (
 
 __all__ = [
     "AllreducePolicy", "EagerPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "Policy",
-    "WagmaPolicy", "averager_stats", "build_policy", "known_policies", "register_policy", "validate_policy_config",
+    "PRESET_KEYS", "WagmaPolicy", "averager_stats", "build_policy", "known_policies", "policy_options",
+    "register_policy", "validate_policy_config",
 ]
 
 
@@ -86,6 +87,16 @@ def known_policies() -> tuple[str, ...]:
 
 
 _NON_NEGATIVE_SUFFIXES = ("period", "_every", "_steps")
+#: Keys of an ``averaging`` config that describe the preset rather than configure the policy: checked here, read
+#: by the training loop, never passed to a policy. ``validated_staleness``: the largest mean staleness (rounds) at
+#: which the preset held its accuracy in the committed grid; the run-time guard (:mod:`wagma.app.guard`) warns
+#: above it (null: no check).
+PRESET_KEYS: tuple[str, ...] = ("validated_staleness",)
+
+
+def policy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """An ``averaging`` config without ``name`` and the :data:`PRESET_KEYS`: the options its policy takes."""
+    return {k: v for k, v in dict(cfg).items() if k != "name" and k not in PRESET_KEYS}
 
 
 def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
@@ -98,8 +109,11 @@ def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
     Raises:
         ValueError: naming the offending key, its value and what was expected.
     """
-    options = dict(cfg)
-    name = options.pop("name", None)
+    name = dict(cfg).get("name")
+    options = policy_options(cfg)
+    bound = dict(cfg).get("validated_staleness")
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound < 0):
+        raise ValueError(f"averaging.validated_staleness must be null or a number >= 0, got {bound!r}")
     if name not in _POLICIES:
         raise ValueError(f"unknown averaging policy {name!r}; known policies: {', '.join(known_policies())}")
     group_size = options.get("group_size")
@@ -123,7 +137,7 @@ def build_policy(cfg: Mapping[str, Any], *, rank: int, world_size: int, device: 
         ValueError: for an unknown name or invalid options.
     """
     validate_policy_config(cfg, world_size)
-    options = {k: v for k, v in dict(cfg).items() if k != "name"}
+    options = policy_options(cfg)
     return _POLICIES[str(cfg["name"])].build(rank=rank, world_size=world_size, device=device, **options)
 
 

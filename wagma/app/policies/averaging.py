@@ -85,6 +85,8 @@ class ModelAveragingPolicy(Policy):
         timeout_s: timeout of the averager's process groups.
     """
 
+    remedy = "more frequent averaging (a smaller averaging.period, local_period or global_period) or a lower optim.lr"
+
     def __init__(
         self, *, device: torch.device, warmup_steps: int = 0, bucket_cap_mb: float = 25.0, timeout_s: float = 300.0
     ) -> None:
@@ -259,6 +261,8 @@ class WagmaPolicy(ModelAveragingPolicy):
     """
 
     name = "wagma"
+    remedy = ("averaging=wagma (barrier sync rounds, no overlap), a smaller averaging.sync_period or averaging.max_lead, "
+              "or a lower optim.lr")
 
     def __init__(
         self,
@@ -284,6 +288,8 @@ class WagmaPolicy(ModelAveragingPolicy):
         self.sync = sync
         self.overlap = bool(overlap)
         self.progress_nice = int(progress_nice)
+        # The preset's name: wagma, wagma_relaxed, wagma_overlap, wagma_relaxed_overlap.
+        self.name = "wagma" + ("_relaxed" if sync == "wait_avoiding" else "") + ("_overlap" if self.overlap else "")
 
     def build_averager(self, net: nn.Module) -> _Averager:
         schedule: str | GroupSchedule = (

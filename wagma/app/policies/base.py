@@ -51,6 +51,9 @@ class Policy:
     """
 
     name: str = ""
+    #: What to try when the run-time guard (:mod:`wagma.app.guard`) finds a run of this policy not learning or
+    #: staler than validated; the end of its warning line ("try ...").
+    remedy: str = ""
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Wrap the (broadcast) model for training; default: no wrapper."""
@@ -87,6 +90,7 @@ class AllreducePolicy(Policy):
     """Synchronous data parallelism: DDP's bucketed gradient allreduce, one global reduction per step."""
 
     name = "allreduce"
+    remedy = "a lower optim.lr (synchronous SGD: nothing is stale)"
 
     def __init__(self, *, device: torch.device, bucket_cap_mb: float = 25.0, transport: str = "default") -> None:
         """

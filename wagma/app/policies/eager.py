@@ -41,6 +41,9 @@ class EagerPolicy(Policy):
             :class:`~wagma.PartialAllreduceState`'s ``transport``).
     """
 
+    remedy = ("averaging=eager_majority (about half of each round's gradients fresh), a smaller averaging.max_lead, "
+              "averaging.overlap=false, or a lower optim.lr / optim.momentum")
+
     def __init__(
         self,
         *,
@@ -56,7 +59,7 @@ class EagerPolicy(Policy):
         progress_nice: int = 0,
         transport: str = "default",
     ) -> None:
-        self.name = f"eager_{mode}"
+        self.name = f"eager_{mode}" + ("_overlap" if overlap else "")  # the preset's name (eager_solo_overlap)
         self.progress_nice = int(progress_nice)
         self.transport = str(transport)
         self.device, self.mode = device, mode

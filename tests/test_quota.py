@@ -1,0 +1,116 @@
+"""Per-rank CPU quotas (wagma.app.quota): the cap measured for real, cleanup after a normal end and after a kill."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from wagma.app.config import ConfigError, validate_config
+from wagma.app.quota import RankQuota, check_rank_cpus, cgroup_root, job_name, remove_job_cgroups
+from wagma.app.train import train
+from wagma.testing import run_workers
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+_WHY = check_rank_cpus(0.25, 1)
+needs_cgroups = pytest.mark.skipif(_WHY is not None, reason=f"no writable cgroup v1 cpu hierarchy: {_WHY}")
+
+
+def test_check_rank_cpus_names_what_is_wrong_in_one_line():
+    assert check_rank_cpus(None, 8) is None and check_rank_cpus(0, 8) is None
+    assert "got -1" in check_rank_cpus(-1, 2) and "got 'half'" in check_rank_cpus("half", 2)
+    too_many = check_rank_cpus(0.5, 8, usable_cores=2)
+    assert too_many == ("rank_cpus=0.5 for 8 local rank(s) needs 4 CPUs, but this host has 2 usable core(s): "
+                        "use rank_cpus <= 0.25")
+    assert "\n" not in too_many
+
+
+def test_check_rank_cpus_refuses_a_host_without_the_cgroup_v1_cpu_controller(tmp_path, monkeypatch):
+    monkeypatch.setenv("WAGMA_CGROUP_ROOT", str(tmp_path))
+    why = check_rank_cpus(0.25, 1, usable_cores=2)
+    assert why.startswith(f"rank_cpus needs the cgroup v1 cpu controller at {tmp_path}")
+
+
+def test_a_bad_quota_is_a_config_error_before_any_rank_starts():
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = compose("config", overrides=["rank_cpus=64"])
+    with pytest.raises(ConfigError, match=r"rank_cpus=64 for 4 local rank\(s\) needs 256 CPUs"):
+        validate_config(cfg, 4)
+
+
+def _spin_in_quota(job: str, seconds: float, out) -> None:
+    quota = RankQuota(0.25, job=job, rank=0)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+    out.put((time.process_time() - cpu0) / (time.perf_counter() - t0))
+    quota.leave()
+    out.put(quota.path.exists())
+
+
+@needs_cgroups
+def test_a_rank_in_a_quota_gets_that_share_of_a_core_and_leaves_nothing_behind():
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_spin_in_quota, args=(job, 1.5, out))
+    child.start()
+    share, left = out.get(timeout=30), out.get(timeout=30)
+    child.join(10)
+    assert 0.15 <= share <= 0.32, share  # a busy loop capped at 0.25 CPU (uncapped it would take a whole core)
+    assert left is False and not (cgroup_root() / "wagma" / job).exists()
+
+
+def _join_and_wait(job: str, ready) -> None:
+    RankQuota(0.5, job=job, rank=3)
+    ready.set()
+    time.sleep(60)
+
+
+@needs_cgroups
+def test_what_a_killed_rank_leaves_is_removed_by_the_launcher_cleanup():
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_join_and_wait, args=(job, ready))
+    child.start()
+    assert ready.wait(30)
+    folder = cgroup_root() / "wagma" / job / "rank3"
+    assert str(child.pid) in (folder / "cgroup.procs").read_text().split()
+    assert (folder / "cpu.cfs_quota_us").read_text().strip() == "50000"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    assert folder.exists()  # a killed rank cannot clean up after itself
+    removed = remove_job_cgroups(job)
+    assert folder in removed and not folder.parent.exists()
+
+
+def _train_noting_cgroup(rank: int, world_size: int, cfg) -> dict:
+    seen = set()
+
+    def note(done: int, _timings: dict) -> None:
+        seen.update(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                    if "cpu" in line.split(":", 2)[1].split(","))
+
+    summary = train(cfg, step_callback=note)
+    return {"summary": summary, "seen": sorted(seen)}
+
+
+@needs_cgroups
+def test_train_runs_each_rank_in_its_own_quota_and_records_it(tmp_path):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = compose("config", overrides=["progress=false", "steps=20", "eval_every=0", "checkpoint_every=0",
+                                           "averaging=allreduce", "rank_cpus=0.5"])
+    cfg.run_dir = str(tmp_path)
+    out = run_workers(_train_noting_cgroup, 2, cfg, timeout_s=120)
+    job = job_name(tmp_path)
+    assert [o["seen"] for o in out] == [[f"/wagma/{job}/rank0"], [f"/wagma/{job}/rank1"]]
+    assert json.loads((tmp_path / "summary.json").read_text())["rank_cpus"] == 0.5
+    assert not (cgroup_root() / "wagma" / job).exists()  # removed when train() ended
