@@ -97,10 +97,19 @@ def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tup
     return specs
 
 
+def _averaging_option(policy: str) -> str:
+    """``policy``, or ``reference/<policy>`` for a published algorithm that is not a shipped preset (as
+    ``benchmarks.scenarios.averaging_option``, without importing the application here)."""
+    averaging = REPO / "configs" / "averaging"
+    if not (averaging / f"{policy}.yaml").exists() and (averaging / "reference" / f"{policy}.yaml").exists():
+        return f"reference/{policy}"
+    return policy
+
+
 def overrides(spec: Spec, timeout_s: float) -> list[str]:
     """The Hydra overrides of a run: tiny model, short timeouts, frequent checkpoints, a record every step."""
     out = [
-        f"averaging={spec.policy}", f"steps={spec.steps}", f"checkpoint_every={spec.checkpoint_every}",
+        f"averaging={_averaging_option(spec.policy)}", f"steps={spec.steps}", f"checkpoint_every={spec.checkpoint_every}",
         f"dist_timeout_s={timeout_s}", "progress=false", "log_every=1", f"seed={spec.seed}", "batch_size=16",
         # A straggler every step (the papers' imbalance) keeps each step >= 50 ms, so the fault lands mid-run.
         "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.05",

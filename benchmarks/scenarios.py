@@ -10,7 +10,9 @@ without injected delay), so the same scenario means the same thing on a fast and
 - ``persistent``: rank P-1 sleeps ``d`` before every step, so its steps take about 2T (2x slower).
 - ``heavy_tail``: every rank sleeps a lognormal draw each step (median ``d / 4``, sigma 1, capped at ``4 d``).
 
-A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``). :func:`resolve_policy`
+A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``), or in
+``configs/averaging/reference/`` for the published algorithms that are not shipped presets
+(``eager_solo`` is ``averaging=reference/eager_solo``: :func:`averaging_option`). :func:`resolve_policy`
 says whether it can run now: the config must exist and its ``name`` must be registered with
 :func:`wagma.app.policies.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
 and picks it up without changes once it is registered.
@@ -31,7 +33,7 @@ from wagma.app.imbalance import build_imbalance
 from wagma.app.policies import known_policies
 
 __all__ = [
-    "BASELINE", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
+    "BASELINE", "averaging_option", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
     "resolve_policy",
 ]
 
@@ -96,6 +98,15 @@ def expected_delays(cfg: DictConfig, world_size: int, compute_s: float) -> tuple
     return injector.expected_mean_delay_s(compute_s), injector.expected_max_delay_s(compute_s)
 
 
+def averaging_option(policy: str, configs_dir: Path) -> str:
+    """The ``averaging=`` option of the benchmark name ``policy``: ``policy`` itself, or ``reference/<policy>`` when
+    only ``configs/averaging/reference/`` has it (a published algorithm that is not a shipped preset)."""
+    if not (configs_dir / "averaging" / f"{policy}.yaml").exists() and (
+            configs_dir / "averaging" / "reference" / f"{policy}.yaml").exists():
+        return f"reference/{policy}"
+    return policy
+
+
 def resolve_policy(
     policy: str, compose: Callable[[list[str]], DictConfig], configs_dir: Path, world_size: int, base: list[str]
 ) -> tuple[DictConfig | None, str | None]:
@@ -108,8 +119,9 @@ def resolve_policy(
         world_size: ranks the run will have (for validation).
         base: the other overrides (scenario, steps, ...).
     """
+    option = averaging_option(policy, configs_dir)
     try:
-        if not (configs_dir / "averaging" / f"{policy}.yaml").exists():
+        if not (configs_dir / "averaging" / f"{option}.yaml").exists():
             if policy in known_policies():
                 # Registered without a config file: build it with its defaults.
                 cfg = compose(base)
@@ -117,7 +129,7 @@ def resolve_policy(
             else:
                 return None, f"no configs/averaging/{policy}.yaml and no registered policy named {policy!r}"
         else:
-            cfg = compose([*base, f"averaging={policy}"])
+            cfg = compose([*base, f"averaging={option}"])
     except ConfigCompositionException as exc:
         # e.g. a --set averaging.KEY=... for a key this policy does not have: this policy fails, the others run.
         return None, f"the overrides {base} do not compose with averaging={policy}: {exc}"

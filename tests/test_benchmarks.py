@@ -14,7 +14,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 import wagma.app.policies as policy_module  # noqa: E402
-from benchmarks import accuracy, collect, report, run  # noqa: E402
+from benchmarks import accuracy, collect, delayed_sgd, report, run  # noqa: E402
 from wagma.app.policies import Policy, register_policy  # noqa: E402
 
 REQUIRED = (
@@ -220,6 +220,28 @@ def test_accuracy_grid_sets_each_policy_beside_ddp_at_equal_samples_and_resumes(
     again = accuracy.main([*argv, "--resume", "--seeds", "0", "1"])  # seed 0 is kept, only seed 1 runs
     assert len(again["invocations"]) == 2 and again["records"][:3] == saved["records"]
     assert sorted({r["seed"] for r in again["records"]}) == [0, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/delayed_sgd.py
+# ----------------------------------------------------------------------------------------------
+
+
+def test_delayed_heavy_ball_stability_matches_the_closed_forms():
+    for mu in (0.0, 0.5, 0.9):
+        assert delayed_sgd.max_stable_step(mu, 0) == pytest.approx(2 * (1 + mu), rel=1e-6)  # synchronous heavy ball
+    assert delayed_sgd.max_stable_step(0.0, 1) == pytest.approx(1.0, rel=1e-6)  # x' = x - eh x_{t-1}: eh < 1
+    assert delayed_sgd.max_stable_step(0.9, 1) == pytest.approx(0.1, rel=1e-4)  # one step late: 38x less room
+    assert delayed_sgd.max_stable_step(0.9, 1, fresh=1.0) == pytest.approx(3.8, rel=1e-6)
+
+
+def test_delayed_sgd_emulation_runs_and_staleness_is_parsed():
+    assert delayed_sgd.parse_staleness("0:0.2,1:0.8") == {0: 0.2, 1: 0.8}
+    with pytest.raises(ValueError, match="ROUNDS:PROBABILITY"):
+        delayed_sgd.parse_staleness("1")
+    sync = delayed_sgd.emulate({0: 1.0}, dataset="digits", model="mlp", ranks=4, steps=40, lr=0.5)
+    late = delayed_sgd.emulate({1: 1.0}, dataset="digits", model="mlp", ranks=4, steps=40, lr=0.5)
+    assert sync > 0.85 and late < 0.3  # at a learning rate sync SGD takes (93 %), one step of delay does not learn
 
 
 # ----------------------------------------------------------------------------------------------
