@@ -50,7 +50,7 @@ from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
 __all__ = ["cell_key", "main", "parse_args", "summarize", "summarize_cells"]
 
 DEFAULT_POLICIES = (
-    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_overlap", "wagma_relaxed",
+    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
     "wagma_relaxed_overlap", "eager_solo", "eager_majority",
 )
 

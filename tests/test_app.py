@@ -52,7 +52,7 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
     assert set(_options("model")) == {"mlp", "cnn"} and set(_options("data")) == {"digits", "mnist"}
     assert set(_options("optim")) == {"sgd", "adam"}
     assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo (issue 28)
-        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_overlap", "wagma_relaxed",
+        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
         "wagma_relaxed_overlap", "eager_majority",
     }
     assert cfg.consensus_every == 0 and cfg.telemetry_interval_s > 0

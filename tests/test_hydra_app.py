@@ -177,6 +177,18 @@ def test_a_sweep_without_matplotlib_skips_the_plots_with_one_line(tmp_path, monk
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # 15 s: a whole python train.py
+def test_python_train_py_honours_run_dir(tmp_path):
+    # It was ignored: the ranks wrote into Hydra's outputs/<date>/<time> whatever run_dir said.
+    mine = tmp_path / "mine"
+    proc = _train(tmp_path, "nproc=2", "averaging=local_sgd", "steps=20", "progress=false", f"run_dir={mine}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((mine / "summary.json").read_text())
+    assert summary["run_dir"] == str(mine) and (mine / "job.json").is_file()
+    assert not list((tmp_path / "outputs").glob("*/*/summary.json"))
+    assert f"outputs       {mine}" in proc.stdout
+
+
 def test_python_train_py_starts_its_own_ranks_and_prints_the_summary(tmp_path):
     proc = _train(tmp_path, "nproc=2", "averaging=local_sgd", "steps=40", "progress=false")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -245,7 +245,8 @@ def run_job(cfg: DictConfig) -> int:
 
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    directory = Path(hydra_cfg.runtime.output_dir)
+    # run_dir=DIR puts the run there (its ranks, metrics, checkpoints); Hydra's own files stay in its output directory.
+    directory = Path(str(cfg.run_dir)) if cfg.get("run_dir") else Path(hydra_cfg.runtime.output_dir)
     record: dict[str, Any] = {"num": hydra_cfg.job.get("num", 0), "overrides": list(hydra_cfg.overrides.task)}
     prefix = f"job {record['num']}: " if sweeping else ""
     log = logging.getLogger(__name__)
