@@ -9,8 +9,10 @@ and what to try:
 - **diverged**: a non-finite training loss;
 - **stalled**: the training loss, averaged over windows of ``window`` steps, has not improved on its best by 1 %
   for ``patience`` steps while it is still above half of its reference (a run that has learned and levelled off
-  is not stalled), or it has lost more than half of the progress it had made (the best window's drop from the
-  reference), or the final test accuracy is at chance level (at most 1.5 / classes). The reference is the first
+  is not stalled), or it has stayed above half of the progress it had made (the best window's drop from the
+  reference) for ``patience`` steps (a spike that training recovers from is not a collapse: synchronous SGD with
+  momentum 0.9 has one on MNIST/CNN around step 50), or the final test accuracy is at chance level (at most
+  1.5 / classes). The reference is the first
   window's mean, or the loss of a model at chance (``chance_loss``, ln C for C classes) when that is lower: a
   loss that explodes at first and then sits at chance level has made no progress;
 - **too stale**: the policy's mean staleness (rounds, as the policy reports it) exceeds ``validated_staleness``,
@@ -78,6 +80,7 @@ class TrainingGuard:
         self._first: float | None = None
         self._best: float | None = None
         self._best_step = start_step
+        self._above = 0  # consecutive windows that gave back more than half of the progress made
         self._staleness: float | None = None
         self._staleness_max: int | None = None
 
@@ -122,9 +125,11 @@ class TrainingGuard:
             self._best, self._best_step = mean, step
         reference = self._first if self.chance_loss is None else min(self._first, self.chance_loss)
         progress = reference - self._best
-        if progress > 0.1 * reference and mean >= self._best + 0.5 * progress:
-            return self._warn("stalled", f"the training loss rose back to {mean:.3g} over the last {self.window} "
-                                         f"steps (best {self._best:.3g} at step {self._best_step}, first {self._first:.3g})")
+        self._above = self._above + 1 if progress > 0.1 * reference and mean >= self._best + 0.5 * progress else 0
+        if self._above * self.window >= self.patience:
+            return self._warn("stalled", f"the training loss rose back to {mean:.3g} and stayed there for "
+                                         f"{self._above * self.window} steps (best {self._best:.3g} at step "
+                                         f"{self._best_step}, first {self._first:.3g})")
         if step - self._best_step >= self.patience and self._best >= 0.5 * reference:
             return self._warn("stalled", f"the training loss ({mean:.3g} over the last {self.window} steps, first "
                                          f"{self._first:.3g}) has not improved since step {self._best_step}")
