@@ -254,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ]
         invocations.append("python benchmarks/run.py " + shlex.join(run_argv))
         print(f"== [{n}/{len(grid)}] {_cell_name(key)}, seed {seed}", flush=True)
+        commit = machine_info(ROOT).get("git_commit")  # the code this invocation runs (a long grid spans commits)
         result = run.main(run_argv)
         ddp = (_record(result, BASELINE, scenario) or {}).get("final_accuracy")
         for policy in args.policies:
@@ -267,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "gap_points": None if acc is None or ddp is None else 100.0 * (ddp - acc),
                 "samples_per_s": (rec or {}).get("samples_per_s"), "ddp_ratio": (rec or {}).get("ddp_ratio"),
                 "staleness": mean_stale, "staleness_max": max_stale, "fresh_fraction": stats.get("fresh_fraction"),
+                "staleness_hist": (rec or {}).get("staleness_hist"), "commit": commit,
                 "reason": (rec or {}).get("reason"),
             })
         out = write()
