@@ -15,8 +15,10 @@ and what to try:
   1.5 / classes). The reference is the first
   window's mean, or the loss of a model at chance (``chance_loss``, ln C for C classes) when that is lower: a
   loss that explodes at first and then sits at chance level has made no progress;
-- **too stale**: the policy's mean staleness (rounds, as the policy reports it) exceeds ``validated_staleness``,
-  the largest at which the preset held its accuracy in the committed grid (``benchmarks/results/accuracy/``).
+- **too stale**: the policy's mean staleness (rounds, as the policy reports it; this rank's running mean once
+  ``patience`` steps are in, the mean over all ranks at the end) exceeds ``validated_staleness``, set from the
+  committed grid (``benchmarks/results/accuracy/``): 1.1 x the largest run-mean staleness at which the preset held
+  its accuracy.
 
 Each symptom is reported once (a ``logging`` warning on the rank that observes it; the training loop feeds rank
 0 while it runs) and all of them end up in ``summary.json`` as ``guard`` (``{"ok": bool, "warnings": [...]}``).
@@ -79,7 +81,7 @@ class TrainingGuard:
         self._sum, self._count = 0.0, 0
         self._first: float | None = None
         self._best: float | None = None
-        self._best_step = start_step
+        self._best_step = self._start = start_step
         self._above = 0  # consecutive windows that gave back more than half of the progress made
         self._staleness: float | None = None
         self._staleness_max: int | None = None
@@ -110,8 +112,9 @@ class TrainingGuard:
         if self._count == self.window:
             new = self._window_done(step, self._sum / self._count)
             self._sum, self._count = 0.0, 0
+        # The running mean of the first rounds is noisy: judge it once a quarter of the run (patience) is in.
         if (self.validated_staleness is not None and self._staleness is not None
-                and self._staleness > self.validated_staleness and step >= self.window):
+                and self._staleness > self.validated_staleness and step - self._start >= self.patience):
             new = self._warn("stale", f"measured at step {step}") or new
         return new
 
