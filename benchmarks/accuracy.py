@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -47,7 +48,7 @@ from benchmarks import run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
 
-__all__ = ["cell_key", "main", "parse_args", "summarize", "summarize_cells"]
+__all__ = ["cell_key", "main", "parse_args", "summarize", "summarize_cells", "validated_staleness"]
 
 DEFAULT_POLICIES = (
     "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
@@ -75,6 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
                    help="extra Hydra override for every run (repeatable)")
     p.add_argument("--resume", action="store_true", help="keep the records in --out's accuracy.json, run the rest")
+    p.add_argument("--report-only", action="store_true", help="rewrite accuracy.json/md from its records, run nothing")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/accuracy")
     p.add_argument("--work", type=Path, default=Path("/tmp/wagma-accuracy"), help="run.py's outputs (not committed)")
     args = p.parse_args(argv)
@@ -129,16 +131,28 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "median_accuracy": median, "ddp_median_accuracy": ddp_median,
                 "gap_points": None if median is None or ddp_median is None else 100.0 * (ddp_median - median),
                 "median_samples_per_s": med("samples_per_s"), "median_ddp_ratio": med("ddp_ratio"),
-                "median_staleness": med("staleness"), "max_staleness": max(
+                "median_staleness": med("staleness"),
+                "max_run_staleness": max((r["staleness"] for r in runs if r.get("staleness") is not None), default=None),
+                "max_staleness": max(
                     (r["staleness_max"] for r in runs if r.get("staleness_max") is not None), default=None),
                 "median_fresh_fraction": med("fresh_fraction"),
             })
     return out
 
 
+def validated_staleness(cells: list[dict[str, Any]], tolerance: float) -> float | None:
+    """The ``validated_staleness`` a preset's config should carry from these cells of its: 1.1 x the largest run-mean
+    staleness among the cells where it held its accuracy (gap <= ``tolerance``), rounded up to 0.05; None when it
+    has no staleness (or no such cell)."""
+    held = [c["max_run_staleness"] for c in cells
+            if c["gap_points"] is not None and c["gap_points"] <= tolerance and c.get("max_run_staleness")]
+    return math.ceil(1.1 * max(held) / 0.05 - 1e-9) * 0.05 if held else None
+
+
 def summarize(cells: list[dict[str, Any]], tolerance: float) -> dict[str, dict[str, Any]]:
-    """Per policy: the largest median gap to DDP over the cells (positive: DDP was better), where, and whether
-    every cell is within ``tolerance``. A policy with a failed run is reported as such, never as within tolerance."""
+    """Per policy: the largest median gap to DDP over the cells (positive: DDP was better), where, whether every
+    cell is within ``tolerance``, and the :func:`validated_staleness` its preset should carry. A policy with a
+    failed run is reported as such, never as within tolerance."""
     out: dict[str, dict[str, Any]] = {}
     for policy in dict.fromkeys(c["policy"] for c in cells if c["policy"] != BASELINE):
         mine = [c for c in cells if c["policy"] == policy]
@@ -152,6 +166,7 @@ def summarize(cells: list[dict[str, Any]], tolerance: float) -> dict[str, dict[s
             "where": None if worst is None else worst["cell"],
             "within_tolerance": not missing and worst is not None and len(gaps) == len(mine)
             and worst["gap_points"] <= tolerance,
+            "validated_staleness": (None if (v := validated_staleness(mine, tolerance)) is None else round(v, 2)),
         }
     return out
 
@@ -165,8 +180,12 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Test accuracy at equal samples, against DDP",
         "",
-        f"Command: `{result['command']}` (commit `{result['machine'].get('git_commit', '?')}`), "
-        f"{result['duration_s'] / 60:.0f} min of runs on {result['machine'].get('cpus_usable', '?')} usable cores.",
+        "Commands (one grid, resumed; each record keeps the commit its invocation ran):",
+        "",
+        *[f"    {c}" for c in result["commands"]],
+        "",
+        f"{result['duration_s'] / 60:.0f} min of runs on {result['machine'].get('cpus_usable', '?')} usable cores "
+        f"(commit at the last write: `{result['machine'].get('git_commit', '?')}`).",
         "",
         f"gloo CPU ranks, {s['steps']} steps of batch {s['batch_size']} per rank (P x {s['steps'] * s['batch_size']:,} "
         f"samples), delay unit d = {1e3 * s['delay_s']:g} ms, test evaluations every {s['eval_every']} steps. Each (cell, "
@@ -192,7 +211,8 @@ def _markdown(result: dict[str, Any]) -> str:
             continue
         verdict = "within" if v["within_tolerance"] else "NOT within"
         missing = f"; failed or incomplete: {', '.join(v['missing'])}" if v["missing"] else ""
-        lines.append(f"- {policy}: {v['max_gap_points']:+.2f} ({v['where']}), {verdict} tolerance{missing}")
+        bound = "" if v.get("validated_staleness") is None else f"; validated_staleness {v['validated_staleness']:g}"
+        lines.append(f"- {policy}: {v['max_gap_points']:+.2f} ({v['where']}), {verdict} tolerance{missing}{bound}")
     return "\n".join(lines) + "\n"
 
 
@@ -216,19 +236,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     saved = args.out / "accuracy.json"
     records: list[dict[str, Any]] = []
     invocations: list[str] = []
+    commands: list[str] = []
     earlier_s = 0.0
-    if args.resume and saved.exists():
+    old: dict[str, Any] = {}
+    if (args.resume or args.report_only) and saved.exists():
         old = json.loads(saved.read_text(encoding="utf-8"))
         records, invocations, earlier_s = old["records"], old["invocations"], float(old.get("duration_s", 0.0))
+        commands = old.get("commands", [old["command"]] if "command" in old else [])
+    if not args.report_only:
+        commands.append(command)
     done = {(cell_key(r), r["seed"]) for r in records}
     settings = {"steps": args.steps, "batch_size": args.batch_size, "delay_s": args.delay_s,
                 "eval_every": args.eval_every, "tolerance": args.tolerance, "policies": args.policies,
                 "extra_overrides": args.extra}
+    if args.report_only and old:
+        settings = old["settings"]  # the grid's own, not this command's defaults
 
     def write() -> dict[str, Any]:
         cells = summarize_cells(records)
         out = {
-            "command": command, "machine": machine_info(ROOT), "settings": settings, "invocations": invocations,
+            "commands": commands, "machine": machine_info(ROOT), "settings": settings, "invocations": invocations,
             "records": records, "cells": cells, "summary": summarize(cells, args.tolerance),
             "duration_s": earlier_s + time.perf_counter() - started,
         }
@@ -238,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return out
 
     out = write() if records else {}
+    if args.report_only:
+        return out
     grid = [(w, p, s, q, seed) for w in args.workloads for p in args.worlds for s in args.scenarios
             for q in args.rank_cpus for seed in args.seeds]
     for n, ((dataset, model), world, scenario, cpus, seed) in enumerate(grid, 1):

@@ -197,6 +197,30 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
     assert not summary["a"]["within_tolerance"]
     assert summary["b"]["missing"] == ["mnist/cnn P=16 random_k1/seed 0"] and not summary["b"]["within_tolerance"]
     assert summary["b"]["max_gap_points"] == pytest.approx(-1.0)  # better than DDP where it ran, still not a pass
+    # The guard's bound: 1.1 x the largest run-mean staleness where the policy held its accuracy, up to 0.05.
+    assert a8["max_run_staleness"] == 0.5 and summary["a"]["validated_staleness"] == pytest.approx(0.55)
+    assert accuracy.validated_staleness([{"gap_points": 0.2, "max_run_staleness": 1.24}], 1.0) == pytest.approx(1.4)
+    assert accuracy.validated_staleness([{"gap_points": 1.5, "max_run_staleness": 1.24}], 1.0) is None
+
+
+def test_every_shipped_preset_held_its_accuracy_in_the_committed_grid_and_carries_its_bound():
+    # Issue 28: a preset ships only with the evidence. Every configs/averaging/*.yaml (not reference/) is in the
+    # committed grid, within tolerance of allreduce in every cell, and its validated_staleness (the guard's bound)
+    # is the one the grid gives; a preset without staleness has none.
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1]
+    saved = json.loads((root / "benchmarks/results/accuracy/accuracy.json").read_text())
+    summary = accuracy.summarize(accuracy.summarize_cells(saved["records"]), saved["settings"]["tolerance"])
+    for path in sorted((root / "configs/averaging").glob("*.yaml")):
+        preset = path.stem
+        if preset == "allreduce":
+            continue
+        assert preset in summary, f"{preset} is shipped but not in the committed grid"
+        assert summary[preset]["within_tolerance"], (preset, summary[preset])
+        with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
+            declared = compose("config", overrides=[f"averaging={preset}"]).averaging.get("validated_staleness")
+        assert declared == summary[preset]["validated_staleness"], (preset, declared, summary[preset])
 
 
 @pytest.mark.slow
@@ -219,7 +243,11 @@ def test_accuracy_grid_sets_each_policy_beside_ddp_at_equal_samples_and_resumes(
     assert f"| digits/mlp P=2 random_k1 | {test_policy} | 0 |" in table and "no_such_policy: no accuracy" in table
     again = accuracy.main([*argv, "--resume", "--seeds", "0", "1"])  # seed 0 is kept, only seed 1 runs
     assert len(again["invocations"]) == 2 and again["records"][:3] == saved["records"]
-    assert sorted({r["seed"] for r in again["records"]}) == [0, 1]
+    assert sorted({r["seed"] for r in again["records"]}) == [0, 1] and len(again["commands"]) == 2
+    assert all(r["commit"] for r in again["records"] if r["policy"] == "allreduce")
+    report = accuracy.main(["--report-only", "--out", str(tmp_path / "acc")])  # runs nothing, keeps the settings
+    assert report["records"] == json.loads(json.dumps(again["records"])) and report["commands"] == again["commands"]
+    assert report["settings"]["steps"] == 12
 
 
 # ----------------------------------------------------------------------------------------------
