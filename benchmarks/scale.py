@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from benchmarks.machine import machine_info  # noqa: E402
+from benchmarks.scenarios import averaging_option  # noqa: E402
 from benchmarks.simulate import Network, simulate  # noqa: E402
 from wagma.app.imbalance import RandomK  # noqa: E402
 
@@ -62,7 +63,8 @@ def paper_policies(configs: Path = ROOT / "configs") -> dict[str, dict[str, Any]
     """The policies' ``averaging`` options from ``configs/averaging/`` (seed 0); WAGMA with S = 8, τ = 10."""
     out = {}
     for name in POLICIES:
-        options = OmegaConf.to_container(OmegaConf.load(configs / "averaging" / f"{name}.yaml"), resolve=False)
+        option = averaging_option(name, configs)  # eager_solo is a reference since issue 28: reference/eager_solo
+        options = OmegaConf.to_container(OmegaConf.load(configs / "averaging" / f"{option}.yaml"), resolve=False)
         assert isinstance(options, dict)
         options = {k: (0 if k == "seed" else v) for k, v in options.items()}
         out[name] = options
