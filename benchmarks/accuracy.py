@@ -48,7 +48,7 @@ from benchmarks import run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
 
-__all__ = ["cell_key", "main", "parse_args", "summarize", "summarize_cells", "validated_staleness"]
+__all__ = ["cell_key", "main", "parse_args", "pivot", "summarize", "summarize_cells", "validated_staleness"]
 
 DEFAULT_POLICIES = (
     "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
@@ -194,6 +194,13 @@ def _markdown(result: dict[str, Any]) -> str:
         "negative: the policy was better); x DDP: median samples/s ratio to DDP in the same invocation; staleness: "
         "median of the runs' mean (max over the runs) as the policy reports it; fresh: median fresh fraction.",
         "",
+        "At a glance: per policy and cell, the median gap to DDP (points) / median samples/s x DDP (DDP's row: its",
+        "median accuracy):",
+        "",
+        pivot(result["cells"]),
+        "",
+        "Every cell:",
+        "",
         "| cell | policy | seeds | accuracy | gap | x DDP | staleness (max) | fresh |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -214,6 +221,25 @@ def _markdown(result: dict[str, Any]) -> str:
         bound = "" if v.get("validated_staleness") is None else f"; validated_staleness {v['validated_staleness']:g}"
         lines.append(f"- {policy}: {v['max_gap_points']:+.2f} ({v['where']}), {verdict} tolerance{missing}{bound}")
     return "\n".join(lines) + "\n"
+
+
+def pivot(cells: list[dict[str, Any]]) -> str:
+    """A Markdown table, one row per policy and one column per cell: the median gap to DDP (points) / median
+    samples/s x DDP, in the same runs (DDP's row: its median accuracy)."""
+    names = list(dict.fromkeys(c["cell"] for c in cells))
+    lines = ["| policy | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for policy in dict.fromkeys(c["policy"] for c in cells):
+        row = []
+        for name in names:
+            c = next((c for c in cells if c["cell"] == name and c["policy"] == policy), None)
+            if c is None:
+                row.append("")
+            elif policy == BASELINE:
+                row.append(f"{_num(c['median_accuracy'], '.2f', 100)} %")
+            else:
+                row.append(f"{_num(c['gap_points'], '+.2f')} / {_num(c['median_ddp_ratio'], '.2f')}x")
+        lines.append(f"| {policy} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def _record(result: dict[str, Any], policy: str, scenario: str) -> dict[str, Any] | None:

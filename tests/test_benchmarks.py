@@ -197,6 +197,9 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
     assert not summary["a"]["within_tolerance"]
     assert summary["b"]["missing"] == ["mnist/cnn P=16 random_k1/seed 0"] and not summary["b"]["within_tolerance"]
     assert summary["b"]["max_gap_points"] == pytest.approx(-1.0)  # better than DDP where it ran, still not a pass
+    table = accuracy.pivot(cells).splitlines()
+    assert table[0] == "| policy | mnist/cnn P=8 random_k1 | mnist/cnn P=16 random_k1 |"
+    assert table[2] == "| allreduce | 96.00 % | 90.00 % |" and table[3] == "| a | +0.50 / 1.00x | +3.00 / 1.00x |"
     # The guard's bound: 1.1 x the largest run-mean staleness where the policy held its accuracy, up to 0.05.
     assert a8["max_run_staleness"] == 0.5 and summary["a"]["validated_staleness"] == pytest.approx(0.55)
     assert accuracy.validated_staleness([{"gap_points": 0.2, "max_run_staleness": 1.24}], 1.0) == pytest.approx(1.4)
