@@ -7,6 +7,8 @@ The library imports with torch alone; use it from your own DDP script (docs/libr
   comm hook (solo or majority allreduce of gradients).
 - Fewer global reductions: :class:`PeriodicAverager` (K-step averaging), :class:`HierarchicalAverager`
   (local reductions on subsets of learners), :class:`ReductionMomentum`.
+- The decentralized baselines WAGMA-SGD is measured against: :class:`DPSGDAverager` (D-PSGD) and
+  :class:`SGPAverager` (SGP, and OSGP with ``overlap=True``).
 - :class:`AveragingOptimizer` runs the local step and an averager's step in the averager's order;
   :func:`post_local_hook` (with :class:`PostLocalState`) is the DDP hook for model averaging: allreduce for a
   warm-up, then no gradient communication.
@@ -24,9 +26,11 @@ __version__ = "0.1.0"
 from wagma.averaging import (
     AveragerBase,
     AveragingOptimizer,
+    DPSGDAverager,
     HierarchicalAverager,
     PeriodicAverager,
     ReductionMomentum,
+    SGPAverager,
     WagmaAverager,
     flatten_parameters,
 )
@@ -48,6 +52,7 @@ __all__ = [
     "AllreduceState",
     "AveragerBase",
     "AveragingOptimizer",
+    "DPSGDAverager",
     "GroupAllreduceState",
     "GroupSchedule",
     "HierarchicalAverager",
@@ -56,6 +61,7 @@ __all__ = [
     "PostLocalState",
     "ReductionMomentum",
     "RoundResult",
+    "SGPAverager",
     "SharedMemoryAllreduce",
     "WagmaAverager",
     "WaitAvoidingGroupAllreduce",

@@ -7,6 +7,7 @@
 - :class:`ReductionMomentum` -- momentum on the progress between reductions, around either of them.
 - :class:`AveragingOptimizer` -- ``optimizer.step()`` and the averager's step, in the averager's order.
 - :class:`WagmaAverager` -- WAGMA-SGD: wait-avoiding group averages on rotating groups (DESIGN §2.2).
+- :class:`DPSGDAverager`, :class:`SGPAverager` -- the decentralized baselines (D-PSGD; SGP and OSGP; DESIGN §2.6).
 """
 
 from wagma.averaging.base import (
@@ -20,6 +21,7 @@ from wagma.averaging.base import (
 )
 from wagma.averaging.groups import DEFAULT_TIMEOUT
 from wagma.averaging.tensors import ParameterBinding, collect_named, flatten_parameters
+from wagma.averaging.gossip import TOPOLOGIES, DPSGDAverager, SGPAverager
 from wagma.averaging.hierarchical import HierarchicalAverager
 from wagma.averaging.momentum import MomentumLevels, ReductionMomentum, reduction_momentum_update_
 from wagma.averaging.optimizer import AveragingOptimizer
@@ -32,6 +34,7 @@ __all__ = [
     "AveragerBase",
     "AveragerStats",
     "AveragingOptimizer",
+    "DPSGDAverager",
     "FlatBuffers",
     "HierarchicalAverager",
     "MomentumLevels",
@@ -40,6 +43,8 @@ __all__ = [
     "PeriodicAverager",
     "Reduction",
     "ReductionMomentum",
+    "SGPAverager",
+    "TOPOLOGIES",
     "WagmaAverager",
     "collect_buffers",
     "collect_named",
