@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         old = json.loads(saved.read_text(encoding="utf-8"))
         records, invocations, earlier_s = old["records"], old["invocations"], float(old.get("duration_s", 0.0))
         commands = old.get("commands", [old["command"]] if "command" in old else [])
-    if not args.report_only:
+    if not args.report_only and command not in commands:
         commands.append(command)
     done = {(cell_key(r), r["seed"]) for r in records}
     settings = {"steps": args.steps, "batch_size": args.batch_size, "delay_s": args.delay_s,
