@@ -82,3 +82,11 @@ def test_recipe_wagma_averaging_ends_with_identical_replicas(args):
 @pytest.mark.timeout(170)
 def test_recipe_periodic_averaging_agrees_with_torchs_post_local_sgd_optimizer():
     assert "agree after 24 steps on 2 ranks" in _torchrun("post_local_sgd.py", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("method", ["dpsgd", "sgp", "osgp"])
+def test_recipe_gossip_baselines_end_with_identical_replicas(method):
+    out = _torchrun("gossip_baselines.py", 4, "--method", method)
+    assert f"{method}: 30 steps on 4 ranks" in out and "replicas identical after synchronize" in out

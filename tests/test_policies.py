@@ -52,7 +52,7 @@ def _options(policy: str, **changes: object) -> dict:
 def test_the_averaging_options_and_experiment_presets_exist():
     assert set(AVERAGING) == {
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-        "wagma_relaxed_overlap", "eager_majority",
+        "wagma_relaxed_overlap", "eager_majority", "dpsgd", "sgp", "osgp",
     }
     assert set(REFERENCE) == {  # not shipped: they lost accuracy in issue 28's grid
         "reference/eager_solo", "reference/eager_solo_overlap", "reference/wagma_overlap"}
@@ -73,6 +73,9 @@ def test_the_averaging_options_and_experiment_presets_exist():
     assert _compose("averaging=reference/eager_solo_overlap").averaging.overlap is True
     assert _compose("averaging=reference/eager_solo").averaging.sync_period == 32
     assert _compose("averaging=eager_majority").averaging.mode == "majority"
+    for gossip in ("dpsgd", "sgp", "osgp"):  # issue 29: the decentralized baselines, shipped to be compared against
+        assert _compose(f"averaging={gossip}").averaging.baseline is True
+    assert _compose("averaging=dpsgd").averaging.topology == "ring"
 
 
 @pytest.mark.parametrize("option", AVERAGING + REFERENCE)
@@ -177,6 +180,9 @@ KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momen
         ("wagma", {"transport": "tcp"}, "averaging.transport must be one of default, shm, got 'tcp'"),
         ("allreduce", {"transport": "nccl"}, "averaging.transport must be one of default, shm, got 'nccl'"),
         ("local_sgd", {"transport": "shm"}, "transport"),  # its averages use gloo only: the key is unknown there
+        ("dpsgd", {"topology": "torus"}, "averaging.topology must be one of ring, exponential; got 'torus'"),
+        ("sgp", {"topology": "ring"}, "topology"),  # SGP's graph is fixed: the key is unknown there
+        ("osgp", {"warmup_steps": -2}, "averaging.warmup_steps must be >= 0, got -2"),
     ],
 )
 def test_bad_policy_configs_are_rejected_with_one_clear_message(policy, changes, match):
@@ -273,6 +279,9 @@ EXPECTED_REDUCTIONS = {
     "local_sgd": (38, 0),  # steps 0, 8, ..., 296
     "hierarchical": (19, 56),  # global at multiples of 16, local at the other multiples of 4
     "hierarchical_momentum": (19, 56),
+    "dpsgd": (0, 300),  # one neighbour exchange a step, no global reduction while training
+    "sgp": (0, 300),
+    "osgp": (0, 300),
 }
 
 
@@ -459,3 +468,10 @@ def test_kill_and_resume_of_the_wait_avoiding_policies_gives_the_uninterrupted_m
     # max_lead=0 makes every round wait for every rank's fresh contribution: a deterministic path, so the
     # resumed run (engine restarted at the checkpoint's round, residuals restored) must match bit for bit.
     _kill_and_resume(tmp_path, f"averaging={policy}", "averaging.max_lead=0", *extra, "steps=24")
+
+
+@pytest.mark.slow  # 6-7 s each
+@pytest.mark.parametrize("policy", ["dpsgd", "sgp"])
+def test_kill_and_resume_of_the_synchronous_gossip_baselines_gives_the_uninterrupted_model(tmp_path, policy):
+    # Issue 29: the push-sum numerator and weight are checkpointed with the model; resume is bitwise.
+    _kill_and_resume(tmp_path, f"averaging={policy}", "steps=24")

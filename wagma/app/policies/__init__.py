@@ -12,6 +12,8 @@
 ``wagma``                  :class:`WagmaPolicy`: wait-avoiding group model averaging (WAGMA-SGD).
 ``eager_solo``,            :class:`EagerPolicy`: eager-SGD's partial gradient allreduce in a DDP comm
 ``eager_majority``         hook, solo or majority.
+``dpsgd``, ``sgp``,        :class:`GossipPolicy`: the decentralized baselines, D-PSGD, SGP and OSGP
+``osgp``                   (:mod:`wagma.averaging.gossip`).
 =========================  ==========================================================================
 
 This module is the registry (:func:`register_policy`, :func:`build_policy`, :func:`validate_policy_config`,
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from wagma.app.policies.averaging import (
+    GossipPolicy,
     HierarchicalPolicy,
     LocalSGDPolicy,
     ModelAveragingPolicy,
@@ -41,6 +44,7 @@ from wagma.app.policies.options import (
     EAGER_MODES,
     validate_allreduce,
     validate_eager,
+    validate_gossip,
     validate_hierarchical,
     validate_hierarchical_momentum,
     validate_local_sgd,
@@ -48,7 +52,7 @@ from wagma.app.policies.options import (
 )
 
 __all__ = [
-    "AllreducePolicy", "EagerPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "Policy",
+    "AllreducePolicy", "EagerPolicy", "GossipPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "Policy",
     "PRESET_KEYS", "WagmaPolicy", "averager_stats", "build_policy", "known_policies", "policy_options",
     "register_policy", "validate_policy_config",
 ]
@@ -90,8 +94,9 @@ _NON_NEGATIVE_SUFFIXES = ("period", "_every", "_steps")
 #: Keys of an ``averaging`` config that describe the preset rather than configure the policy: checked here, read
 #: by the training loop, never passed to a policy. ``validated_staleness``: the largest mean staleness (rounds) at
 #: which the preset held its accuracy in the committed grid; the run-time guard (:mod:`wagma.app.guard`) warns
-#: above it (null: no check).
-PRESET_KEYS: tuple[str, ...] = ("validated_staleness",)
+#: above it (null: no check). ``baseline``: true for a published method shipped to be compared against (the
+#: gossip baselines), run as published and reported as measured, not held to the presets' accuracy rule.
+PRESET_KEYS: tuple[str, ...] = ("validated_staleness", "baseline")
 
 
 def policy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -114,6 +119,9 @@ def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
     bound = dict(cfg).get("validated_staleness")
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound < 0):
         raise ValueError(f"averaging.validated_staleness must be null or a number >= 0, got {bound!r}")
+    baseline = dict(cfg).get("baseline", False)
+    if not isinstance(baseline, bool):
+        raise ValueError(f"averaging.baseline must be true or false, got {baseline!r}")
     if name not in _POLICIES:
         raise ValueError(f"unknown averaging policy {name!r}; known policies: {', '.join(known_policies())}")
     group_size = options.get("group_size")
@@ -157,6 +165,20 @@ def _build_wagma(*, rank: int, world_size: int, device: torch.device, **options:
     return WagmaPolicy(device=device, **options)
 
 
+def _gossip_builder(kind: str) -> Callable[..., Policy]:
+    def build(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
+        return GossipPolicy(kind=kind, device=device, **options)
+
+    return build
+
+
+def _gossip_validator(kind: str) -> Callable[[Mapping[str, Any], int], None]:
+    def validate(options: Mapping[str, Any], world_size: int) -> None:
+        validate_gossip(kind, options, world_size)
+
+    return validate
+
+
 def _eager_builder(mode: str) -> Callable[..., Policy]:
     def build(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:
         return EagerPolicy(device=device, **({"mode": mode} | options))
@@ -179,6 +201,8 @@ def _register() -> None:
     register_policy("wagma", _build_wagma, validate_wagma)
     for mode in EAGER_MODES:
         register_policy(f"eager_{mode}", _eager_builder(mode), _eager_validator(mode))
+    for kind in GossipPolicy.KINDS:
+        register_policy(kind, _gossip_builder(kind), _gossip_validator(kind))
 
 
 _register()

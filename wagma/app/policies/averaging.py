@@ -1,9 +1,11 @@
 """The model-averaging policies: local optimizer steps, and an averager of :mod:`wagma.averaging` that brings
-the models together around each step (``local_sgd``, ``hierarchical``, ``hierarchical_momentum``, ``wagma``).
+the models together around each step (``local_sgd``, ``hierarchical``, ``hierarchical_momentum``, ``wagma``, and the gossip baselines).
 
 They wrap the model in DDP with :func:`~wagma.hooks.post_local.post_local_hook`: gradients are allreduced
 during an optional warm-up of synchronous SGD and not communicated afterwards, so every policy runs through
-the same DDP code path and the replicas are identical when model averaging takes over. DDP's per-forward
+the same DDP code path and the replicas are identical when model averaging takes over. The gossip baselines
+(``dpsgd``, ``sgp``, ``osgp``: :class:`GossipPolicy`) run the same way with the averagers of
+:mod:`wagma.averaging.gossip`. DDP's per-forward
 buffer broadcast is off: it would otherwise broadcast buffers from rank 0 before every forward pass, a
 global barrier each step.
 """
@@ -19,9 +21,11 @@ from torch import nn
 from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
 from wagma.averaging import (
     AveragerStats,
+    DPSGDAverager,
     HierarchicalAverager,
     PeriodicAverager,
     ReductionMomentum,
+    SGPAverager,
     WagmaAverager,
     flatten_parameters,
 )
@@ -29,7 +33,7 @@ from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 
 __all__ = [
-    "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
+    "GossipPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
 ]
 
 
@@ -301,6 +305,48 @@ class WagmaPolicy(ModelAveragingPolicy):
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
             sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
             progress_nice=self.progress_nice, transport=self.transport,
+        )
+
+    def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        assert self.averager is not None and self._net is not None, "wrap() the model first"
+        self.averager.synchronize(self._net.named_parameters(), self._net.named_buffers())
+
+
+class GossipPolicy(ModelAveragingPolicy):
+    """The decentralized baselines: D-PSGD (``dpsgd``), SGP (``sgp``) and OSGP (``osgp``) after every step.
+
+    Local optimizer steps (DDP with the post-local hook), then one gossip round per step with
+    :class:`~wagma.averaging.DPSGDAverager` or :class:`~wagma.averaging.SGPAverager` (``overlap=True`` for
+    OSGP). ``finalize`` is the averager's ``synchronize``: a blocking global average after the last round (for
+    push-sum, Σx / Σw with the round in flight collected), so the evaluated model is the consensus.
+
+    Args:
+        kind: ``"dpsgd"``, ``"sgp"`` or ``"osgp"``.
+        topology: D-PSGD's graph, ``"ring"`` or ``"exponential"`` (ignored by SGP / OSGP).
+        average_buffers: also average floating-point buffers.
+        **kwargs: ``device``, ``warmup_steps``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
+    """
+
+    remedy = "a smaller optim.lr, or a policy with global averages (averaging=wagma or local_sgd)"
+    KINDS: tuple[str, ...] = ("dpsgd", "sgp", "osgp")
+
+    def __init__(self, *, kind: str, topology: str = "ring", average_buffers: bool = True, **kwargs: Any) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"kind: expected one of {self.KINDS}, found {kind!r}")
+        super().__init__(**kwargs)
+        self.name = kind
+        self.topology = str(topology)
+        self.average_buffers = bool(average_buffers)
+
+    def build_averager(self, net: nn.Module) -> _Averager:
+        if self.name == "dpsgd":
+            return DPSGDAverager(
+                self.topology, self.hook_state.warmup_steps, average_buffers=self.average_buffers,  # type: ignore[arg-type]
+                timeout=timeout(self.timeout_s),
+            )
+        return SGPAverager(
+            self.name == "osgp", self.hook_state.warmup_steps, average_buffers=self.average_buffers,
+            timeout=timeout(self.timeout_s),
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -5,7 +5,7 @@ Each is called as ``validate(options, world_size)`` by :func:`wagma.app.policies
 ``*period``/``*_steps``) on every rank before anything is built, and raises one ``ValueError`` naming the
 key, the value found and what was expected. They check unknown keys, ``progress_nice`` in [0, 19], group sizes that do not divide the
 world size, periods, ``global_period`` a multiple of ``local_period``, momentum in [0, 1), the mode /
-mixing / order names and WAGMA's schedule (built here, so a schedule that does not mix is refused).
+mixing / order / topology names, gossip's two ranks at least, and WAGMA's schedule (built here, so a schedule that does not mix is refused).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from wagma.averaging.gossip import TOPOLOGIES
 from wagma.averaging.wagma import MIXINGS
 from wagma.averaging.wagma import ORDERS as WAGMA_ORDERS
 from wagma.engine import SYNCS
@@ -20,7 +21,8 @@ from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import TRANSPORTS
 
 __all__ = [
-    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "WAGMA_SYNCS", "validate_allreduce", "validate_eager", "validate_hierarchical",
+    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "WAGMA_SYNCS", "validate_allreduce", "validate_eager", "validate_gossip",
+    "validate_hierarchical",
     "validate_hierarchical_momentum", "validate_local_sgd", "validate_wagma",
 ]
 
@@ -120,6 +122,8 @@ _WAGMA_KEYS = (
     "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
     "progress_nice", "transport", *_COMMON_KEYS,
 )
+_GOSSIP_KEYS = ("warmup_steps", "average_buffers", *_COMMON_KEYS)
+_DPSGD_KEYS = ("topology", *_GOSSIP_KEYS)
 _EAGER_KEYS = (
     "mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", "progress_nice", "transport", *_COMMON_KEYS,
 )
@@ -207,6 +211,18 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
         raise ValueError(f"averaging.schedule={schedule!r} cannot be used: {exc}") from exc
     if built.world_size != world_size:
         raise ValueError(f"averaging.schedule is for {built.world_size} ranks, the job has {world_size}")
+
+
+def validate_gossip(policy: str, options: Mapping[str, Any], world_size: int) -> None:
+    """Check a ``dpsgd`` / ``sgp`` / ``osgp`` config: at least 2 ranks, ``topology`` (D-PSGD), ``warmup_steps`` >= 0."""
+    _only_keys(policy, options, _DPSGD_KEYS if policy == "dpsgd" else _GOSSIP_KEYS)
+    if world_size < 2:
+        raise ValueError(f"averaging={policy} gossips with peers: it needs at least 2 ranks, the job has {world_size}")
+    if policy == "dpsgd":
+        _choice(options, "topology", TOPOLOGIES, "ring")
+    _int(options, "warmup_steps", 0, required=False)
+    _flag(options, "average_buffers")
+    _common(options)
 
 
 def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> None:
