@@ -129,7 +129,7 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "rank_cpus": key[4], "policy": policy, "seeds": sorted(r["seed"] for r in runs),
                 "missing": sorted(r["seed"] for r in runs if r["final_accuracy"] is None),
                 "median_accuracy": median, "ddp_median_accuracy": ddp_median,
-                "gap_points": None if median is None or ddp_median is None else 100.0 * (ddp_median - median),
+                "gap_points": None if median is None or ddp_median is None else _points(ddp_median - median),
                 "median_samples_per_s": med("samples_per_s"), "median_ddp_ratio": med("ddp_ratio"),
                 "median_staleness": med("staleness"),
                 "max_run_staleness": max((r["staleness"] for r in runs if r.get("staleness") is not None), default=None),
@@ -138,6 +138,12 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "median_fresh_fraction": med("fresh_fraction"),
             })
     return out
+
+
+def _points(difference: float) -> float:
+    """An accuracy difference in points, rounded to 1e-6 point: accuracies are counts over a test set, so what
+    lies below that is float noise (0.964 - 0.954 is 1.0000000000000009 points, and 1.00 is within 1 point)."""
+    return round(100.0 * difference, 6)
 
 
 def validated_staleness(cells: list[dict[str, Any]], tolerance: float) -> float | None:
@@ -320,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             records.append({
                 "dataset": dataset, "model": model, "world_size": world, "scenario": scenario, "rank_cpus": cpus,
                 "seed": seed, "policy": policy, "final_accuracy": acc,
-                "gap_points": None if acc is None or ddp is None else 100.0 * (ddp - acc),
+                "gap_points": None if acc is None or ddp is None else _points(ddp - acc),
                 "samples_per_s": (rec or {}).get("samples_per_s"), "ddp_ratio": (rec or {}).get("ddp_ratio"),
                 "staleness": mean_stale, "staleness_max": max_stale, "fresh_fraction": stats.get("fresh_fraction"),
                 "staleness_hist": (rec or {}).get("staleness_hist"), "commit": commit,

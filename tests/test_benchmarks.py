@@ -197,6 +197,10 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
     assert not summary["a"]["within_tolerance"]
     assert summary["b"]["missing"] == ["mnist/cnn P=16 random_k1/seed 0"] and not summary["b"]["within_tolerance"]
     assert summary["b"]["max_gap_points"] == pytest.approx(-1.0)  # better than DDP where it ran, still not a pass
+    # A gap of exactly the tolerance passes: 0.964 - 0.954 is 1.0000000000000009 points in floats, 1.00 on the test set.
+    edge = [rec(8, 0, "allreduce", 0.964), rec(8, 0, "c", 0.954), rec(8, 0, "d", 0.953)]
+    verdict = accuracy.summarize(accuracy.summarize_cells(edge), tolerance=1.0)
+    assert verdict["c"]["within_tolerance"] and not verdict["d"]["within_tolerance"]
     table = accuracy.pivot(cells).splitlines()
     assert table[0] == "| policy | mnist/cnn P=8 random_k1 | mnist/cnn P=16 random_k1 |"
     assert table[2] == "| allreduce | 96.00 % | 90.00 % |" and table[3] == "| a | +0.50 / 1.00x | +3.00 / 1.00x |"
