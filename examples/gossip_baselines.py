@@ -1,14 +1,16 @@
-"""Recipe 4: the decentralized baselines (D-PSGD, SGP, OSGP) in your own script, beside WAGMA-SGD.
+"""Recipe 4: the decentralized baselines (D-PSGD, SGP, OSGP, AD-PSGD) in your own script, beside WAGMA-SGD.
 
     torchrun --standalone --nproc-per-node=4 examples/gossip_baselines.py --method sgp
     torchrun --standalone --nproc-per-node=4 examples/gossip_baselines.py --method dpsgd
     torchrun --standalone --nproc-per-node=4 examples/gossip_baselines.py --method osgp
+    torchrun --standalone --nproc-per-node=4 examples/gossip_baselines.py --method adpsgd
 
 The gossip averagers are used exactly like the other averagers: a local optimizer step, then
 ``average_parameters`` (here through :class:`~wagma.AveragingOptimizer`). D-PSGD averages with the ring
 neighbours, SGP pushes a third of its push-sum numerator and weight to two peers of the directed
-exponential graph, OSGP does the same one round late. The script checks what each keeps: the sum of the
-models (D-PSGD, SGP), or that nothing in flight is lost (OSGP, after ``synchronize``).
+exponential graph, OSGP does the same one round late, AD-PSGD averages pairwise on a progress thread while the
+loop goes on. ``synchronize`` (collective) collects what is in flight and takes the global mean: the consensus
+model, identical on every rank (the script checks it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from wagma import AveragingOptimizer, DPSGDAverager, SGPAverager
+from wagma import ADPSGDAverager, AveragingOptimizer, DPSGDAverager, SGPAverager
 
 
 def main(method: str = "sgp", steps: int = 30) -> None:
@@ -27,8 +29,13 @@ def main(method: str = "sgp", steps: int = 30) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    averager = DPSGDAverager("ring", timeout=60.0) if method == "dpsgd" else SGPAverager(
-        overlap=method == "osgp", timeout=60.0)
+    averager: DPSGDAverager | SGPAverager | ADPSGDAverager
+    if method == "dpsgd":
+        averager = DPSGDAverager("ring", timeout=60.0)
+    elif method == "adpsgd":
+        averager = ADPSGDAverager(timeout=60.0)  # even worlds: active (even) ranks meet passive (odd) ones
+    else:
+        averager = SGPAverager(overlap=method == "osgp", timeout=60.0)
     inner = torch.optim.SGD(net.parameters(), lr=0.05)
     optimizer = AveragingOptimizer(inner, averager, module=net)
 
@@ -38,7 +45,7 @@ def main(method: str = "sgp", steps: int = 30) -> None:
         loss = torch.nn.functional.mse_loss(net(x), x.sum(dim=1, keepdim=True))
         optimizer.zero_grad()
         loss.backward()
-        optimizer.step()  # local step, then one gossip round
+        optimizer.step()  # local step, then one gossip round (AD-PSGD: add what the thread finished)
 
     flat = torch.cat([p.detach().flatten() for p in net.parameters()])
     spread = flat.clone()
@@ -53,7 +60,7 @@ def main(method: str = "sgp", steps: int = 30) -> None:
     assert all(torch.equal(c, flat) for c in copies), "replicas differ after synchronize"
     if rank == 0:
         print(f"{method}: {steps} steps on {world} ranks, loss {loss.item():.4f}, models differed by at most "
-              f"{disagreement:.4f} before synchronize, {averager.stats.local_reductions} gossip rounds, "
+              f"{disagreement:.4f} before synchronize, {averager.stats.local_reductions} exchanges added, "
               f"replicas identical after synchronize")
     averager.close()
     dist.destroy_process_group()
@@ -61,7 +68,7 @@ def main(method: str = "sgp", steps: int = 30) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=("dpsgd", "sgp", "osgp"), default="sgp")
+    parser.add_argument("--method", choices=("dpsgd", "sgp", "osgp", "adpsgd"), default="sgp")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     main(args.method, args.steps)

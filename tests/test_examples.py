@@ -24,7 +24,8 @@ def _library_files() -> list[Path]:
 def test_the_public_api_is_importable_from_the_top_level_package():
     for name in ("WagmaAverager", "PeriodicAverager", "HierarchicalAverager", "ReductionMomentum",
                  "AveragingOptimizer", "PartialAllreduceState", "partial_allreduce_hook", "post_local_hook",
-                 "PostLocalState", "GroupSchedule", "WaitAvoidingGroupAllreduce"):
+                 "PostLocalState", "GroupSchedule", "WaitAvoidingGroupAllreduce", "DPSGDAverager", "SGPAverager",
+                 "ADPSGDAverager"):
         assert name in wagma.__all__ and getattr(wagma, name) is not None, name
     assert all(hasattr(wagma, name) for name in wagma.__all__)
 
@@ -86,7 +87,7 @@ def test_recipe_periodic_averaging_agrees_with_torchs_post_local_sgd_optimizer()
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("method", ["dpsgd", "sgp", "osgp"])
+@pytest.mark.parametrize("method", ["dpsgd", "sgp", "osgp", "adpsgd"])
 def test_recipe_gossip_baselines_end_with_identical_replicas(method):
     out = _torchrun("gossip_baselines.py", 4, "--method", method)
     assert f"{method}: 30 steps on 4 ranks" in out and "replicas identical after synchronize" in out

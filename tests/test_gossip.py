@@ -1,4 +1,4 @@
-"""The decentralized baselines: graphs, exact invariants on real gloo worlds, resume, a dead peer, bad input.
+"""The decentralized baselines (D-PSGD, SGP, OSGP, AD-PSGD): graphs, exact invariants on real gloo worlds, resume, a dead peer, bad input.
 
 The invariants are checked against a sequential simulation of the same rounds (mixing matrices for D-PSGD,
 push-sum with messages delivered in the same or the next round for SGP / OSGP), with local "steps" that add a
@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wagma.averaging import DPSGDAverager, SGPAverager
+from wagma.averaging import ADPSGDAverager, DPSGDAverager, SGPAverager
+from wagma.averaging.adpsgd import adpsgd_peer
 from wagma.averaging.gossip import exponential_neighbours, ring_neighbours, sgp_peers
 from wagma.testing import run_workers, run_workers_outcomes
 
@@ -324,3 +325,107 @@ def test_a_single_rank_world_is_one_clear_error():
         return "no error"
 
     assert "gossip needs at least 2 ranks to have a peer, found a world of 1" in run_workers(worker, 1)[0]
+
+
+# -- AD-PSGD ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4, 6, 8, 16])
+def test_adpsgd_pairs_every_active_rank_with_a_passive_one_each_exchange(world):
+    for k in range(6):
+        partners = [adpsgd_peer(r, world, k) for r in range(world)]
+        assert all(partners[partners[r]] == r and partners[r] % 2 != r % 2 for r in range(world))  # a perfect matching
+
+
+def test_adpsgd_refuses_an_odd_world():
+    with pytest.raises(ValueError, match="the world must be even; found 5 ranks"):
+        adpsgd_peer(0, 5, 0)
+
+
+def _constant_params(rank: int) -> list[torch.Tensor]:
+    return [torch.full((4,), float(rank + 1), dtype=torch.float64), torch.full((3,), float(rank + 1), dtype=torch.float64)]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_adpsgd_keeps_the_mean_never_tears_a_model_and_the_loop_never_waits_for_a_straggler(world):
+    steps = 24
+
+    def worker(rank, world_size):
+        params = _constant_params(rank)
+        averager = ADPSGDAverager(timeout=TIMEOUT_S)
+        torn, longest, first = False, 0.0, True
+        for step in range(steps):
+            for p in params:
+                p.add_(0.01 * (rank + 1))  # the local step: a constant, so every model stays a constant vector
+            if rank == 1 and step in (4, 12):
+                time.sleep(1.5)  # a straggler: its partners' threads wait for it, nobody's training loop does
+            start = time.perf_counter()
+            kind = averager.average_parameters(params)
+            if rank != 1 and not (first and kind):  # the first reduction runs the one-time DDP guard rail (a gc scan)
+                longest = max(longest, time.perf_counter() - start)
+            first = first and not kind
+            values = torch.cat(params)
+            torn |= bool((values != values[0]).any())  # half of an exchange would leave two values
+            time.sleep(0.01)
+        before = float(sum(p.sum() for p in params))
+        averager.synchronize(params)
+        after = _flat(params)
+        exchanges = averager.exchanges
+        stats = averager.stats
+        averager.close()
+        return torn, longest, before, after, exchanges, stats.local_reductions, stats.global_reductions
+
+    results = run_workers(worker, world, timeout_s=90, collective_timeout_s=TIMEOUT_S)
+    assert not any(r[0] for r in results)
+    assert max(r[1] for r in results) < 0.75  # the straggler sleeps 1.5 s twice; the others' calls never wait for it
+    total = sum(7 * (r + 1) * (1 + 0.01 * steps) for r in range(world))  # Σ initial + Σ local steps
+    for r in results:  # synchronize: the agreed exchanges are finished and added, then the global mean
+        torch.testing.assert_close(r[3], torch.full((7,), total / (7 * world), dtype=torch.float64), rtol=1e-12, atol=0)
+    assert len({r[4] for r in results}) == 1 and results[0][4] > 0  # every rank finished the agreed exchanges
+    assert all(r[5] == r[4] and r[6] == 1 for r in results)  # every exchange added exactly once
+
+
+def test_adpsgd_state_dict_finishes_what_is_in_flight_and_resume_continues_the_exchanges():
+    def worker(rank, world_size):
+        params = _constant_params(rank)
+        averager = ADPSGDAverager(timeout=TIMEOUT_S)
+        for _ in range(10):
+            averager.average_parameters(params)
+            time.sleep(0.01)
+        state = averager.state_dict()  # collective: nothing in flight is lost
+        mine = torch.cat(params).clone()
+        averager.close()
+        resumed = ADPSGDAverager(timeout=TIMEOUT_S)
+        resumed.load_state_dict(state)
+        for _ in range(5):
+            resumed.average_parameters(params)
+            time.sleep(0.01)
+        resumed.synchronize(params)
+        done = resumed.exchanges
+        resumed.close()
+        return mine, state["exchanges"], done, _flat(params)
+
+    results = run_workers(worker, 4, timeout_s=90, collective_timeout_s=TIMEOUT_S)
+    held = sum(float(r[0].sum()) for r in results)
+    assert held == pytest.approx(7 * (1 + 2 + 3 + 4), rel=1e-12)  # the mean after state_dict: nothing lost
+    assert len({r[1] for r in results}) == 1 and all(r[2] >= r[1] for r in results)
+    for r in results:
+        torch.testing.assert_close(r[3], torch.full((7,), 2.5, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_adpsgd_a_dead_peer_is_named_by_the_training_loop_of_its_partner():
+    def worker(rank, world_size):
+        params = _constant_params(rank)
+        averager = ADPSGDAverager(timeout=2.0)
+        for step in range(80):
+            if rank == 1 and step == 3:
+                os._exit(17)
+            averager.average_parameters(params)
+            time.sleep(0.05)
+        return "finished"
+
+    outcomes = run_workers_outcomes(worker, 4, timeout_s=60, collective_timeout_s=10.0)
+    assert outcomes[1].ok is False
+    partners = {adpsgd_peer(1, 4, k) for k in range(4)}  # 0 and 2
+    named = [r for r in partners if not outcomes[r].ok and "rank 1" in outcomes[r].error and "exchange" in outcomes[r].error]
+    assert named, [o.error[-400:] for o in outcomes if o.error]

@@ -52,7 +52,7 @@ def _options(policy: str, **changes: object) -> dict:
 def test_the_averaging_options_and_experiment_presets_exist():
     assert set(AVERAGING) == {
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-        "wagma_relaxed_overlap", "eager_majority", "dpsgd", "sgp", "osgp",
+        "wagma_relaxed_overlap", "eager_majority", "dpsgd", "sgp", "osgp", "adpsgd",
     }
     assert set(REFERENCE) == {  # not shipped: they lost accuracy in issue 28's grid
         "reference/eager_solo", "reference/eager_solo_overlap", "reference/wagma_overlap"}
@@ -73,7 +73,7 @@ def test_the_averaging_options_and_experiment_presets_exist():
     assert _compose("averaging=reference/eager_solo_overlap").averaging.overlap is True
     assert _compose("averaging=reference/eager_solo").averaging.sync_period == 32
     assert _compose("averaging=eager_majority").averaging.mode == "majority"
-    for gossip in ("dpsgd", "sgp", "osgp"):  # issue 29: the decentralized baselines, shipped to be compared against
+    for gossip in ("dpsgd", "sgp", "osgp", "adpsgd"):  # issue 29: the decentralized baselines, shipped to be compared against
         assert _compose(f"averaging={gossip}").averaging.baseline is True
     assert _compose("averaging=dpsgd").averaging.topology == "ring"
 
@@ -183,6 +183,7 @@ KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momen
         ("dpsgd", {"topology": "torus"}, "averaging.topology must be one of ring, exponential; got 'torus'"),
         ("sgp", {"topology": "ring"}, "topology"),  # SGP's graph is fixed: the key is unknown there
         ("osgp", {"warmup_steps": -2}, "averaging.warmup_steps must be >= 0, got -2"),
+        ("adpsgd", {"topology": "ring"}, "topology"),
     ],
 )
 def test_bad_policy_configs_are_rejected_with_one_clear_message(policy, changes, match):
@@ -305,6 +306,8 @@ def test_every_policy_trains_digits_on_four_ranks_to_90_percent_with_its_default
     assert all(s["test_accuracy"] == summary["test_accuracy"] for s in summaries)
     if option in EXPECTED_REDUCTIONS:
         assert (summary["global_reductions"], summary["local_reductions"]) == EXPECTED_REDUCTIONS[option]
+    elif option == "adpsgd":  # asynchronous: as many exchanges as the progress thread managed, no global reduction
+        assert summary["global_reductions"] == 0 and summary["local_reductions"] > 0
     else:
         assert summary["global_reductions"] > 0
     records = read_metrics(tmp_path, 0)

@@ -8,7 +8,7 @@ The library imports with torch alone; use it from your own DDP script (docs/libr
 - Fewer global reductions: :class:`PeriodicAverager` (K-step averaging), :class:`HierarchicalAverager`
   (local reductions on subsets of learners), :class:`ReductionMomentum`.
 - The decentralized baselines WAGMA-SGD is measured against: :class:`DPSGDAverager` (D-PSGD) and
-  :class:`SGPAverager` (SGP, and OSGP with ``overlap=True``).
+  :class:`SGPAverager` (SGP, and OSGP with ``overlap=True``), :class:`ADPSGDAverager` (AD-PSGD).
 - :class:`AveragingOptimizer` runs the local step and an averager's step in the averager's order;
   :func:`post_local_hook` (with :class:`PostLocalState`) is the DDP hook for model averaging: allreduce for a
   warm-up, then no gradient communication.
@@ -24,6 +24,7 @@ The training application (Hydra configs, ``train.py``, datasets, checkpoints) is
 __version__ = "0.1.0"
 
 from wagma.averaging import (
+    ADPSGDAverager,
     AveragerBase,
     AveragingOptimizer,
     DPSGDAverager,
@@ -49,6 +50,7 @@ from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
 
 __all__ = [
+    "ADPSGDAverager",
     "AllreduceState",
     "AveragerBase",
     "AveragingOptimizer",

@@ -7,7 +7,8 @@
 - :class:`ReductionMomentum` -- momentum on the progress between reductions, around either of them.
 - :class:`AveragingOptimizer` -- ``optimizer.step()`` and the averager's step, in the averager's order.
 - :class:`WagmaAverager` -- WAGMA-SGD: wait-avoiding group averages on rotating groups (DESIGN §2.2).
-- :class:`DPSGDAverager`, :class:`SGPAverager` -- the decentralized baselines (D-PSGD; SGP and OSGP; DESIGN §2.6).
+- :class:`DPSGDAverager`, :class:`SGPAverager`, :class:`ADPSGDAverager` -- the decentralized baselines (D-PSGD;
+  SGP and OSGP; AD-PSGD on a progress thread; DESIGN §2.6).
 """
 
 from wagma.averaging.base import (
@@ -21,6 +22,7 @@ from wagma.averaging.base import (
 )
 from wagma.averaging.groups import DEFAULT_TIMEOUT
 from wagma.averaging.tensors import ParameterBinding, collect_named, flatten_parameters
+from wagma.averaging.adpsgd import ADPSGDAverager
 from wagma.averaging.gossip import TOPOLOGIES, DPSGDAverager, SGPAverager
 from wagma.averaging.hierarchical import HierarchicalAverager
 from wagma.averaging.momentum import MomentumLevels, ReductionMomentum, reduction_momentum_update_
@@ -29,6 +31,7 @@ from wagma.averaging.periodic import PeriodicAverager
 from wagma.averaging.wagma import ORDERS, WagmaAverager
 
 __all__ = [
+    "ADPSGDAverager",
     "DEFAULT_TIMEOUT",
     "ORDERS",
     "AveragerBase",

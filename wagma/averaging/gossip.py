@@ -90,19 +90,29 @@ def sgp_peers(rank: int, world_size: int, round_: int) -> tuple[list[int], list[
 class _Exchange:
     """Point-to-point sends and receives started together and waited for with a deadline, each naming its peer."""
 
-    def __init__(self, owner: str, round_: int, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
-        self.owner, self.round, self.group, self.timeout = owner, round_, group, timeout
+    def __init__(
+        self, owner: str, round_: int, group: dist.ProcessGroup, timeout: datetime.timedelta, unit: str = "round"
+    ) -> None:
+        self.owner, self.round, self.group, self.timeout, self.unit = owner, round_, group, timeout, unit
         self._works: list[tuple[str, int, Any, torch.Tensor]] = []
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Start sending ``tensor`` (kept alive until :meth:`wait`) to group rank ``peer``."""
         dst = dist.get_global_rank(self.group, peer)
-        self._works.append(("send", peer, dist.isend(tensor, dst=dst, group=self.group, tag=tag), tensor))
+        try:
+            work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        except RuntimeError as err:  # the connection is already gone
+            raise self._timeout("send", peer, err) from err
+        self._works.append(("send", peer, work, tensor))
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Start receiving into ``tensor`` from group rank ``peer``."""
         src = dist.get_global_rank(self.group, peer)
-        self._works.append(("recv", peer, dist.irecv(tensor, src=src, group=self.group, tag=tag), tensor))
+        try:
+            work = dist.irecv(tensor, src=src, group=self.group, tag=tag)
+        except RuntimeError as err:
+            raise self._timeout("recv", peer, err) from err
+        self._works.append(("recv", peer, work, tensor))
 
     def wait(self) -> float:
         """Wait for every transfer (receives first); return the seconds waited.
@@ -128,12 +138,12 @@ class _Exchange:
         rank = dist.get_global_rank(self.group, peer)
         if err is not None and "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
             return RuntimeError(
-                f"{self.owner}: round {self.round}: the {kind} with rank {rank} failed; rank {rank} is probably "
+                f"{self.owner}: {self.unit} {self.round}: the {kind} with rank {rank} failed; rank {rank} is probably "
                 f"gone ({err})"
             )
         what = "no model arrived from" if kind == "recv" else "could not hand its model to"
         return TimeoutError(
-            f"{self.owner}: round {self.round}: {what} rank {rank} within {self.timeout.total_seconds():g} s; "
+            f"{self.owner}: {self.unit} {self.round}: {what} rank {rank} within {self.timeout.total_seconds():g} s; "
             f"rank {rank} is slow, hung or gone" + (f" ({err})" if err is not None else "")
         )
 

@@ -12,8 +12,8 @@
 ``wagma``                  :class:`WagmaPolicy`: wait-avoiding group model averaging (WAGMA-SGD).
 ``eager_solo``,            :class:`EagerPolicy`: eager-SGD's partial gradient allreduce in a DDP comm
 ``eager_majority``         hook, solo or majority.
-``dpsgd``, ``sgp``,        :class:`GossipPolicy`: the decentralized baselines, D-PSGD, SGP and OSGP
-``osgp``                   (:mod:`wagma.averaging.gossip`).
+``dpsgd``, ``sgp``,        :class:`GossipPolicy`: the decentralized baselines, D-PSGD, SGP, OSGP and
+``osgp``, ``adpsgd``       AD-PSGD (:mod:`wagma.averaging.gossip`, :mod:`wagma.averaging.adpsgd`).
 =========================  ==========================================================================
 
 This module is the registry (:func:`register_policy`, :func:`build_policy`, :func:`validate_policy_config`,

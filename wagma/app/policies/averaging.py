@@ -4,7 +4,7 @@ the models together around each step (``local_sgd``, ``hierarchical``, ``hierarc
 They wrap the model in DDP with :func:`~wagma.hooks.post_local.post_local_hook`: gradients are allreduced
 during an optional warm-up of synchronous SGD and not communicated afterwards, so every policy runs through
 the same DDP code path and the replicas are identical when model averaging takes over. The gossip baselines
-(``dpsgd``, ``sgp``, ``osgp``: :class:`GossipPolicy`) run the same way with the averagers of
+(``dpsgd``, ``sgp``, ``osgp``, ``adpsgd``: :class:`GossipPolicy`) run the same way with the averagers of
 :mod:`wagma.averaging.gossip`. DDP's per-forward
 buffer broadcast is off: it would otherwise broadcast buffers from rank 0 before every forward pass, a
 global barrier each step.
@@ -21,6 +21,7 @@ from torch import nn
 from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
 from wagma.averaging import (
     AveragerStats,
+    ADPSGDAverager,
     DPSGDAverager,
     HierarchicalAverager,
     PeriodicAverager,
@@ -313,22 +314,23 @@ class WagmaPolicy(ModelAveragingPolicy):
 
 
 class GossipPolicy(ModelAveragingPolicy):
-    """The decentralized baselines: D-PSGD (``dpsgd``), SGP (``sgp``) and OSGP (``osgp``) after every step.
+    """The decentralized baselines: D-PSGD (``dpsgd``), SGP (``sgp``), OSGP (``osgp``) and AD-PSGD (``adpsgd``).
 
     Local optimizer steps (DDP with the post-local hook), then one gossip round per step with
     :class:`~wagma.averaging.DPSGDAverager` or :class:`~wagma.averaging.SGPAverager` (``overlap=True`` for
-    OSGP). ``finalize`` is the averager's ``synchronize``: a blocking global average after the last round (for
+    OSGP); AD-PSGD's :class:`~wagma.averaging.ADPSGDAverager` exchanges on its progress thread and the step only
+    adds what finished. ``finalize`` is the averager's ``synchronize``: a blocking global average after the last round (for
     push-sum, Σx / Σw with the round in flight collected), so the evaluated model is the consensus.
 
     Args:
-        kind: ``"dpsgd"``, ``"sgp"`` or ``"osgp"``.
+        kind: ``"dpsgd"``, ``"sgp"``, ``"osgp"`` or ``"adpsgd"``.
         topology: D-PSGD's graph, ``"ring"`` or ``"exponential"`` (ignored by SGP / OSGP).
         average_buffers: also average floating-point buffers.
         **kwargs: ``device``, ``warmup_steps``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
     """
 
     remedy = "a smaller optim.lr, or a policy with global averages (averaging=wagma or local_sgd)"
-    KINDS: tuple[str, ...] = ("dpsgd", "sgp", "osgp")
+    KINDS: tuple[str, ...] = ("dpsgd", "sgp", "osgp", "adpsgd")
 
     def __init__(self, *, kind: str, topology: str = "ring", average_buffers: bool = True, **kwargs: Any) -> None:
         if kind not in self.KINDS:
@@ -343,6 +345,10 @@ class GossipPolicy(ModelAveragingPolicy):
             return DPSGDAverager(
                 self.topology, self.hook_state.warmup_steps, average_buffers=self.average_buffers,  # type: ignore[arg-type]
                 timeout=timeout(self.timeout_s),
+            )
+        if self.name == "adpsgd":
+            return ADPSGDAverager(
+                self.hook_state.warmup_steps, average_buffers=self.average_buffers, timeout=timeout(self.timeout_s)
             )
         return SGPAverager(
             self.name == "osgp", self.hook_state.warmup_steps, average_buffers=self.average_buffers,

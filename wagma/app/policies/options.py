@@ -214,10 +214,16 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
 
 
 def validate_gossip(policy: str, options: Mapping[str, Any], world_size: int) -> None:
-    """Check a ``dpsgd`` / ``sgp`` / ``osgp`` config: at least 2 ranks, ``topology`` (D-PSGD), ``warmup_steps`` >= 0."""
+    """Check a ``dpsgd`` / ``sgp`` / ``osgp`` / ``adpsgd`` config: at least 2 ranks (AD-PSGD: an even number),
+    ``topology`` (D-PSGD), ``warmup_steps`` >= 0."""
     _only_keys(policy, options, _DPSGD_KEYS if policy == "dpsgd" else _GOSSIP_KEYS)
     if world_size < 2:
         raise ValueError(f"averaging={policy} gossips with peers: it needs at least 2 ranks, the job has {world_size}")
+    if policy == "adpsgd" and world_size % 2:
+        raise ValueError(
+            f"averaging=adpsgd pairs even (active) ranks with odd (passive) ones: it needs an even number of ranks, "
+            f"the job has {world_size}"
+        )
     if policy == "dpsgd":
         _choice(options, "topology", TOPOLOGIES, "ring")
     _int(options, "warmup_steps", 0, required=False)
