@@ -217,6 +217,8 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {c['cell']} | {c['policy']} | {seeds} | {_num(c['median_accuracy'], '.2f', 100)} | {gap} | "
             f"{_num(c['median_ddp_ratio'], '.2f')} | {stale} | {_num(c['median_fresh_fraction'], '.2f')} |")
+    lines += ["", "Staleness of every contribution (rounds; WAGMA: group rounds, eager-SGD: gradient rounds), summed over "
+              "the seeds whose records carry a histogram:", "", staleness_distribution(result["records"])]
     lines += ["", f"Largest median gap per policy over the cells (tolerance {s['tolerance']:g} point):", ""]
     for policy, v in result["summary"].items():
         if v["max_gap_points"] is None:
@@ -245,6 +247,33 @@ def pivot(cells: list[dict[str, Any]]) -> str:
             else:
                 row.append(f"{_num(c['gap_points'], '+.2f')} / {_num(c['median_ddp_ratio'], '.2f')}x")
         lines.append(f"| {policy} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def staleness_distribution(records: list[dict[str, Any]]) -> str:
+    """A Markdown table of the staleness of every contribution, per cell and policy, summed over the seeds whose
+    records carry a histogram: the share of contributions 0, 1, 2, 3 and >= 4 rounds old, the mean and the max
+    (policies whose contributions were all fresh are left out)."""
+    rows: dict[tuple[str, str], dict[int, int]] = {}
+    seeds: dict[tuple[str, str], set[int]] = {}
+    for r in records:
+        hist = r.get("staleness_hist") or {}
+        if not sum(hist.values()):
+            continue
+        key = (_cell_name(cell_key(r)), r["policy"])
+        total = rows.setdefault(key, {})
+        for k, v in hist.items():
+            total[int(k)] = total.get(int(k), 0) + int(v)
+        seeds.setdefault(key, set()).add(int(r["seed"]))
+    lines = ["| cell | policy | seeds | 0 | 1 | 2 | 3 | >= 4 | mean | max |", "|---|---|---:|" + "---:|" * 7]
+    for (cell, policy), hist in rows.items():
+        if max(hist) == 0:
+            continue  # only fresh contributions: a synchronous policy
+        n = sum(hist.values())
+        share = [hist.get(k, 0) / n for k in range(4)] + [sum(v for k, v in hist.items() if k >= 4) / n]
+        mean = sum(k * v for k, v in hist.items()) / n
+        lines.append(f"| {cell} | {policy} | {','.join(map(str, sorted(seeds[(cell, policy)])))} | "
+                     + " | ".join(f"{100 * x:.0f} %" for x in share) + f" | {mean:.2f} | {max(hist)} |")
     return "\n".join(lines)
 
 

@@ -197,6 +197,10 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
     assert not summary["a"]["within_tolerance"]
     assert summary["b"]["missing"] == ["mnist/cnn P=16 random_k1/seed 0"] and not summary["b"]["within_tolerance"]
     assert summary["b"]["max_gap_points"] == pytest.approx(-1.0)  # better than DDP where it ran, still not a pass
+    hists = [dict(rec(8, 0, "w", 0.9), staleness_hist={"0": 1, "1": 2}), dict(rec(8, 1, "w", 0.9), staleness_hist={"5": 1}),
+             dict(rec(8, 0, "allreduce", 0.9), staleness_hist={"0": 9})]
+    assert accuracy.staleness_distribution(hists).splitlines()[2:] == [
+        "| mnist/cnn P=8 random_k1 | w | 0,1 | 25 % | 50 % | 0 % | 0 % | 25 % | 1.75 | 5 |"]  # all-fresh rows left out
     # A gap of exactly the tolerance passes: 0.964 - 0.954 is 1.0000000000000009 points in floats, 1.00 on the test set.
     edge = [rec(8, 0, "allreduce", 0.964), rec(8, 0, "c", 0.954), rec(8, 0, "d", 0.953)]
     verdict = accuracy.summarize(accuracy.summarize_cells(edge), tolerance=1.0)
