@@ -628,7 +628,7 @@ def test_world_dependent_bad_arguments_world3():
 
 
 def _destroy_worker(rank, world):
-    from wagma.averaging.groups import destroy_groups, new_timeout_group
+    from wagma.groups import destroy_groups, new_timeout_group
 
     group = new_timeout_group(list(range(world)), datetime.timedelta(seconds=10))
     destroy_groups([group, None])
@@ -639,7 +639,7 @@ def _destroy_worker(rank, world):
 def _creation_worker(rank, world):
     from unittest import mock
 
-    from wagma.averaging.groups import new_timeout_group
+    from wagma.groups import new_timeout_group
 
     real = dist.new_group
     constructed = []
@@ -666,7 +666,7 @@ def test_new_groups_return_only_once_every_rank_created_them():
 
 
 def test_destroy_groups_destroys_once_and_ignores_the_rest():
-    from wagma.averaging.groups import destroy_groups
+    from wagma.groups import destroy_groups
 
     destroy_groups([None])  # no default group: nothing to do
     assert run_workers(_destroy_worker, 2) == [False, False]

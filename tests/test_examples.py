@@ -51,6 +51,35 @@ def test_no_library_module_imports_the_application():
     assert not offenders, offenders
 
 
+# The library's layers, bottom up: a module may import only from its own layer or the ones below (issue 32).
+LAYERS = [
+    {"wagma.schedule", "wagma.shm", "wagma.kernels", "wagma.telemetry"},
+    {"wagma.groups", "wagma.engine_store"},
+    {"wagma.engine_core"},
+    {"wagma.engine"},
+    {"wagma.averaging", "wagma.hooks"},
+]
+
+
+def test_library_imports_go_one_way_down_the_layers():
+    def layer(module: str) -> int | None:
+        return next((i for i, names in enumerate(LAYERS) if any(module == n or module.startswith(n + ".")
+                                                                 for n in names)), None)
+
+    offenders = []
+    for file in _library_files():
+        module = ".".join(file.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        mine = layer(module)
+        if mine is None:
+            continue
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):  # every import, also inside functions
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("wagma."):
+                theirs = layer(node.module)
+                if theirs is not None and theirs > mine:
+                    offenders.append(f"{module} imports {node.module}")
+    assert not offenders, offenders
+
+
 def _torchrun(script: str, nproc: int, *args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -17,7 +17,7 @@ from wagma.averaging import (
     ReductionMomentum,
     WagmaAverager,
 )
-from wagma.averaging.groups import contiguous_subgroups
+from wagma.groups import contiguous_subgroups
 from wagma.hooks import GroupAllreduceState, allreduce_hook, local_hook
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule

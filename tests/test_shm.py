@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.groups import new_timeout_group
+from wagma.groups import new_timeout_group
 from wagma.shm import SHM_DIR, SharedMemoryAllreduce, check_transport
 from wagma.testing import run_workers, run_workers_outcomes
 

@@ -15,19 +15,39 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from wagma.engine_store import ActivationChannel
+from wagma.groups import destroy_groups
 from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
 
-if TYPE_CHECKING:
-    from wagma.engine import WaitAvoidingGroupAllreduce
 
-__all__ = ["Done", "EngineCore", "initiator_of", "is_sync"]
+class EngineSettings(Protocol):
+    """What the core reads of its engine (:class:`wagma.engine.WaitAvoidingGroupAllreduce`) when it starts.
+
+    A protocol rather than the engine's class, so that this module imports nothing above it.
+    """
+
+    rank: int
+    world_size: int
+    schedule: GroupSchedule
+    sync_period: int
+    max_lead: int
+    accumulate: bool
+    timeout: datetime.timedelta
+    device: torch.device
+    sync: str
+    progress_nice: int
+    trigger: str
+    seed: int
+    keep_contributions: bool
+    transport: str
+
+__all__ = ["Done", "EngineCore", "EngineSettings", "initiator_of", "is_sync"]
 
 #: How many spare CPU buffers an engine keeps for reuse (superseded snapshots, sums handed back by ``recycle``).
 SPARES = 4
@@ -76,7 +96,7 @@ class EngineCore:
     """
 
     def __init__(
-        self, eng: WaitAvoidingGroupAllreduce, initial: torch.Tensor, store: dist.Store, prefix: str, start: int
+        self, eng: EngineSettings, initial: torch.Tensor, store: dist.Store, prefix: str, start: int
     ) -> None:
         self.rank, self.world_size, self.schedule = eng.rank, eng.world_size, eng.schedule
         self.sync_period, self.max_lead, self.accumulate = eng.sync_period, eng.max_lead, eng.accumulate
@@ -213,8 +233,6 @@ class EngineCore:
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=self.timeout.total_seconds() + 5.0)  # a collective ends within its timeout
         if not self.thread.is_alive():  # a thread stuck in a collective keeps its communicators
-            from wagma.averaging.groups import destroy_groups  # noqa: PLC0415 - wagma.averaging imports the engine
-
             destroy_groups([*self.groups.values(), self.global_pg])
         self.channel.close(self.calls)
         for shm in self.shm.values():

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.groups import destroy_groups, new_timeout_group, require_initialized
+from wagma.groups import destroy_groups, new_timeout_group, require_initialized
 
 __all__ = ["ConsensusMeter"]
 

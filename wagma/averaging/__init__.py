@@ -20,7 +20,7 @@ from wagma.averaging.base import (
     collect_buffers,
     collect_parameters,
 )
-from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.groups import DEFAULT_TIMEOUT
 from wagma.averaging.tensors import ParameterBinding, collect_named, flatten_parameters
 from wagma.averaging.adpsgd import ADPSGDAverager
 from wagma.averaging.gossip import TOPOLOGIES, DPSGDAverager, SGPAverager

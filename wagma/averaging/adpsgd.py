@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.gossip import _Exchange, _check_world
-from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = ["ADPSGDAverager", "adpsgd_peer"]
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from wagma.averaging.groups import (
+from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
     destroy_groups,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
-from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = [
     "TOPOLOGIES",

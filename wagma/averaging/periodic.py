@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction, check_int
-from wagma.averaging.groups import DEFAULT_TIMEOUT
+from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = ["PeriodicAverager"]
 

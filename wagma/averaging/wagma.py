@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.tensors import FlatBuffers
-from wagma.averaging.groups import DEFAULT_TIMEOUT, require_initialized
+from wagma.groups import DEFAULT_TIMEOUT, require_initialized
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits

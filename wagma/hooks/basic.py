@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import OwnedResources, reduced_parameters
-from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
 from wagma.schedule import check_group_fits
 from wagma.shm import SharedMemoryAllreduce, check_transport
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources, check_int, reduced_parameters
-from wagma.averaging.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
