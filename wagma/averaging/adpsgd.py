@@ -75,31 +75,29 @@ class ADPSGDAverager(AveragerBase):
     contribution whose staleness is the number of models this rank published between the copy the exchange
     used and the call that added it (0: added at the next call).
 
+    All ranks of the default group take part; the averager creates two groups over them, one for the thread's
+    exchanges and one for :meth:`synchronize`'s agreement and global mean (the main thread's).
+
     Args:
         warmup_steps: calls before the thread starts; at least 0.
-        process_group: group of the blocking global mean of :meth:`synchronize`; ``None`` creates one over all
-            ranks. The thread exchanges in a group of its own over the same ranks.
         average_buffers: also average the floating-point buffers passed to ``average_parameters``.
         timeout: bound of every send, receive and join (``timedelta`` or seconds).
 
     Raises:
-        ValueError: for a group of fewer than 2 ranks or an odd one.
+        ValueError: for a world of fewer than 2 ranks or an odd one.
     """
 
     def __init__(
         self,
         warmup_steps: int = 0,
-        process_group: dist.ProcessGroup | None = None,
         *,
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
     ) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout)
-        if self.is_member:
-            adpsgd_peer(0, self.world_size, 0)  # validates the world
-            ranks = [dist.get_global_rank(self.process_group, r) for r in range(self.world_size)]
-            self._p2p = self._new_group(ranks if self.world_size != dist.get_world_size() else None)
+        super().__init__(None, average_buffers=average_buffers, timeout=timeout)
+        adpsgd_peer(0, self.world_size, 0)  # validates the world
+        self._p2p = self._new_group(None)  # the thread's own: never used by two threads at once
         self._cond = threading.Condition()
         self._snapshot: list[torch.Tensor] | None = None  # the published copy; replaced, never written
         self._version = 0  # models published so far
