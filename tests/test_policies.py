@@ -287,9 +287,12 @@ EXPECTED_REDUCTIONS = {
 
 
 # The presets (another policy with some keys set) and the references train in the slow phase: 6-7 s each, and their
-# policy trains here.
+# policy trains here; of the gossip baselines (one policy class), sgp trains here and the others in the slow phase.
+SLOW_TRAINING = {*PRESETS, "dpsgd", "osgp", "adpsgd"}
+
+
 @pytest.mark.parametrize(
-    "option", [pytest.param(o, marks=pytest.mark.slow) if o in PRESETS else o for o in AVERAGING + REFERENCE]
+    "option", [pytest.param(o, marks=pytest.mark.slow) if o in SLOW_TRAINING else o for o in AVERAGING + REFERENCE]
 )
 def test_every_policy_trains_digits_on_four_ranks_to_90_percent_with_its_default_budget(tmp_path, option):
     cfg = _cfg(tmp_path, f"averaging={option}", "log_every=10", "consensus_every=50")
