@@ -53,7 +53,7 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
     assert set(_options("optim")) == {"sgd", "adam"}
     assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo (issue 28)
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-        "wagma_relaxed_overlap", "eager_majority", "dpsgd", "sgp", "osgp", "adpsgd",
+        "wagma_relaxed_overlap", "dpsgd", "sgp", "osgp", "adpsgd",
     }
     assert cfg.consensus_every == 0 and cfg.telemetry_interval_s > 0
     assert cfg.eval_every > 0 and cfg.progress and cfg.progress_every is None  # periodic evaluation by default
@@ -82,7 +82,7 @@ def test_every_config_option_composes_validates_and_builds(group, option):
     [
         (["data.name=cifar10"], "unknown dataset 'cifar10'; known datasets: digits, mnist"),
         (["model.name=resnet"], "unknown model 'resnet'; known models: cnn, mlp"),
-        (["averaging.name=gossip"], "unknown averaging policy 'gossip'; known policies: allreduce, eager_majority"),
+        (["averaging.name=gossip"], "unknown averaging policy 'gossip'; known policies: adpsgd, allreduce, dpsgd, eager_majority"),
         (["optim.name=lamb"], "unknown optimizer 'lamb'"),
         (["checkpoint_every=-5"], "checkpoint_every must be an integer >= 0, got -5"),
         (["eval_every=-1", "steps=0"], r"(?s)steps must be.*eval_every must be"),
@@ -136,7 +136,7 @@ def test_policy_defaults_are_no_ops_and_allreduce_counts_reductions():
     restored = AllreducePolicy(device=torch.device("cpu"))
     restored.load_state_dict(policy.state_dict())
     assert restored.global_reductions == 3
-    with pytest.raises(ValueError, match="known policies: allreduce, eager_majority, eager_solo, hierarchical"):
+    with pytest.raises(ValueError, match="known policies: adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical"):
         build_policy({"name": "gossip"}, rank=0, world_size=4, device=torch.device("cpu"))
 
 

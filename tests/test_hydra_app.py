@@ -49,7 +49,7 @@ def _lines(text: str) -> list[str]:
 def test_help_lists_the_config_groups_and_the_ways_to_launch(tmp_path):
     proc = _train(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
-    for group in ("averaging: allreduce, eager_majority", "data: digits, mnist", "imbalance:", "model: cnn, mlp",
+    for group in ("averaging: adpsgd, allreduce, dpsgd", "data: digits, mnist", "imbalance:", "model: cnn, mlp",
                   "experiment:", "optim: adam, sgd"):
         assert group in proc.stdout, proc.stdout
     assert "python train.py -m averaging=wagma,allreduce" in proc.stdout

@@ -31,7 +31,8 @@ AVERAGING = sorted(p.stem for p in (CONFIGS / "averaging").glob("*.yaml"))
 REFERENCE = sorted(f"reference/{p.stem}" for p in (CONFIGS / "averaging" / "reference").glob("*.yaml"))
 EXPERIMENTS = sorted(str(p.relative_to(CONFIGS / "experiment").with_suffix("")) for p in (CONFIGS / "experiment").rglob("*.yaml"))
 PRESETS = {"wagma_relaxed": "wagma", "reference/wagma_overlap": "wagma", "wagma_relaxed_overlap": "wagma",
-           "reference/eager_solo": "eager_solo", "reference/eager_solo_overlap": "eager_solo"}  # option -> policy name
+           "reference/eager_solo": "eager_solo", "reference/eager_solo_overlap": "eager_solo",
+           "reference/eager_majority": "eager_majority"}  # option -> policy name
 CPU = torch.device("cpu")
 
 
@@ -52,11 +53,12 @@ def _options(policy: str, **changes: object) -> dict:
 def test_the_averaging_options_and_experiment_presets_exist():
     assert set(AVERAGING) == {
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-        "wagma_relaxed_overlap", "eager_majority", "dpsgd", "sgp", "osgp", "adpsgd",
+        "wagma_relaxed_overlap", "dpsgd", "sgp", "osgp", "adpsgd",
     }
     assert set(REFERENCE) == {  # not shipped: they lost accuracy in issue 28's grid
-        "reference/eager_solo", "reference/eager_solo_overlap", "reference/wagma_overlap"}
-    assert {"wagma_random_k", "reference/eager_solo_random_k", "allreduce_random_k"} <= set(EXPERIMENTS)
+        "reference/eager_solo", "reference/eager_solo_overlap", "reference/wagma_overlap", "reference/eager_majority"}
+    assert {"wagma_random_k", "reference/eager_solo_random_k", "reference/eager_majority_random_k",
+            "allreduce_random_k"} <= set(EXPERIMENTS)
     wagma = _compose("averaging=wagma").averaging
     assert (wagma.group_size, wagma.order, wagma.mixing, wagma.schedule, wagma.max_lead) == (
         2, "average_then_step", "reference", "auto", None,
@@ -72,7 +74,7 @@ def test_the_averaging_options_and_experiment_presets_exist():
     )
     assert _compose("averaging=reference/eager_solo_overlap").averaging.overlap is True
     assert _compose("averaging=reference/eager_solo").averaging.sync_period == 32
-    assert _compose("averaging=eager_majority").averaging.mode == "majority"
+    assert _compose("averaging=reference/eager_majority").averaging.mode == "majority"
     for gossip in ("dpsgd", "sgp", "osgp", "adpsgd"):  # issue 29: the decentralized baselines, shipped to be compared against
         assert _compose(f"averaging={gossip}").averaging.baseline is True
     assert _compose("averaging=dpsgd").averaging.topology == "ring"
@@ -141,7 +143,7 @@ def test_every_experiment_preset_composes_validates_and_builds(experiment):
     policy.close()
 
 
-KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momentum, local_sgd, wagma"
+KNOWN = "adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical, hierarchical_momentum, local_sgd, osgp, sgp, wagma"
 
 
 @pytest.mark.parametrize(
@@ -172,9 +174,9 @@ KNOWN = "allreduce, eager_majority, eager_solo, hierarchical, hierarchical_momen
         ("wagma", {"schedule": "ring"}, "averaging.schedule='ring' cannot be used: unknown schedule kind"),
         ("wagma", {"group_size": 1}, "averaging.schedule='auto' cannot be used"),  # groups of 1 never mix
         ("reference/eager_solo", {"mode": "all"}, "averaging.mode must be one of solo, majority; got 'all'"),
-        ("reference/eager_solo", {"mode": "majority"}, "averaging 'eager_solo' runs mode 'solo'.*use averaging=eager_majority"),
-        ("eager_majority", {"warmup_iters": 1}, "averaging.warmup_iters must be an integer >= 2, got 1"),
-        ("eager_majority", {"sync_period": 0}, "averaging.sync_period must be an integer >= 1, got 0"),
+        ("reference/eager_solo", {"mode": "majority"}, "averaging 'eager_solo' runs mode 'solo'.*use averaging=reference/eager_majority"),
+        ("reference/eager_majority", {"warmup_iters": 1}, "averaging.warmup_iters must be an integer >= 2, got 1"),
+        ("reference/eager_majority", {"sync_period": 0}, "averaging.sync_period must be an integer >= 1, got 0"),
         ("wagma", {"progress_nice": 20}, r"averaging.progress_nice must be an integer in \[0, 19\], got 20"),
         ("reference/eager_solo", {"progress_nice": -1}, r"averaging.progress_nice must be an integer in \[0, 19\], got -1"),
         ("wagma", {"transport": "tcp"}, "averaging.transport must be one of default, shm, got 'tcp'"),
@@ -467,7 +469,7 @@ def test_sweep_labels_jobs_by_the_overrides_that_vary_and_tabulates_failures(tmp
     [
         ("wagma", ("averaging.sync_period=4",)),
         ("reference/eager_solo", ("averaging.sync_period=4",)),
-        ("eager_majority", ("averaging.sync_period=4",)),
+        ("reference/eager_majority", ("averaging.sync_period=4",)),
     ],
 )
 def test_kill_and_resume_of_the_wait_avoiding_policies_gives_the_uninterrupted_model(tmp_path, policy, extra):

@@ -41,8 +41,9 @@ class EagerPolicy(Policy):
             :class:`~wagma.PartialAllreduceState`'s ``transport``).
     """
 
-    remedy = ("averaging=eager_majority (about half of each round's gradients fresh), a smaller averaging.max_lead, "
-              "averaging.overlap=false, or a lower optim.lr / optim.momentum")
+    remedy = ("averaging=wagma (model averaging takes stale information far better than late gradients), "
+              "averaging=reference/eager_majority (about half of each round's gradients fresh), a smaller "
+              "averaging.max_lead, averaging.overlap=false, or a lower optim.lr / optim.momentum")
 
     def __init__(
         self,

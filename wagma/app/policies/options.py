@@ -238,7 +238,7 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     mode = _choice(options, "mode", EAGER_MODES, expected)
     if mode != expected:
         raise ValueError(
-            f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; use averaging=eager_{mode} instead"
+            f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; use averaging=reference/eager_{mode} instead"
         )
     sync_period = _int(options, "sync_period", 1, required=False)
     _int(options, "warmup_iters", 2, required=False)
