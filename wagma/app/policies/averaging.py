@@ -1,5 +1,6 @@
 """The model-averaging policies: local optimizer steps, and an averager of :mod:`wagma.averaging` that brings
-the models together around each step (``local_sgd``, ``hierarchical``, ``hierarchical_momentum``, ``wagma``, and the gossip baselines).
+the models together around each step (``local_sgd``, ``hierarchical``, ``hierarchical_momentum``, ``wagma``,
+and the gossip baselines).
 
 They wrap the model in DDP with :func:`~wagma.hooks.post_local.post_local_hook`: gradients are allreduced
 during an optional warm-up of synchronous SGD and not communicated afterwards, so every policy runs through
@@ -20,8 +21,8 @@ from torch import nn
 
 from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
 from wagma.averaging import (
-    AveragerStats,
     ADPSGDAverager,
+    AveragerStats,
     DPSGDAverager,
     HierarchicalAverager,
     PeriodicAverager,
@@ -319,8 +320,8 @@ class GossipPolicy(ModelAveragingPolicy):
     Local optimizer steps (DDP with the post-local hook), then one gossip round per step with
     :class:`~wagma.averaging.DPSGDAverager` or :class:`~wagma.averaging.SGPAverager` (``overlap=True`` for
     OSGP); AD-PSGD's :class:`~wagma.averaging.ADPSGDAverager` exchanges on its progress thread and the step only
-    adds what finished. ``finalize`` is the averager's ``synchronize``: a blocking global average after the last round (for
-    push-sum, Σx / Σw with the round in flight collected), so the evaluated model is the consensus.
+    adds what finished. ``finalize`` is the averager's ``synchronize``: a blocking global average after the last
+    round (for push-sum, Σx / Σw with the round in flight collected), so the evaluated model is the consensus.
 
     Args:
         kind: ``"dpsgd"``, ``"sgp"``, ``"osgp"`` or ``"adpsgd"``.
