@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.gossip import _Exchange, _check_world
+from wagma.averaging.tensors import widened
 from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = ["ADPSGDAverager", "adpsgd_peer"]
@@ -145,7 +146,7 @@ class ADPSGDAverager(AveragerBase):
         return len(deltas)
 
     def _publish(self, buffers: list[torch.Tensor]) -> None:
-        copy = [_wide(b).clone() for b in buffers]
+        copy = [widened(b).clone() for b in buffers]
         with self._cond:
             self._snapshot = copy
             self._version += 1
@@ -300,7 +301,3 @@ class ADPSGDAverager(AveragerBase):
 
     def __repr__(self) -> str:
         return f"ADPSGDAverager(warmup_steps={self.warmup_steps}, step={self.step}, exchanges={self._done})"
-
-
-def _wide(buffer: torch.Tensor) -> torch.Tensor:
-    return buffer.float() if buffer.dtype in (torch.float16, torch.bfloat16) else buffer

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
+from wagma.averaging.tensors import widened
 from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = [
@@ -274,7 +275,6 @@ class SGPAverager(AveragerBase):
         self._last: list[torch.Tensor] | None = None  # z as last written into the tensors
         self._pending: tuple[_Exchange, list[list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._loaded: dict[str, Any] | None = None
-        self.rounds = 0
 
     @property
     def name(self) -> str:
@@ -299,14 +299,14 @@ class SGPAverager(AveragerBase):
             self._numerator = [t.to(b.device).clone() for t, b in zip(numerator, buffers)]
             self._last = [t.to(b.device).clone() for t, b in zip(last, buffers)]
         if self._numerator is None or self._last is None:
-            self._numerator = [_wide(b).clone() for b in buffers]
-            self._last = [_wide(b).clone() for b in buffers]
+            self._numerator = [widened(b).clone() for b in buffers]
+            self._last = [widened(b).clone() for b in buffers]
         return self._numerator, self._last
 
     def _fold_local_step(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         numerator, last = self._state_for(buffers)
         for x, z, z_last in zip(numerator, buffers, last):
-            x.add_(_wide(z)).sub_(z_last)  # the local step since the last round, applied to the numerator
+            x.add_(widened(z)).sub_(z_last)  # the local step since the last round, applied to the numerator
         return numerator
 
     def _receive(self, pending: tuple[_Exchange, list[list[torch.Tensor]], list[torch.Tensor]]) -> float:
@@ -333,7 +333,8 @@ class SGPAverager(AveragerBase):
         flat = self.flat_buffers(tensors)
         buffers = flat.pack()
         numerator = self._fold_local_step(buffers)
-        out_peers, in_peers = sgp_peers(self.process_group.rank(), self.world_size, self.rounds)
+        round_ = self.step - self.warmup_steps  # one round a call after the warm-up
+        out_peers, in_peers = sgp_peers(self.process_group.rank(), self.world_size, round_)
         for x in numerator:
             x.mul_(self.SHARE)
         self.weight *= self.SHARE
@@ -360,7 +361,6 @@ class SGPAverager(AveragerBase):
         else:
             waited = self._receive(current)
         self._write_back(flat, buffers)
-        self.rounds += 1
         self.stats.record_reduction("local", sum(x.numel() * x.element_size() for x in numerator) * 2, waited)
         return "local"
 
@@ -408,7 +408,7 @@ class SGPAverager(AveragerBase):
         self.stats.record_reduction("global", flat.nbytes, time.perf_counter() - start)
 
     def state_dict(self) -> dict[str, Any]:
-        """The base's state plus ``weight``, ``rounds``, the ``numerator`` and ``last`` buffers (``None`` before
+        """The base's state plus ``weight``, the ``numerator`` and ``last`` buffers (``None`` before
         the first round). With overlap, collects the round in flight first (call it on every rank at the same
         step)."""
         self._drain()
@@ -418,7 +418,7 @@ class SGPAverager(AveragerBase):
         else:
             numerator, last = self._numerator, self._last
         state.update(
-            weight=self.weight, rounds=self.rounds,
+            weight=self.weight,
             numerator=None if numerator is None else [x.detach().cpu().clone() for x in numerator],
             last=None if last is None else [x.detach().cpu().clone() for x in last],
         )
@@ -430,7 +430,7 @@ class SGPAverager(AveragerBase):
         Raises:
             ValueError: if a key is missing, or (at the next round) the saved buffers do not fit the model.
         """
-        missing = {"weight", "rounds", "numerator", "last"} - set(state_dict)
+        missing = {"weight", "numerator", "last"} - set(state_dict)
         if missing:
             raise ValueError(
                 f"state_dict: expected the keys {sorted(self.state_dict())}, found {sorted(state_dict)} "
@@ -442,7 +442,6 @@ class SGPAverager(AveragerBase):
             raise ValueError(f"state_dict['weight']: expected a push-sum weight > 0, found {weight!r}")
         self._pending = None
         self.weight = float(weight)
-        self.rounds = check_int("state_dict['rounds']", state_dict["rounds"], 0)
         self._numerator = self._last = None
         if state_dict["numerator"] is None:
             self._loaded = None
@@ -452,8 +451,3 @@ class SGPAverager(AveragerBase):
     def __repr__(self) -> str:
         return (f"SGPAverager(overlap={self.overlap}, warmup_steps={self.warmup_steps}, step={self.step}, "
                 f"weight={self.weight:.4f})")
-
-
-def _wide(buffer: torch.Tensor) -> torch.Tensor:
-    """``buffer`` itself, or a float32 copy of a half-precision one (push-sum numerators are kept in float32)."""
-    return buffer.float() if buffer.dtype in (torch.float16, torch.bfloat16) else buffer

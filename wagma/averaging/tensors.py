@@ -30,6 +30,7 @@ __all__ = [
     "collect_named",
     "collect_parameters",
     "reduced_parameters",
+    "widened",
 ]
 
 #: What ``average_parameters`` accepts: ``model.parameters()``, ``model.named_parameters()``, a list of
@@ -444,3 +445,9 @@ def flatten_parameters(
                 offset += n
             flats.append(flat)
     return flats
+
+
+def widened(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` itself, or a float32 copy of a half-precision one: what averagers sum and keep state in, so that
+    float16 / bfloat16 models are not accumulated in their own precision."""
+    return buffer.float() if buffer.dtype in (torch.float16, torch.bfloat16) else buffer

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
-from wagma.averaging.tensors import FlatBuffers
+from wagma.averaging.tensors import FlatBuffers, widened
 from wagma.groups import DEFAULT_TIMEOUT, require_initialized
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.kernels import wagma_combine_
@@ -224,7 +224,7 @@ class WagmaAverager(AveragerBase):
         self._submitted = []
         self._engines[:] = [
             WaitAvoidingGroupAllreduce(
-                self.schedule, _wide(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
+                self.schedule, widened(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
                 sync=self.sync, timeout=self.timeout, start_round=start_round, progress_nice=self.progress_nice,
                 transport=self.transport, keep_contributions=self.mixing == "conserve",
             )
@@ -249,7 +249,7 @@ class WagmaAverager(AveragerBase):
             return self._overlapped_step(flat)
         results = []
         for buffer, engine in zip(flat.pack(), self._engines):
-            wide = _wide(buffer)
+            wide = widened(buffer)
             res = engine(wide)
             results.append(res)
             size = len(res.group)
@@ -276,7 +276,7 @@ class WagmaAverager(AveragerBase):
         """``overlap=True``: apply the round submitted by the previous call, then submit this call's round
         (a blocking sync round instead runs at once, with this rank's fresh, just-mixed model)."""
         buffers = flat.pack()
-        wides = [_wide(buffer) for buffer in buffers]
+        wides = [widened(buffer) for buffer in buffers]
         kind: Reduction | None = None
         if self._pending is not None:
             previous = [engine.collect(self._pending) for engine in self._engines]
@@ -392,9 +392,6 @@ class WagmaAverager(AveragerBase):
         super().close()
 
 
-def _wide(buffer: torch.Tensor) -> torch.Tensor:
-    """``buffer`` itself, or a float32 copy of a half-precision one (what its engine sums)."""
-    return buffer.float() if buffer.dtype in (torch.float16, torch.bfloat16) else buffer
 
 
 def _build_schedule(
