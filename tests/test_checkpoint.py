@@ -69,7 +69,7 @@ def _errors(outcomes) -> list[str]:
 # --- saving: races, kills, full disks ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["wagma", "local_sgd"])
+@pytest.mark.parametrize("policy", ["wagma", pytest.param("local_sgd", marks=pytest.mark.slow)])
 def test_checkpoint_every_step_on_four_ranks_completes_and_resumes(tmp_path, policy):
     # The old save let rank 0 delete older step directories while faster ranks wrote the next one.
     extra = ("averaging.sync_period=3",) if policy == "wagma" else ("averaging.period=2",)
@@ -85,7 +85,7 @@ def test_checkpoint_every_step_on_four_ranks_completes_and_resumes(tmp_path, pol
         assert load_checkpoint(tmp_path, 16, rank)["step"] == 16
 
 
-@pytest.mark.parametrize("kind,victim", [("kill_shard", 1), ("kill_commit", 0)])
+@pytest.mark.parametrize("kind,victim", [("kill_shard", 1), pytest.param("kill_commit", 0, marks=pytest.mark.slow)])
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_resumable(tmp_path, kind, victim):
     cfg = _cfg(tmp_path, "steps=6", "checkpoint_every=2")
     outcomes = run_workers_outcomes(_worker, 3, cfg, (kind, victim, 4), timeout_s=60)

@@ -346,7 +346,7 @@ def _constant_params(rank: int) -> list[torch.Tensor]:
     return [torch.full((4,), float(rank + 1), dtype=torch.float64), torch.full((3,), float(rank + 1), dtype=torch.float64)]
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_adpsgd_keeps_the_mean_never_tears_a_model_and_the_loop_never_waits_for_a_straggler(world):
     steps = 24
 
@@ -377,7 +377,7 @@ def test_adpsgd_keeps_the_mean_never_tears_a_model_and_the_loop_never_waits_for_
 
     results = run_workers(worker, world, timeout_s=90, collective_timeout_s=TIMEOUT_S)
     assert not any(r[0] for r in results)
-    assert max(r[1] for r in results) < 0.75  # the straggler sleeps 1.5 s twice; the others' calls never wait for it
+    assert max(r[1] for r in results) < 1.0  # the straggler sleeps 1.5 s twice; the others' calls never wait for it
     total = sum(7 * (r + 1) * (1 + 0.01 * steps) for r in range(world))  # Σ initial + Σ local steps
     for r in results:  # synchronize: the agreed exchanges are finished and added, then the global mean
         torch.testing.assert_close(r[3], torch.full((7,), total / (7 * world), dtype=torch.float64), rtol=1e-12, atol=0)

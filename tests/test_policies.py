@@ -290,7 +290,8 @@ EXPECTED_REDUCTIONS = {
 
 # The presets (another policy with some keys set) and the references train in the slow phase: 6-7 s each, and their
 # policy trains here; of the gossip baselines (one policy class), sgp trains here and the others in the slow phase.
-SLOW_TRAINING = {*PRESETS, "dpsgd", "osgp", "adpsgd"}
+# local_sgd (K-step averaging) is hierarchical's global level, so it trains in the slow phase too.
+SLOW_TRAINING = {*PRESETS, "dpsgd", "osgp", "adpsgd", "local_sgd"}
 
 
 @pytest.mark.parametrize(

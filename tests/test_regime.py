@@ -38,6 +38,7 @@ def test_summarize_takes_medians_then_ratios():
     assert out["x_bound"] == pytest.approx(120.0 / 160.0)
 
 
+@pytest.mark.slow  # 6.5 s: a whole campaign point
 def test_tiny_run_end_to_end(tmp_path):
     """P=2, T=10 ms, 6 timed steps, three policies: every record is complete and consistent, the report is
     written, and --append replaces a record of the same key instead of duplicating it."""

@@ -145,11 +145,15 @@ class ADPSGDAverager(AveragerBase):
             self.stats.record_contribution(max(0, version - used))
         return len(deltas)
 
-    def _publish(self, buffers: list[torch.Tensor]) -> None:
+    def _publish(self, buffers: list[torch.Tensor], *, trigger: bool = True) -> None:
+        """Make a copy of ``buffers`` the model the next exchange sends. ``trigger=False`` replaces the copy
+        without asking for an exchange of its own (the thread still waits for the next training step's)."""
         copy = [widened(b).clone() for b in buffers]
         with self._cond:
             self._snapshot = copy
             self._version += 1
+            if not trigger:
+                self._used = self._version
             self._cond.notify_all()
 
     def _raise_thread_error(self) -> None:
@@ -213,13 +217,8 @@ class ADPSGDAverager(AveragerBase):
             self._frozen = True  # begin nothing new while the ranks agree
             started = self._started
         count = torch.tensor([started], dtype=torch.int64)
-        try:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.process_group)
-        except RuntimeError as err:
-            raise TimeoutError(
-                f"{type(self).__name__}: agreeing on the exchanges to finish at step {self.step} did not complete "
-                f"within the group's timeout; a peer is slow, hung or gone ({err})"
-            ) from err
+        work = dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        self.wait_collective([work], "agreeing on the exchanges to finish", self.world_size)
         target = int(count.item())
         self._add_finished(buffers)
         self._publish(buffers)
@@ -259,7 +258,9 @@ class ADPSGDAverager(AveragerBase):
         flat.unpack()
         self.allreduce_mean(tensors, self.process_group, "global")
         if self._thread is not None:
-            self._publish(self.flat_buffers(tensors).pack())
+            # The averaged model replaces the copy, but an exchange of identical models adds nothing: the
+            # next one waits for the next training step (and a rank that never steps again is not waited for).
+            self._publish(self.flat_buffers(tensors).pack(), trigger=False)
 
     def state_dict(self) -> dict[str, Any]:
         """The base's state plus ``exchanges`` (the next exchange's number). Collective once the thread runs: the

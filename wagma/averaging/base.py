@@ -350,22 +350,32 @@ class AveragerBase(ModelAverager):
         buffers = flat.pack()
         size = group.size()
         start = time.perf_counter()
+        works = []
+        for buffer in buffers:
+            buffer.div_(size)
+            works.append(dist.all_reduce(buffer, group=group, async_op=True))
+        self.wait_collective(works, f"{kind} reduction", size)
+        self.stats.record_reduction(kind, flat.nbytes, time.perf_counter() - start)
+        flat.unpack()
+
+    def wait_collective(self, works: Iterable[Any], what: str, size: int) -> None:
+        """Wait for the collectives ``works`` (bounded by their group's timeout); name ``what`` on failure.
+
+        Raises:
+            TimeoutError: if one timed out (a peer is slow, hung or gone), naming ``what``, the step and ``size``.
+            RuntimeError: if one failed otherwise (e.g. a peer's connection closed), with the same names.
+        """
         try:
-            works = []
-            for buffer in buffers:
-                buffer.div_(size)
-                works.append(dist.all_reduce(buffer, group=group, async_op=True))
             for work in works:
                 work.wait()
         except RuntimeError as err:
-            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            text = str(err).lower()
+            where = f"{type(self).__name__}: {what} at step {self.step} over {size} ranks"
+            if "timed out" in text or "timeout" in text:
                 raise TimeoutError(
-                    f"{type(self).__name__}: {kind} reduction at step {self.step} over {size} ranks did not "
-                    f"finish within the group's timeout; a peer is slow, hung or gone ({err})"
+                    f"{where} did not finish within the group's timeout; a peer is slow, hung or gone ({err})"
                 ) from err
-            raise
-        self.stats.record_reduction(kind, flat.nbytes, time.perf_counter() - start)
-        flat.unpack()
+            raise RuntimeError(f"{where} failed; a peer is gone or its connection broke ({err})") from err
 
     def _new_group(self, ranks: Sequence[int] | None) -> dist.ProcessGroup:
         """Create a group over ``ranks`` with this averager's timeout; :meth:`close` destroys it.

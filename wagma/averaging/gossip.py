@@ -392,14 +392,7 @@ class SGPAverager(AveragerBase):
         weight = torch.tensor([self.weight], dtype=torch.float64)
         works = [dist.all_reduce(x, group=self.process_group, async_op=True) for x in numerator]
         works.append(dist.all_reduce(weight, group=self.process_group, async_op=True))
-        try:
-            for work in works:
-                work.wait()
-        except RuntimeError as err:
-            raise TimeoutError(
-                f"{type(self).__name__}: the global average at step {self.step} over {self.world_size} ranks did not "
-                f"finish within the group's timeout; a peer is slow, hung or gone ({err})"
-            ) from err
+        self.wait_collective(works, "the global average", self.world_size)
         total = float(weight.item())
         for x in numerator:
             x.div_(total)  # Σx / Σw, with w = 1 from here on
