@@ -24,9 +24,9 @@ After the fault the harness records, per run:
 - ``bitwise``: for synchronous policies (allreduce), whether that final model equals, bit for bit,
   the model of an uninterrupted run of the same configuration (``None`` for the others).
 
-Usage (the campaign behind ``benchmarks/results/chaos.json``; see benchmarks/README.md)::
+Usage (the campaign behind ``benchmarks/results/chaos/chaos.json``; see benchmarks/README.md)::
 
-    python benchmarks/chaos.py --runs 100 --out benchmarks/results/chaos.json
+    python benchmarks/chaos.py --runs 100 --out benchmarks/results/chaos/chaos.json
 
 Results go to ``--out`` (a JSON list of records) and a Markdown summary beside it (``chaos.md``).
 Nothing here is a unit test: tests/test_chaos.py runs two small cases of it.
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--workdir", default="/tmp/wagma-chaos", help="where the runs' directories go")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos.json"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos" / "chaos.json"))
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="instead of running: combine the records of campaigns run side by side (other seeds "
                              "and workdirs) into --out and its Markdown summary")

@@ -51,7 +51,8 @@ Usage::
     python benchmarks/regime.py --quick                       # smoke test: P=4, random_k1, T=20 ms, 1 rep
     python benchmarks/regime.py --worlds 4 8 16 --reps 3      # the grid (see benchmarks/regime_campaign.sh)
 
-Outputs in ``--out`` (default ``benchmarks/results``): ``regime.json`` (``records``: one per
+Outputs in ``--out`` (default ``benchmarks/results/regime``): ``regime.json.xz`` (xz-compressed JSON, read with
+:func:`benchmarks.results_io.load`; ``records``: one per
 (scenario, policy, world_size, params) with medians; ``reps``: every repetition; ``invocations``:
 command, machine, settings) and, through :mod:`benchmarks.regime_report`, ``regime.md`` and plots.
 ``--append`` merges into an existing ``regime.json`` (a record of the same key is replaced).
@@ -60,7 +61,6 @@ command, machine, settings) and, through :mod:`benchmarks.regime_report`, ``regi
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import resource
 import shlex
@@ -80,6 +80,7 @@ import torch._dynamo  # noqa: E402,F401  (DDP imports it lazily: once here, not 
 import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from benchmarks import results_io  # noqa: E402
 from benchmarks import scenarios as sc  # noqa: E402
 from benchmarks.machine import load_average, machine_info, scheduler_slice_s, usable_cores  # noqa: E402
 from benchmarks.simulate import ZERO_NETWORK, Network, no_wait_ms, protocol_bound, simulate  # noqa: E402
@@ -399,7 +400,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.out is None:
-        args.out = ROOT / ("benchmarks/results/quick" if args.quick else "benchmarks/results")
+        args.out = ROOT / ("benchmarks/results/quick" if args.quick else "benchmarks/results/regime")
     if args.compute_ms <= 0 or args.steps < 1 or args.warmup < 2 or args.reps < 1 or min(args.worlds) < 1:
         p.error("need --compute-ms > 0, --steps >= 1, --warmup >= 2 (DDP rebuilds buckets), --reps >= 1, worlds >= 1")
     args.params = [int(v) for v in args.params]
@@ -409,7 +410,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _load(path: Path, append: bool) -> dict[str, Any]:
     if append and path.exists():
-        return json.loads(path.read_text(encoding="utf-8"))
+        return results_io.load(path)
     return {"invocations": [], "records": [], "reps": []}
 
 
@@ -417,13 +418,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the grid; write and return ``regime.json``'s contents."""
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "regime.json"
+    found = results_io.find(args.out, "regime.json")  # regime.json.xz, or an older plain regime.json
+    path = args.out / "regime.json.xz"
+
+    def save(result: dict[str, Any]) -> None:
+        results_io.dump(path, result)
+        if found != path and found.exists():
+            found.unlink()  # converted to the compressed file
+
     command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     if args.report_only or args.resimulate:
-        if not path.exists():
+        if not found.exists():
             flag = "--resimulate" if args.resimulate else "--report-only"
             raise FileNotFoundError(f"{flag} needs {path}: expected a regime.json from an earlier run, found none")
-        result = json.loads(path.read_text(encoding="utf-8"))
+        result = results_io.load(found)
         if args.resimulate:
             # The slice: as given, else as each invocation measured it, else measured now (the same machine).
             slice_s = args.slice_ms / 1e3 if args.slice_ms is not None else None
@@ -433,10 +441,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             resimulate(result, slice_s, measured)
             result.setdefault("resimulations", []).append(
                 {"command": command, "machine": machine_info(ROOT), "slice_s": slice_s, "slice_s_measured": measured})
-            path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+            save(result)
         _report(args.out, result)
         return result
-    result = _load(path, args.append)
+    result = _load(found, args.append)
     args.slice_s = args.slice_ms / 1e3 if args.slice_ms is not None else scheduler_slice_s()
     invocation = len(result["invocations"])
     settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
@@ -470,11 +478,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             ddp_ms = rec["ms_per_step"]
                         rec["x_ddp"] = ddp_ms / rec["ms_per_step"] if ddp_ms and rec["status"] == "ok" else None
                         _replace(result, rec, reps)
-                        path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+                        save(result)
                         print(_line(rec), flush=True)
     result["invocations"][-1]["duration_s"] = time.perf_counter() - started
     result["invocations"][-1]["load_average_end"] = load_average()
-    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    save(result)
     if not args.no_report:
         _report(args.out, result)
     print(f"done in {time.perf_counter() - started:.0f} s -> {path}", flush=True)

@@ -4,10 +4,11 @@
 #
 #     bash benchmarks/regime_campaign.sh          # 39 min on the 2-core CI machine (measured on ccd9d76, quiet)
 #
-# It writes benchmarks/results/regime.json, regime.md, regime_*.png (the measurements), then
-# simulation.json, simulation.md, simulation_*.png (the simulator validated against them, and the
-# extrapolation to 64..1,024 ranks). Environment: PYTHON (default python), OUT (default
-# benchmarks/results), STEPS (timed steps per run, default 22 = two WAGMA periods), REPS (default 3),
+# It writes benchmarks/results/regime/: regime.json.xz, regime.md, regime_*.png (the measurements), then
+# benchmarks/results/simulation/: simulation.json, simulation.md, simulation_*.png (the simulator validated against
+# them, and the extrapolation to 64..1,024 ranks). Environment: PYTHON (default python), OUT (default
+# benchmarks/results/regime), SIM_OUT (default benchmarks/results/simulation), STEPS (timed steps per run,
+# default 22 = two WAGMA periods), REPS (default 3),
 # SWEEP_STEPS (timed steps of the 2.5 M / 25 M payload runs, default 11 = one WAGMA period), SWEEP=0 skips them,
 # TARGETS=0 skips the 1 M-parameter target point; HORIZON=1 adds the 200-step runs (about 45 min more), LONG=1
 # the 600-step runs (about 43 min more);
@@ -15,7 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-OUT=${OUT:-benchmarks/results}
+OUT=${OUT:-benchmarks/results/regime}
+SIM_OUT=${SIM_OUT:-benchmarks/results/simulation}
 STEPS=${STEPS:-22}
 REPS=${REPS:-3}
 SWEEP=${SWEEP:-1}
@@ -54,37 +56,37 @@ if [ "${TARGETS:-1}" != 0 ]; then
     echo "target point done after $(( $(date +%s) - start )) s"
 fi
 
-# 4. (HORIZON=1) The same protocols over 200 timed steps, into $OUT/horizon: over 22 steps the slowest rank's share
+# 4. (HORIZON=1) The same protocols over 200 timed steps, into $OUT/variants/horizon: over 22 steps the slowest rank's share
 #    of the random delays keeps even ranks that never wait at 0.93-0.95 of the ideal on this trace (`no_wait_ms`;
 #    0.90-0.92 on a typical draw), over 200 at about 0.96. 0.25 M parameters (random_k1; 15 min), then 1 M (random_k1, P = 8 and 16; 22 min) and the
 #    overhead without imbalance (1 M, P = 8; 8 min).
 if [ "${HORIZON:-0}" != 0 ]; then
     "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 0.25e6 --worlds 8 16 --scenarios random_k1 \
         --policies allreduce wagma wagma_relaxed wagma_relaxed_overlap --steps 200 --warmup 3 --reps "$REPS" \
-        --out "$OUT/horizon"
+        --out "$OUT/variants/horizon"
     "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 1e6 --worlds 8 16 --scenarios random_k1 \
         --policies allreduce wagma wagma_relaxed_overlap eager_solo eager_solo_overlap --steps 200 --warmup 3 \
-        --reps "$REPS" --out "$OUT/horizon" --append
+        --reps "$REPS" --out "$OUT/variants/horizon" --append
     "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 1e6 --worlds 8 --scenarios none \
-        --policies allreduce wagma eager_solo --steps 200 --warmup 3 --reps "$REPS" --out "$OUT/horizon" --append
+        --policies allreduce wagma eager_solo --steps 200 --warmup 3 --reps "$REPS" --out "$OUT/variants/horizon" --append
     echo "horizon runs done after $(( $(date +%s) - start )) s"
 fi
 
-# 5. (LONG=1) Over 600 timed steps, into $OUT/horizon600: the cap rises to about 0.98. The relaxed presets at
+# 5. (LONG=1) Over 600 timed steps, into $OUT/variants/horizon600: the cap rises to about 0.98. The relaxed presets at
 #    0.25 M parameters, P = 8 (14 min) and 16 (17 min), then the reference wagma at 1 M parameters, P = 8 (12 min).
 if [ "${LONG:-0}" != 0 ]; then
     for world in 8 16; do
         "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 0.25e6 --worlds "$world" --scenarios random_k1 \
             --policies allreduce wagma_relaxed wagma_relaxed_overlap --steps 600 --warmup 3 --reps "$REPS" \
-            --out "$OUT/horizon600" --append
+            --out "$OUT/variants/horizon600" --append
     done
     "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 1e6 --worlds 8 --scenarios random_k1 \
-        --policies allreduce wagma --steps 600 --warmup 3 --reps "$REPS" --out "$OUT/horizon600" --append
+        --policies allreduce wagma --steps 600 --warmup 3 --reps "$REPS" --out "$OUT/variants/horizon600" --append
     echo "600-step runs done after $(( $(date +%s) - start )) s"
 fi
 
 # 6. The simulator against every run above (seconds); the paper-setting extrapolation already committed in
-#    $OUT/simulation.json is kept (without one it is computed: about 2-3 min).
+#    $SIM_OUT/simulation.json is kept (without one it is computed: about 2-3 min).
 # shellcheck disable=SC2086
-"$PY" benchmarks/scale.py --regime "$OUT/regime.json" --out "$OUT" --validate-only $SCALE_ARGS
+"$PY" benchmarks/scale.py --regime "$OUT/regime.json.xz" --out "$SIM_OUT" --validate-only $SCALE_ARGS
 echo "campaign done in $(( $(date +%s) - start )) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -8,7 +8,7 @@ and the consensus distance over time; then the no-wait ideal of each scenario an
 
 Usage::
 
-    python benchmarks/run.py                  # full mode -> benchmarks/results/
+    python benchmarks/run.py                  # full mode -> benchmarks/results/communication/
     python benchmarks/run.py --quick          # CI smoke test (< 3 min) -> benchmarks/results/quick/
     python benchmarks/run.py --world 8 --policies allreduce wagma --scenarios none random_k1 --out DIR
 
@@ -60,7 +60,8 @@ CONFIGS = ROOT / "configs"
 WARMUP_STEPS = 5  # steps left out of the step-time calibration (DDP rebuilds its buckets after the first)
 
 MODES: dict[str, dict[str, Any]] = {
-    "full": {"steps": 240, "eval_every": 10, "target": 0.95, "scenarios": sc.SCENARIOS, "out": "benchmarks/results"},
+    "full": {"steps": 240, "eval_every": 10, "target": 0.95, "scenarios": sc.SCENARIOS,
+             "out": "benchmarks/results/communication"},
     "quick": {
         "steps": 60, "eval_every": 10, "target": 0.9, "scenarios": ("none", "random_k1"),
         "out": "benchmarks/results/quick",

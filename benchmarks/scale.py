@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from benchmarks import results_io  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.scenarios import averaging_option  # noqa: E402
 from benchmarks.simulate import Network, simulate  # noqa: E402
@@ -151,7 +152,8 @@ def _validation_status(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Validate the simulator against regime.json, extrapolate to 1,024 ranks")
-    p.add_argument("--regime", type=Path, default=ROOT / "benchmarks/results/regime.json")
+    p.add_argument("--regime", type=Path, default=ROOT / "benchmarks/results/regime/regime.json.xz",
+                   help="the measured campaign (regime.json or regime.json.xz)")
     p.add_argument("--worlds", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--steps", type=int, default=66, help="simulated steps (6 WAGMA periods, 2 eager periods)")
@@ -161,7 +163,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha-us", type=float, default=3.0, help="network latency (Aries: a few µs)")
     p.add_argument("--bandwidth-GBps", type=float, default=10.0, help="injection bandwidth per node (Aries ~10 GB/s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/simulation")
     p.add_argument("--validate-only", action="store_true",
                    help="only redo the validation; keep the paper-setting records of --out's simulation.json")
     args = p.parse_args(argv)
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Write ``simulation.json``, ``simulation.md`` and the plots; return the JSON's contents."""
     args = parse_args(argv)
     started = time.perf_counter()
-    regime = json.loads(args.regime.read_text(encoding="utf-8")) if args.regime.exists() else None
+    regime = results_io.load(args.regime) if args.regime.exists() else None
     validation = validation_records(regime or {})
     setting = {k: getattr(args, k) for k in ("worlds", "steps", "params", "compute_s", "delay_s", "alpha_us",
                                             "bandwidth_GBps", "seed")} | {"policies": paper_policies()}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
-from benchmarks import regime  # noqa: E402
+from benchmarks import regime, results_io  # noqa: E402
 from benchmarks.simulate import Network, simulate  # noqa: E402
 from wagma.app.models import MLP  # noqa: E402
 
@@ -66,7 +66,8 @@ def test_tiny_run_end_to_end(tmp_path):
     assert recs[0]["x_ddp"] == 1.0
     # The ideal and the bounds are closed forms of each run's recorded delay trace (T = 10 ms, 6 steps):
     # DDP pays the slowest rank every step; WAGMA (no sync round in steps 2..7) only the final mean.
-    saved = json.loads((tmp_path / "regime.json").read_text())
+    assert not (tmp_path / "regime.json").exists()  # stored compressed: benchmarks/results/ stays small
+    saved = results_io.load(tmp_path / "regime.json.xz")
     for rep in saved["reps"]:
         delays = np.array(rep["delays_ms"])
         assert delays.shape == (2, 6) and (delays.max(axis=0) >= 10.0).all()  # random_k1: one rank sleeps d = T
@@ -173,3 +174,29 @@ def test_a_world_of_one_rank_measures_the_step_alone(tmp_path):
     assert ddp["world_size"] == 1 and ddp["x_ddp"] == 1.0 and ddp["bound_ms"] == pytest.approx(5.0, abs=1e-6)
     assert ddp["ms_per_step"] >= 5.0 + ddp["breakdown_ms"]["compute"] * 0.9 and ddp["breakdown_ms"]["compute"] > 0
     assert wagma["status"] != "ok" and "group_size" in wagma["reason"], wagma
+
+
+def test_results_io_round_trips_plain_and_compressed_json_and_finds_the_compressed_first(tmp_path):
+    from benchmarks import results_io
+
+    doc = {"records": [{"ms": 1.5, "trace": list(range(50))}], "name": "é"}
+    results_io.dump(tmp_path / "a.json", doc)
+    results_io.dump(tmp_path / "a.json.xz", doc)
+    assert results_io.load(tmp_path / "a.json") == doc == results_io.load(tmp_path / "a.json.xz")
+    assert (tmp_path / "a.json.xz").read_bytes()[:6] == b"\xfd7zXZ\x00"  # really xz, not plain text
+    assert results_io.find(tmp_path, "a.json") == tmp_path / "a.json.xz"
+    assert results_io.find(tmp_path, "b.json") == tmp_path / "b.json"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_every_committed_regime_result_loads_and_has_records():
+    """The curated results: each compressed campaign under benchmarks/results/ is readable and not empty."""
+    from benchmarks import results_io
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    found = sorted(root.rglob("regime.json.xz"))
+    assert found, "no regime.json.xz under benchmarks/results/"
+    assert not list(root.rglob("regime.json")), "a plain regime.json: store it compressed (results_io.dump)"
+    for path in found:
+        result = results_io.load(path)
+        assert result["records"] and result["invocations"], path

@@ -1,0 +1,41 @@
+"""Reading and writing the benchmarks' JSON results, plain or xz-compressed.
+
+Results that carry per-step traces (``regime.json.xz``) are stored compressed so that ``benchmarks/results/``
+stays small in git; a path ending in ``.xz`` is written and read through :mod:`lzma`, any other as plain text.
+:func:`find` returns the compressed file of a result when it exists, else the plain one (older outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+from typing import Any
+
+__all__ = ["dump", "find", "load"]
+
+
+def find(folder: Path, name: str) -> Path:
+    """``folder/name.xz`` if it exists, else ``folder/name`` (which may not exist either)."""
+    compressed = folder / (name + ".xz")
+    return compressed if compressed.exists() else folder / name
+
+
+def load(path: Path) -> Any:
+    """The JSON document at ``path`` (decompressed when the name ends in ``.xz``)."""
+    if path.suffix == ".xz":
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def dump(path: Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` (xz-compressed when the name ends in ``.xz``), atomically."""
+    text = json.dumps(obj, indent=1) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".xz":
+        with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
+            f.write(text)
+    else:
+        tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
