@@ -289,8 +289,48 @@ def _staleness(rec: dict[str, Any] | None) -> tuple[float | None, int | None]:
     return sum(int(k) * v for k, v in hist.items()) / count, max(int(k) for k in hist)
 
 
+def plot(cells: list[dict[str, Any]], tolerance: float, path: Path) -> bool:
+    """Scatter of every (policy, cell): samples/s x allreduce against the gap to allreduce, one colour per policy.
+
+    Returns False (and draws nothing) without matplotlib.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("accuracy: matplotlib is not installed (pip install -e '.[bench]'), so no plot", flush=True)
+        return False
+    fig, ax = plt.subplots(figsize=(9.0, 4.2))
+    policies = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != BASELINE]
+    for i, policy in enumerate(policies):
+        pts = [(c["median_ddp_ratio"], c["gap_points"]) for c in cells
+               if c["policy"] == policy and c["median_ddp_ratio"] is not None and c["gap_points"] is not None]
+        if pts:
+            shipped = (ROOT / "configs" / "averaging" / f"{policy}.yaml").exists()  # else a reference preset
+            ax.scatter(*zip(*pts), label=policy if shipped else f"{policy} (reference, not shipped)",
+                       marker="o" if shipped else "x", color=f"C{i % 10}", s=28)
+    ax.axhline(tolerance, color="grey", linestyle="--", linewidth=1)
+    ax.text(ax.get_xlim()[0], tolerance, f" shipping bound: {tolerance:g} point below allreduce", va="bottom",
+            fontsize=8, color="grey")
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.axvline(1.0, color="black", linewidth=0.6)
+    ax.invert_yaxis()  # better accuracy up
+    ax.set_xlabel("samples/s x allreduce (same runs)")
+    ax.set_ylabel("points below allreduce (median of seeds)")
+    ax.set_title(f"Accuracy grid: {len(dict.fromkeys(c['cell'] for c in cells))} cells, each point one policy in one cell",
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run every (cell, seed) not yet recorded, write ``accuracy.json`` and ``accuracy.md``; return the JSON's contents."""
+    """Run every (cell, seed) not yet recorded, write ``accuracy.json``, ``accuracy.md`` and ``accuracy_grid.png``;
+    return the JSON's contents."""
     args = parse_args(argv)
     started = time.perf_counter()
     command = "python " + shlex.join(["benchmarks/accuracy.py", *(sys.argv[1:] if argv is None else argv)])
@@ -310,19 +350,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     settings = {"steps": args.steps, "batch_size": args.batch_size, "delay_s": args.delay_s,
                 "eval_every": args.eval_every, "tolerance": args.tolerance, "policies": args.policies,
                 "extra_overrides": args.extra}
+    machine = machine_info(ROOT)
     if args.report_only and old:
         settings = old["settings"]  # the grid's own, not this command's defaults
+        machine = old.get("machine", machine)  # the machine that ran the records, not the one redrawing the report
 
     def write() -> dict[str, Any]:
         cells = summarize_cells(records)
         out = {
-            "commands": commands, "machine": machine_info(ROOT), "settings": settings, "invocations": invocations,
+            "commands": commands, "machine": machine, "settings": settings, "invocations": invocations,
             "records": records, "cells": cells, "summary": summarize(cells, args.tolerance),
-            "duration_s": earlier_s + time.perf_counter() - started,
+            "duration_s": earlier_s + (0.0 if args.report_only else time.perf_counter() - started),
         }
         args.out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
         (args.out / "accuracy.md").write_text(_markdown(out), encoding="utf-8")
+        plot(cells, args.tolerance, args.out / "accuracy_grid.png")
         return out
 
     out = write() if records else {}
