@@ -28,17 +28,21 @@ def main(steps: int = 40, use_ddp: bool = True) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     flatten_parameters(net)  # one flat storage: every round averages it in place, no copies in and out
     model: torch.nn.Module = net
     hook_state = None
     if use_ddp:
-        model = DDP(net)
+        model = DDP(net, broadcast_buffers=False)  # the averager averages the buffers; no broadcast every forward
         hook_state = PostLocalState(warmup_steps=0)  # no gradient traffic: WAGMA averages the models
         model.register_comm_hook(hook_state, post_local_hook)
 
     group_size = 2 if world % 2 == 0 else world  # S must divide the world size
-    averager = WagmaAverager(group_size=group_size, sync_period=10, params=net.parameters(), timeout=60.0)
+    # WagmaAverager binds what it averages at construction: the buffers too (BatchNorm's running statistics), since
+    # AveragingOptimizer(module=net) passes them at every step.
+    averager = WagmaAverager(
+        group_size=group_size, sync_period=10, params=net.parameters(), buffers=net.buffers(), timeout=60.0
+    )
     optimizer = AveragingOptimizer(torch.optim.SGD(net.parameters(), lr=0.02), averager, module=net)
 
     data = torch.Generator().manual_seed(rank)
