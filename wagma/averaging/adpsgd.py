@@ -12,8 +12,8 @@ differences of the exchanges finished since the last call, then publish a copy o
 exchange. It never waits for a peer. What stays true:
 
 - *Atomic exchanges.* The thread only ever sends a published copy (never the tensors the optimizer is
-  writing), and a finished exchange's difference is added in one piece under a lock, so a model never mixes
-  halves of two exchanges.
+  writing), and hands a finished exchange's difference over under a lock; the training loop adds it whole, and
+  only the training loop writes the model, so a model never mixes halves of two exchanges.
 - *The mean is kept.* The two sides of an exchange add opposite differences computed from the same two
   copies, so Σ models over the ranks changes only by the local steps (up to float rounding).
 - *Bounded waits.* Every send and receive of the thread is bounded by ``timeout``; its failure (naming the

@@ -241,7 +241,10 @@ class SGPAverager(AveragerBase):
     :meth:`synchronize` (evaluation, the end of training) collects a round in flight, then sets every rank to
     ``Σx / Σw`` with ``w = 1``, a global reduction. ``state_dict`` holds ``w``, the numerator and ``z_last``
     (resume is bitwise for SGP); with overlap it first collects the round in flight (every rank calls it at the
-    same step, as checkpoints do), so nothing in flight is lost.
+    same step, as checkpoints do), so nothing in flight is lost. Collecting that round changes what the next
+    rounds split (Σx and Σw stay the same), so an OSGP run that saves checkpoints is not bitwise one that does not.
+    End a run with :meth:`synchronize` before :meth:`close`: closing with OSGP's round still in flight can make a
+    slower peer's last receive fail ("Connection closed by peer").
 
     Args:
         overlap: OSGP instead of SGP.
