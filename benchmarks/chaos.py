@@ -21,7 +21,7 @@ After the fault the harness records, per run:
   ``restart="elastic"``) or a second launch with ``resume=true`` finished its configured steps;
   ``resumed_from``: the step it continued from (0 when the fault struck before the first complete
   checkpoint: the relaunch then rightly trained from the start);
-- ``bitwise``: for synchronous policies (allreduce), whether that final model equals, bit for bit,
+- ``bitwise``: for synchronous policies (allreduce, dpsgd, sgp), whether that final model equals, bit for bit,
   the model of an uninterrupted run of the same configuration (``None`` for the others).
 
 Usage (the campaign behind ``benchmarks/results/chaos/chaos.json``; see benchmarks/README.md)::
@@ -51,8 +51,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-POLICIES = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority")
-SYNCHRONOUS = frozenset({"allreduce"})  # whose resumed model must equal the uninterrupted one bit for bit
+POLICIES = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority",
+            "dpsgd", "sgp", "osgp", "adpsgd")
+# Whose resumed model must equal the uninterrupted one bit for bit: the blocking ones (D-PSGD and SGP exchange
+# with fixed peers every step and wait for them, so their models do not depend on timing).
+SYNCHRONOUS = frozenset({"allreduce", "dpsgd", "sgp"})
 WORLDS = (2, 4, 8)
 FAULTS = ("SIGKILL", "SIGSTOP", "SIGTERM")
 RESTARTS = ("elastic", "resume")
@@ -197,6 +200,9 @@ def named(text: str, spec: Spec) -> bool:
             re.findall(r"furthest behind: rank\(s\) \[([\d, ]+)\]", text):
         if v in {int(x) for x in listed.replace(",", " ").split()}:
             return True
+    # The gossip averagers' point-to-point exchanges name their peer: "no model arrived from rank 2 within 5 s".
+    if any(int(r) == v for r in re.findall(r"(?:no model arrived from|could not hand its model to) rank (\d+)", text)):
+        return True
     if spec.fault != "SIGSTOP":
         # The agent's log line as a worker dies ("failed (exitcode: -9) local_rank: 2") and its final report;
         # with --standalone local ranks are ranks.

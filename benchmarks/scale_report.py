@@ -78,10 +78,25 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     for c in result["claims"]:
         got = [r for r in paper if r["policy"] == c["policy"] and r["world_size"] == c["world_size"]]
         sim = " / ".join(f"{r['x_allreduce']:.2f}" for r in got) or "not simulated"
+        if c.get("versus") and got:
+            sim += f"; ×the fastest of {', '.join(c['versus'])}: {_versus(paper, got, c['versus'])}"
         lines.append(f"| {c['what']} (P = {c['world_size']} here) | {c['claim']:.2f}× | {sim} |")
     lines += ["", "The claims' baselines and workloads differ from this setting (see each claim); the simulated "
-              "ratio is against plain synchronous allreduce SGD on the same trace.", ""]
+              "ratio is against plain synchronous allreduce SGD on the same trace, and for a claim over the "
+              "decentralized baselines also against the fastest of them simulated there.", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def _versus(paper: list[Record], got: list[Record], versus: list[str]) -> str:
+    """Per record of ``got``, its speed-up over the fastest of the ``versus`` policies simulated at the same P and
+    scenario, with that policy's name (``-`` where none of them was simulated)."""
+    out = []
+    for r in got:
+        rivals = [q for q in paper if q["policy"] in versus and q["world_size"] == r["world_size"]
+                  and q["scenario"] == r["scenario"]]
+        best = min(rivals, key=lambda q: q["simulated_ms"], default=None)
+        out.append("-" if best is None else f"{best['simulated_ms'] / r['simulated_ms']:.2f} ({best['policy']})")
+    return " / ".join(out)
 
 
 def plot_scale(path: Path, records: list[Record]) -> None:

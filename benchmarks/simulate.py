@@ -27,6 +27,24 @@ The protocols are those of the library, with the library's own round rules:
   ``r = step - warmup_iters`` is a partial allreduce over all ranks run by the progress threads,
   activated by the first arrival (solo) or by the round's initiator, drawn exactly as the library's
   engine draws it (majority); rounds with ``r % (tau + 1) == tau`` are blocking and fully fresh.
+- ``dpsgd`` / ``sgp`` / ``osgp`` / ``adpsgd``, the decentralized baselines (DESIGN §2.6): point-to-point messages
+  of the model (``nbytes``) instead of collectives, with the library's own peer functions. Warm-up steps
+  ``s < warmup_steps`` are DDP steps (the policies' post-local hook allreduces the gradients; the averagers do
+  nothing). A message is a rendezvous, as gloo's send of an unbound buffer: it travels once its sender has posted
+  the send and its receiver the receive, and a rank waits for the sends it started as well as for its receives.
+  ``dpsgd``: at every step each rank exchanges models with every neighbour of :func:`ring_neighbours` (``topology:
+  ring``) or :func:`exponential_neighbours` (``exponential``) and waits for all of it: it waits for its
+  neighbours to reach the same step (no global barrier, so a delay spreads one hop a step). ``sgp``: round
+  ``r = step - warmup_steps`` sends to the two out-peers of :func:`sgp_peers` and receives from the two in-peers,
+  blocking (so a rank waits for all four to reach round r). ``osgp``: the same messages, posted at step r and
+  waited for at step r + 1 (the round in flight is collected by the final flush). ``adpsgd``: the main thread only
+  publishes (never waits); a progress thread per rank runs exchange after exchange, exchange k with
+  :func:`adpsgd_peer` ``(rank, P, k)``, each needing a model published since its previous exchange began and the
+  partner's thread at exchange k. The first exchange of a trace that starts at ``first_step`` is numbered
+  ``first_step - warmup_steps`` (as if each untimed step had run one). Its final flush is ``synchronize``: the
+  ranks agree on the exchanges to finish (an allreduce of one integer once every rank ended its steps; each
+  thread begins nothing new from then on), the threads finish exactly those, then the global mean. The other
+  three flush with a global mean (OSGP after collecting its round in flight).
 
 With a zero-cost network and the bare compute time, the simulated time is the policy's *protocol
 bound* (:func:`protocol_bound`): the best its protocol permits on that delay trace.
@@ -42,6 +60,10 @@ overlaps another's sleep where the protocol does not put them back in step. A co
 alpha-beta cost is then the CPU work each member does for it (gloo on one host: the copies, the reductions
 and the loopback sockets are CPU), so a step cannot be shorter than the CPU its ranks burn in it divided by
 the cores: the floor that ranks sharing one machine's cores meet, and that a model of an idle network misses.
+A point-to-point message costs each of its two ends half of :meth:`Network.p2p_s` of CPU work (a pairwise
+exchange, one message each way, costs each end ``alpha + n / bw``: a step of the ring allreduce). With cores of
+their own, a message instead takes ``n / bw`` of its sender's injection link, which the sender's messages in flight
+share (processor sharing), then ``alpha``: a rank that sends the model to d peers at once needs ``d n / bw``.
 """
 
 from __future__ import annotations
@@ -56,6 +78,8 @@ from typing import Any
 import numpy as np
 import simpy
 
+from wagma.averaging.adpsgd import adpsgd_peer
+from wagma.averaging.gossip import TOPOLOGIES, exponential_neighbours, ring_neighbours, sgp_peers
 from wagma.engine import SYNCS, WaitAvoidingGroupAllreduce
 from wagma.schedule import GroupSchedule
 
@@ -63,12 +87,16 @@ __all__ = ["Network", "SimResult", "ZERO_NETWORK", "no_wait_ms", "protocol_bound
 
 SIMULATED_POLICIES: tuple[str, ...] = (
     "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
+    "dpsgd", "sgp", "osgp", "adpsgd",
 )
+GOSSIP_POLICIES: tuple[str, ...] = ("dpsgd", "sgp", "osgp", "adpsgd")
+"""The decentralized baselines: point-to-point messages (:meth:`Network.p2p_s`) instead of collectives."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Network:
-    """Alpha-beta cost of a ring allreduce of ``n`` bytes over ``p`` ranks: ``2 (p-1) alpha + 2 (p-1)/p n / bw``.
+    """Alpha-beta cost of a ring allreduce of ``n`` bytes over ``p`` ranks: ``2 (p-1) alpha + 2 (p-1)/p n / bw``,
+    and of a point-to-point message of ``n`` bytes: ``alpha + n / bw`` (:meth:`p2p_s`).
 
     Args:
         alpha_s: latency per message (seconds).
@@ -89,6 +117,14 @@ class Network:
         if p <= 1:
             return 0.0
         return 2 * (p - 1) * self.alpha_s + 2 * (p - 1) / p * nbytes / self.bandwidth_Bps
+
+    def p2p_s(self, nbytes: float) -> float:
+        """Seconds one point-to-point message of ``nbytes`` takes alone on its sender's link: ``alpha + n / bw``.
+
+        Messages a rank sends at the same time share its injection bandwidth: the simulator runs their ``n / bw``
+        parts on one link per sender (module docstring, "Shared cores").
+        """
+        return self.alpha_s + nbytes / self.bandwidth_Bps
 
 
 ZERO_NETWORK = Network()
@@ -115,7 +151,9 @@ class SimResult:
     """The CPU work run on shared cores, all ranks together (0 with cores of their own)."""
     comm_s: list[float] = dataclasses.field(default_factory=list)
     """Per rank, the network's cost (unscaled) of the collectives it took part in during its steps (the final
-    flush and barrier not counted): set by the protocol alone."""
+    flush and barrier not counted), and half of :meth:`Network.p2p_s` for each point-to-point message it sent or
+    received in them: set by the protocol alone (except AD-PSGD's: its exchanges begun before the rank's flush,
+    as many as its thread managed)."""
 
     @property
     def ms_per_step(self) -> float:
@@ -248,7 +286,7 @@ class _Rendezvous:
 
 
 class _Sim:
-    """One simulation: P main-thread processes (and progress threads for wagma and eager)."""
+    """One simulation: P main-thread processes (and progress threads for wagma, eager and AD-PSGD)."""
 
     def __init__(self, options: Mapping[str, Any], compute: np.ndarray, net: Network, nbytes: float,
                  first_step: int, cpu: np.ndarray | None = None, after_cpu: np.ndarray | None = None,
@@ -265,6 +303,11 @@ class _Sim:
         self.env = simpy.Environment()
         self.cores = (_Cores(self.env, cores) if slice_s is None or math.isinf(cores)
                       else _SlicedCores(self.env, cores, slice_s))
+        self.shared = not math.isinf(cores)
+        # Point-to-point messages (gossip): open rendezvous by key, and with cores of their own one injection
+        # link per rank, shared by the messages it sends at once.
+        self._messages: dict[Any, list[Any]] = {}
+        self.links = [_Cores(self.env, 1.0) for _ in range(self.p)]
         self.coll = _Rendezvous(self.env, self.cores, self.p, comm_scale)
         self.wait = [0.0] * self.p
         self.finish = [0.0] * self.p
@@ -298,6 +341,8 @@ class _Sim:
             self.blocking_sync = True
         else:
             self.warmup = int(o.get("warmup_steps", 0))
+        if self.name in GOSSIP_POLICIES:
+            self._setup_gossip()
         # overlap (wagma, eager): a step first waits for the round its previous step submitted.
         self.overlap = self.async_rounds and bool(o.get("overlap", False))
         self.pending: list[int | None] = [None] * p
@@ -309,6 +354,30 @@ class _Sim:
             self.global_every = self.local_period if s == p else self.global_period
             self.has_local = 1 < s < p
             self.block = [tuple(range(r - r % s, r - r % s + s)) for r in range(p)]
+
+    def _setup_gossip(self) -> None:
+        """Peers of the decentralized baselines, from the library's own functions (which refuse P < 2, and
+        AD-PSGD an odd P)."""
+        p = self.p
+        self.inflight: list[simpy.Event | None] = [None] * p  # OSGP: the round a rank's previous step posted
+        if self.name == "dpsgd":
+            topology = self.opt.get("topology", "ring")
+            if topology not in TOPOLOGIES:
+                raise ValueError(f"dpsgd's topology must be one of {TOPOLOGIES}, got {topology!r}")
+            graph = ring_neighbours if topology == "ring" else exponential_neighbours
+            self.neighbours = [graph(rank, p) for rank in range(p)]
+        elif self.name in ("sgp", "osgp"):
+            sgp_peers(0, p, 0)
+        else:  # adpsgd: a progress thread per rank, and what its main thread shares with it
+            adpsgd_peer(0, p, 0)
+            first = max(0, self.first - self.warmup)  # exchanges before the trace: one per untimed step
+            self.versions = [0] * p  # models published
+            self.started = [first] * p  # exchanges begun (the next one's number)
+            self.done = [first] * p  # exchanges finished
+            self.frozen = [False] * p  # the main thread is in the final synchronize: begin nothing new
+            self.agreed: list[int | None] = [None] * p  # exchanges begun when frozen, then the agreed target
+            self.target: list[int | None] = [None] * p
+            self._changed = [self.env.event() for _ in range(p)]
 
     def _ended_global(self) -> bool:
         """Whether the last step was a global mean after the optimizer step, so finalize has nothing to do
@@ -360,6 +429,10 @@ class _Sim:
         if self.overlap and self.pending[rank] is not None:  # synchronize() / flush() collect it first
             j = self.pending[rank]
             yield self.coll.done(("round", j, tuple(range(self.p)) if self._is_sync(j) else self._group(rank, j)))
+        if self.name == "osgp" and self.inflight[rank] is not None:  # synchronize() drains the round in flight
+            yield self.inflight[rank]
+        if self.name == "adpsgd" and self.first + self.n > self.warmup:  # the thread runs: synchronize quiesces it
+            yield from self._adpsgd_quiesce(rank)
         if self.name != "allreduce" and not self._ended_global():
             yield self._global(("flush",), in_steps=False)  # the final flush: a blocking global mean (or eager's residual flush)
         yield self.coll.join(("barrier",), range(self.p), self.net.allreduce_s(self.p, 0.0), in_steps=False)
@@ -378,6 +451,8 @@ class _Sim:
             elif self.has_local and s % self.local_period == 0:
                 group = self.block[rank]
                 yield self.coll.join(("local", step, group), group, self.net.allreduce_s(len(group), self.nbytes))
+        elif name in GOSSIP_POLICIES:
+            yield from self._gossip(rank, step)
         else:  # wagma, eager: the main thread publishes, may trigger, and waits for its round's result
             k = self._round(step)
             sync = self._is_sync(k)
@@ -396,6 +471,98 @@ class _Sim:
                 self.pending[rank] = k  # not waited for: collected at the next step (wagma: a barrier sync at once)
                 return
             yield self.coll.done(("round", k, tuple(range(self.p)) if sync else self._group(rank, k)))
+
+    # -- the decentralized baselines -------------------------------------------------------------------------
+    def _message(self, key: Any, src: int, dst: int, me: int, in_steps: bool = True) -> simpy.Event:
+        """Post ``me``'s end (``src`` its send, ``dst`` its receive) of the message ``key`` of ``nbytes`` from ``src``
+        to ``dst``; the event fires when it has arrived. It travels once both ends are posted, taking ``nbytes / bw``
+        of ``src``'s link, then ``alpha`` (on shared cores: half of :meth:`Network.p2p_s` of CPU work at each end);
+        every cost times the ``comm_scale``."""
+        cost = self.net.p2p_s(self.nbytes)
+        if in_steps:
+            self.coll.nominal[me] += cost / 2
+        entry = self._messages.setdefault(key, [2, self.env.event()])
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._messages[key]
+            event, scale = entry[1], self.coll.scale
+            if self.shared:
+                work = cost * scale / 2
+                jobs = [self.cores.run(work) for _ in (src, dst)] if work > 0 else [self.env.timeout(0)]
+                self.env.all_of(jobs).callbacks.append(lambda _e: event.succeed())
+            else:
+                alpha = self.net.alpha_s * scale
+                sent = self.links[src].run(scale * self.nbytes / self.net.bandwidth_Bps)
+                sent.callbacks.append(
+                    lambda _e: self.env.timeout(alpha).callbacks.append(lambda _e2: event.succeed()))
+        return entry[1]
+
+    def _swap(self, tag: Any, rank: int, peer: int, in_steps: bool = True) -> list[simpy.Event]:
+        """``rank``'s ends of a pairwise exchange with ``peer``: its send to it and its receive from it."""
+        return [self._message((tag, rank, peer), rank, peer, rank, in_steps),
+                self._message((tag, peer, rank), peer, rank, rank, in_steps)]
+
+    def _gossip(self, rank: int, step: int) -> Generator[simpy.Event, Any, None]:
+        """A main thread's gossip at ``step`` (after the warm-up): D-PSGD, SGP and OSGP exchange, AD-PSGD publishes."""
+        if self.name == "adpsgd":  # publish a copy for the progress thread; never wait
+            self.versions[rank] += 1
+            self._notify(rank)
+            return
+        if self.name == "dpsgd":  # every neighbour, both ways, blocking
+            posted = [e for peer in self.neighbours[rank] for e in self._swap(("dpsgd", step), rank, peer)]
+        else:  # sgp, osgp: push to the round's two out-peers, receive from its two in-peers
+            r = step - self.warmup
+            out, into = sgp_peers(rank, self.p, r)
+            posted = ([self._message(("sgp", r, rank, o, j), rank, o, rank) for j, o in enumerate(out)]
+                      + [self._message(("sgp", r, i, rank, j), i, rank, rank) for j, i in enumerate(into)])
+        current = self.env.all_of(posted)
+        if self.name == "osgp":  # this round travels during the next local step; wait for the previous one's
+            previous, self.inflight[rank] = self.inflight[rank], current
+            if previous is not None:
+                yield previous
+            return
+        yield current
+
+    def _notify(self, rank: int) -> None:
+        """Wake ``rank``'s AD-PSGD thread and main thread (the condition variable's ``notify_all``)."""
+        event, self._changed[rank] = self._changed[rank], self.env.event()
+        event.succeed()
+
+    def _adpsgd_thread(self, rank: int) -> Generator[simpy.Event, Any, None]:
+        """AD-PSGD's progress thread (``ADPSGDAverager._run``): exchange k begins once the thread finished exchange
+        k - 1 and a model newer than the one that exchange used is published (or, in the final synchronize,
+        while k is below the agreed target: with the newest copy); it ends when the partner's end is there too."""
+        used = 0
+        while True:
+            target = self.target[rank]
+            k = self.started[rank]
+            if target is not None:
+                if k >= target:
+                    yield self._changed[rank]  # done: nothing more will wake it
+                    continue
+            elif self.frozen[rank] or self.versions[rank] <= used:
+                yield self._changed[rank]
+                continue
+            used = self.versions[rank]
+            self.started[rank] = k + 1
+            peer = adpsgd_peer(rank, self.p, k)
+            yield self.env.all_of(self._swap(("adpsgd", k), rank, peer, in_steps=not self.frozen[rank]))
+            self.done[rank] = k + 1
+            self._notify(rank)
+
+    def _adpsgd_quiesce(self, rank: int) -> Generator[simpy.Event, Any, None]:
+        """``ADPSGDAverager._quiesce``: freeze the thread, agree on the exchanges begun (an allreduce MAX of one
+        integer), let the thread finish exactly those."""
+        yield self.env.timeout(0)  # the thread, woken by the last step's publish, takes that copy first
+        self.frozen[rank] = True
+        self.agreed[rank] = self.started[rank]
+        yield self.coll.join(("agree",), range(self.p), self.net.allreduce_s(self.p, 8.0), in_steps=False)
+        target = max(a for a in self.agreed if a is not None)
+        self.versions[rank] += 1  # the flush's publish (the thread finishes with the newest copy, new or not)
+        self.target[rank] = target
+        self._notify(rank)
+        while self.done[rank] < target:
+            yield self._changed[rank]
 
     def _thread(self, rank: int) -> Generator[simpy.Event, Any, None]:
         """A progress thread: rounds in order, each after its lead permit and its activation."""
@@ -417,6 +584,8 @@ class _Sim:
             self.env.process(self._main(rank))
             if self.async_rounds:
                 self.env.process(self._thread(rank))
+            if self.name == "adpsgd":
+                self.env.process(self._adpsgd_thread(rank))
         self.env.run()
         total = self.env.now
         return SimResult(self.name, self.p, self.n, total, list(self.finish), list(self.wait), self.cores.total_work,
@@ -442,8 +611,8 @@ def simulate(
         options: the policy's ``averaging`` config (``name`` and its keys, as in ``configs/averaging/``).
         compute_s: ``(P, N)`` seconds each rank spends before its step's exchange (compute + injected delay)
             that take no shared core (with ``cpu_s``: the sleeps; without it: everything before the exchange).
-        network: the cost model of collectives and of a round's activation.
-        nbytes: bytes each allreduce carries (model or gradient size).
+        network: the cost model of collectives, of point-to-point messages and of a round's activation.
+        nbytes: bytes each allreduce carries (model or gradient size), and each gossip message (the model).
         first_step: the step index of column 0 (a trace measured after warm-up steps starts there, so
             that sync rounds fall where the library puts them).
         cpu_s: ``(P, N)`` seconds of CPU work each rank's main thread does after ``compute_s`` and before its
@@ -459,9 +628,10 @@ def simulate(
             for them (:attr:`SimResult.comm_s`, which the protocol alone sets).
 
     Raises:
-        ValueError: an unknown policy or wagma ``sync``, a trace that is not a non-negative ``(P, N)`` array
-            with N >= 1, CPU traces of another shape, ``cores <= 0``, or, with ``slice_s`` and finite ``cores``,
-            a slice that is not > 0 or a number of cores that is not whole.
+        ValueError: an unknown policy, wagma ``sync`` or dpsgd ``topology``, a gossip policy on fewer than 2
+            ranks (adpsgd: an odd number), a trace that is not a non-negative ``(P, N)`` array with N >= 1, CPU
+            traces of another shape, ``cores <= 0``, or, with ``slice_s`` and finite ``cores``, a slice that is not
+            > 0 or a number of cores that is not whole.
     """
     trace = _trace("compute_s", compute_s)
     cpu = None if cpu_s is None else _trace("cpu_s", cpu_s, trace.shape)

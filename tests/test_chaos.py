@@ -36,6 +36,10 @@ def test_a_frozen_rank_counts_as_named_only_when_a_survivor_says_it_did_not_arri
               "furthest behind: rank(s) [3]: rank 3 last seen in round 4")
     assert chaos.named(engine, _spec("SIGSTOP", 3)) and chaos.named(engine, _spec("SIGSTOP", 1))
     assert not chaos.named(engine, _spec("SIGSTOP", 0)) and not chaos.named(engine, _spec("SIGSTOP", 6))
+    gossip = "TimeoutError: SGPAverager: round 7: no model arrived from rank 3 within 5 s; rank 3 is slow, hung or gone"
+    assert chaos.named(gossip, _spec("SIGSTOP", 3)) and not chaos.named(gossip, _spec("SIGSTOP", 1))
+    handed = "ADPSGDAverager (progress thread): exchange 4: could not hand its model to rank 1 within 5 s"
+    assert chaos.named(handed, _spec("SIGSTOP", 1)) and not chaos.named(handed, _spec("SIGSTOP", 2))
     # torchrun's report of the survivor that raised first names that survivor, not the frozen rank.
     blamed = "  rank      : 2 (local_rank: 2)\n  exitcode  : 1 (pid: 9730)"
     assert not chaos.named(blamed, _spec("SIGSTOP", 2))

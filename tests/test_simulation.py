@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 from benchmarks import scale  # noqa: E402
-from benchmarks.simulate import Network, protocol_bound, simulate  # noqa: E402
+from benchmarks.simulate import Network, no_wait_ms, protocol_bound, simulate  # noqa: E402
+from wagma.averaging.gossip import exponential_neighbours, ring_neighbours, sgp_peers  # noqa: E402
 from wagma.engine import WaitAvoidingGroupAllreduce  # noqa: E402
 
 T = 0.1
@@ -255,7 +256,9 @@ def test_without_shared_cores_cpu_work_is_a_duration():
     for options in ({"name": "allreduce"}, {"name": "local_sgd", "period": 4},
                     {"name": "wagma", "group_size": 2, "sync_period": 10},
                     {"name": "wagma", "group_size": 4, "sync_period": 5, "sync": "wait_avoiding", "overlap": True},
-                    {"name": "eager_solo", "sync_period": 8, "warmup_iters": 2}):
+                    {"name": "eager_solo", "sync_period": 8, "warmup_iters": 2},
+                    {"name": "dpsgd", "topology": "exponential"}, {"name": "sgp"}, {"name": "osgp"},
+                    {"name": "adpsgd"}):
         split = simulate(options, T + delays, cpu_s=cpu, network=net, nbytes=1e6)
         joined = simulate(options, T + delays + cpu, network=net, nbytes=1e6)
         assert split.total_s == pytest.approx(joined.total_s, rel=1e-12), options
@@ -397,3 +400,225 @@ def test_wagma_overlap_hides_group_exchanges_shorter_than_a_step():
     eager_plain = simulate(eager, compute, network=net, nbytes=1e6)
     eager_overlap = simulate(eager | {"overlap": True}, compute, network=net, nbytes=1e6)
     assert eager_plain.total_s - eager_overlap.total_s > (n - 2 - 2) * global_s
+
+
+# -- the decentralized baselines: D-PSGD, SGP, OSGP, AD-PSGD ---------------------------------------------------------
+
+
+def _gossip_recurrence(c: np.ndarray, peers, alpha: float, overlap: bool, warmup: int = 0,
+                       first_step: int = 0) -> tuple[np.ndarray, float]:
+    """D-PSGD / SGP / OSGP as a plain max-plus recurrence (no SimPy), with messages of ``alpha`` seconds (no
+    bandwidth term) that travel once both ends are there: rank r arrives at step k at A[r, k]; its round's messages
+    with ``peers(r, round)`` are done at max(A[r, k], A[q, k] for q in peers) + alpha; blocking (D-PSGD, SGP), it
+    leaves then; with ``overlap`` (OSGP) it leaves at max(A[r, k], its previous round's done). Warm-up steps are
+    allreduces (2 (P - 1) alpha after the last arrival). Returns the leave times after the last step and the total
+    (OSGP's round in flight, then the global mean and the closing barrier, 2 (P - 1) alpha each)."""
+    p, n = c.shape
+    collective = 2 * (p - 1) * alpha
+    leave, in_flight = np.zeros(p), None
+    for i in range(n):
+        step = first_step + i
+        arrive = leave + c[:, i]
+        if step < warmup:
+            leave = np.full(p, arrive.max() + collective)
+            continue
+        done = np.array([max(arrive[q] for q in [r, *peers(r, step - warmup)]) + alpha for r in range(p)])
+        if overlap:
+            leave = arrive if in_flight is None else np.maximum(arrive, in_flight)
+            in_flight = done
+        else:
+            leave = done
+    end = leave if in_flight is None else np.maximum(leave, in_flight)
+    return leave, float(end.max()) + 2 * collective
+
+
+def _sgp_both(r: int, p: int, k: int) -> list[int]:
+    out, into = sgp_peers(r, p, k)
+    return out + into  # a rank waits for its sends (the receiver must post) as well as for its receives
+
+
+@pytest.mark.parametrize("p, seed, warmup, first_step", [(2, 0, 0, 0), (6, 1, 0, 0), (8, 2, 2, 1), (8, 3, 0, 4),
+                                                        (16, 4, 0, 0)])
+@pytest.mark.parametrize("alpha", [0.0, 2e-3])
+def test_gossip_matches_its_recurrence(p, seed, warmup, first_step, alpha):
+    """On random straggler traces with jitter, D-PSGD (ring and exponential), SGP and OSGP end exactly where their
+    recurrences say, per rank, with a zero network and with messages of alpha seconds."""
+    n = 30
+    rng = np.random.default_rng(seed)
+    c = T + _random_k_trace(p, n, k=max(1, p // 4), d=0.15, seed=seed) + rng.uniform(0, 0.02, (p, n))
+    net = Network(alpha_s=alpha)
+    cases = {
+        "dpsgd ring": ({"name": "dpsgd", "topology": "ring"}, lambda r, k: ring_neighbours(r, p), False),
+        "dpsgd exponential": ({"name": "dpsgd", "topology": "exponential"},
+                              lambda r, k: exponential_neighbours(r, p), False),
+        "sgp": ({"name": "sgp"}, lambda r, k: _sgp_both(r, p, k), False),
+        "osgp": ({"name": "osgp"}, lambda r, k: _sgp_both(r, p, k), True),
+    }
+    for what, (options, peers, overlap) in cases.items():
+        got = simulate(options | {"warmup_steps": warmup}, c, network=net, nbytes=1e6, first_step=first_step)
+        finish, total = _gossip_recurrence(c, peers, alpha, overlap, warmup, first_step)
+        assert got.finish_s == pytest.approx(finish.tolist(), abs=1e-12), what
+        assert got.total_s == pytest.approx(total, abs=1e-12), what
+
+
+@pytest.mark.parametrize("s, reached", [(7, {2, 4}), (6, {1, 2, 4, 5})])
+def test_dpsgd_ring_delay_spreads_one_hop_a_step(s, reached):
+    """Ring of 8, every step T, rank 3 late by d at step s of 8: its neighbours 2 and 4 wait d at step s, ranks 2 hops
+    away (1, 5) only at step s + 1, so with s = 7 (the last step) they finish on time and with s = 6 they finish d
+    late; the others never wait. Nobody waits for anybody else: no global barrier."""
+    p, n, d = 8, 8, 0.05
+    c = np.full((p, n), T)
+    c[3, s] += d
+    got = protocol_bound({"name": "dpsgd", "topology": "ring"}, T, c - T)
+    for r in range(p):
+        late = r == 3 or r in reached
+        assert got.finish_s[r] == pytest.approx(n * T + (d if late else 0.0)), r
+        assert got.wait_s[r] == pytest.approx(d if r in reached else 0.0), r
+    assert got.total_s == pytest.approx(n * T + d)
+
+
+@pytest.mark.parametrize("d", [0.5 * T, T])
+def test_osgp_tolerates_a_one_step_delay_that_sgp_does_not(d):
+    """P = 8, rank 3 late by d <= T at step 2 of 10, zero network: under SGP the delay reaches every rank (the
+    time-varying exponential graph spans 8 ranks in two rounds) and everybody ends d late; under OSGP a round's
+    messages are only waited for one step later, so nobody waits and only rank 3 ends late."""
+    p, n = 8, 10
+    delays = np.zeros((p, n))
+    delays[3, 2] = d
+    sgp = protocol_bound({"name": "sgp"}, T, delays)
+    assert sgp.finish_s == pytest.approx([n * T + d] * p)
+    osgp = protocol_bound({"name": "osgp"}, T, delays)
+    assert osgp.finish_s == pytest.approx([n * T + (d if r == 3 else 0.0) for r in range(p)])
+    assert osgp.wait_s == pytest.approx([0.0] * p)
+    assert osgp.total_s == pytest.approx(n * T + d)
+    # Two steps' delay is not absorbed: rank 3's round-2 peers (two out-peers, two in-peers) wait d - T at step 3.
+    delays[3, 2] = 2 * T
+    late = protocol_bound({"name": "osgp"}, T, delays)
+    out, into = sgp_peers(3, p, 2)
+    assert {r for r in range(p) if late.wait_s[r] > 1e-9} >= set(out + into)
+
+
+def test_adpsgd_main_threads_never_wait():
+    """AD-PSGD with a zero network on random straggler traces: every main thread ends its steps after exactly its
+    own compute (it only publishes), and the run ends with the slowest rank: the no-wait time."""
+    for p, seed in ((2, 0), (8, 1), (16, 2)):
+        delays = _random_k_trace(p, 25, k=2 if p > 2 else 1, seed=seed)
+        got = protocol_bound({"name": "adpsgd"}, T, delays)
+        assert got.finish_s == pytest.approx((T * 25 + delays.sum(axis=1)).tolist())
+        assert got.wait_s == [0.0] * p
+        assert got.ms_per_step == pytest.approx(no_wait_ms(T, delays))
+
+
+def test_adpsgd_flush_finishes_the_agreed_exchanges():
+    """P = 2 (rank 0 always meets rank 1), steps of 1 s, rank 1 late 2.5 s at step 0, messages of alpha = 0.1 s.
+    Rank 1's thread runs exchange k from its publish at k + 3.5; rank 0's thread begins exchange 0 at 1, exchange 1
+    at 3.6 and 2 at 4.6 (each once the previous one ended, with a newer copy), then its main thread ends at 5 and
+    freezes it. Rank 1 begins exchange 3 at 6.5 and is stuck in it; its main thread ends at 7.5. The agreement
+    (an allreduce of 2 alpha) ends at 7.7 with the target 4, so rank 0's thread runs exchange 3 then: 7.8; the global
+    mean and the barrier (2 alpha each) end the run at 8.2. Exchanges begun before a rank's flush count in comm_s."""
+    c = np.full((2, 5), 1.0)
+    c[1, 0] += 2.5
+    got = simulate({"name": "adpsgd"}, c, network=Network(alpha_s=0.1))
+    assert got.finish_s == pytest.approx([5.0, 7.5])
+    assert got.total_s == pytest.approx(8.2)
+    assert got.comm_s == pytest.approx([0.3, 0.4])
+    # A balanced run: the last exchange (begun at the last publish) outlasts the agreement; the flush waits for it.
+    p, n = 4, 6
+    net = Network(alpha_s=1e-3, bandwidth_Bps=1e8)
+    got = simulate({"name": "adpsgd"}, np.full((p, n), T), network=net, nbytes=1e6)
+    exchange = net.p2p_s(1e6)
+    assert exchange > net.allreduce_s(p, 8.0)
+    assert got.total_s == pytest.approx(n * T + exchange + net.allreduce_s(p, 1e6) + net.allreduce_s(p, 0.0))
+    assert got.comm_s == pytest.approx([n * exchange] * p)
+
+
+def test_gossip_messages_share_their_senders_link():
+    """Aligned ranks, alpha = 1 ms, 10 ms per model message alone: a rank sending the model to d peers at once needs
+    d times 10 ms (its injection bandwidth is shared), so a step costs T + alpha + d n / bw: d = 2 on a ring and for
+    SGP's two out-peers, 5 on the exponential graph of 8 (±1, ±2, 4). OSGP hides it behind the next step (all but
+    the round in flight at the end). Ring of 4, rank 1 late by 50 ms: rank 3's exchanges start at once and end
+    alpha + 2 n / bw later; rank 1's two messages share its link when it arrives, so it and its neighbours, who
+    receive them, end alpha + 2 n / bw after it."""
+    n, nbytes = 6, 1e6
+    net = Network(alpha_s=1e-3, bandwidth_Bps=1e8)
+    one = nbytes / net.bandwidth_Bps
+    for options, p, d in (({"name": "dpsgd"}, 4, 2), ({"name": "dpsgd", "topology": "exponential"}, 8, 5),
+                          ({"name": "sgp"}, 8, 2), ({"name": "sgp"}, 2, 2)):
+        got = simulate(options, np.full((p, n), T), network=net, nbytes=nbytes)
+        assert got.finish_s == pytest.approx([n * (T + net.alpha_s + d * one)] * p), (options, p)
+        assert got.comm_s == pytest.approx([n * d * net.p2p_s(nbytes)] * p), (options, p)
+    flush = net.allreduce_s(8, nbytes) + net.allreduce_s(8, 0.0)
+    osgp = simulate({"name": "osgp"}, np.full((8, n), T), network=net, nbytes=nbytes)
+    assert osgp.total_s == pytest.approx(n * T + net.alpha_s + 2 * one + flush)
+    c = np.full((4, 1), T)
+    c[1, 0] += 0.05
+    got = simulate({"name": "dpsgd"}, c, network=net, nbytes=nbytes)
+    assert got.finish_s == pytest.approx([T + 0.05 + net.alpha_s + 2 * one] * 3 + [T + net.alpha_s + 2 * one])
+
+
+@pytest.mark.parametrize("p, cores", [(4, 2), (8, 2)])
+def test_gossip_on_shared_cores(p, cores):
+    """Aligned ranks sharing cores (no imbalance): D-PSGD's exchanges are CPU work in the step, alpha for each of the
+    two pairwise exchanges of every rank, so a step takes T + (P / cores) (c + 2 alpha) (the global mean and the
+    barrier after); AD-PSGD's exchanges run on its threads during the next sleep, so its main threads pay only
+    their own CPU."""
+    n, c, alpha = 5, 0.004, 0.001
+    net = Network(alpha_s=alpha)
+    stretch = p / cores
+    compute, cpu = np.full((p, n), T), np.full((p, n), c)
+    dpsgd = simulate({"name": "dpsgd"}, compute, cpu_s=cpu, network=net, cores=cores)
+    collective = 2 * (p - 1) * alpha
+    assert dpsgd.total_s == pytest.approx(n * (T + stretch * (c + 2 * alpha)) + 2 * stretch * collective)
+    assert dpsgd.comm_s == pytest.approx([n * 2 * alpha] * p)
+    assert dpsgd.cpu_work_s == pytest.approx(p * n * (c + 2 * alpha) + 2 * p * collective)
+    adpsgd = simulate({"name": "adpsgd"}, compute, cpu_s=cpu, network=net, cores=cores)
+    assert adpsgd.finish_s == pytest.approx([n * (T + stretch * c)] * p)
+    assert adpsgd.wait_s == [0.0] * p
+
+
+@pytest.mark.parametrize("p", [4, 8, 16])
+def test_gossip_bounds_lie_between_the_no_wait_time_and_allreduce(p):
+    """On random straggler traces no gossip protocol's bound is above DDP's (each waits for a subset of the ranks
+    DDP waits for) nor below the no-wait time; OSGP's is never above SGP's; AD-PSGD's is the no-wait time."""
+    for seed in range(4):
+        delays = _random_k_trace(p, 24, k=max(1, p // 8), seed=seed) * (1 + np.random.default_rng(seed).random())
+        ddp = protocol_bound({"name": "allreduce"}, T, delays).ms_per_step
+        floor = no_wait_ms(T, delays)
+        got = {name: protocol_bound(options, T, delays).ms_per_step for name, options in (
+            ("dpsgd", {"name": "dpsgd"}), ("dpsgd exponential", {"name": "dpsgd", "topology": "exponential"}),
+            ("sgp", {"name": "sgp"}), ("osgp", {"name": "osgp"}), ("adpsgd", {"name": "adpsgd"}))}
+        for name, ms in got.items():
+            assert floor - 1e-9 <= ms <= ddp + 1e-9, (name, seed)
+        assert got["osgp"] <= got["sgp"] + 1e-9
+        assert got["adpsgd"] == pytest.approx(floor)
+        assert got["dpsgd"] < ddp  # on these traces waiting for neighbours only is strictly better
+
+
+def test_gossip_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="dpsgd's topology must be one of"):
+        simulate({"name": "dpsgd", "topology": "torus"}, np.ones((4, 2)))
+    with pytest.raises(ValueError, match="world must be even"):
+        simulate({"name": "adpsgd"}, np.ones((3, 2)))
+    for name in ("dpsgd", "sgp", "osgp", "adpsgd"):
+        with pytest.raises(ValueError, match="at least 2 ranks"):
+            simulate({"name": name}, np.ones((1, 2)))
+
+
+def test_paper_setting_simulates_the_gossip_presets():
+    """scale.py's paper setting takes the gossip baselines from configs/averaging/ and simulates them at P = 64
+    (AD-PSGD needs an even P); the report sets WAGMA beside the fastest of them."""
+    from benchmarks.scale_report import _versus
+
+    policies = scale.paper_policies()
+    assert {"dpsgd", "sgp", "osgp", "adpsgd"} <= set(scale.POLICIES) <= set(policies)
+    assert policies["dpsgd"]["topology"] == "ring"
+    delays = scale._delays(64, 2, 6, 0.32, 0)
+    net = Network(3e-6, 1e10)
+    records = []
+    for name in ("wagma", "dpsgd", "sgp", "osgp", "adpsgd"):
+        ms = simulate(policies[name], 0.35 + delays, network=net, nbytes=1.024e8).ms_per_step
+        assert ms >= no_wait_ms(0.35, delays) - 1e-9, name
+        records.append({"policy": name, "world_size": 64, "scenario": "random_k2", "simulated_ms": ms})
+    best = min(records[1:], key=lambda r: r["simulated_ms"])
+    want = f"{best['simulated_ms'] / records[0]['simulated_ms']:.2f} ({best['policy']})"
+    assert _versus(records, records[:1], list(scale.DECENTRALIZED)) == want
