@@ -105,16 +105,46 @@ def _cell_name(key: tuple[str, str, int, str, float]) -> str:
     return f"{dataset}/{model} P={world} {scenario}" + (f" quota {cpus:g}" if cpus else "")
 
 
+def accuracy_at(curve: list[dict[str, float]] | None, time_s: float) -> float | None:
+    """The test accuracy a run had reached ``time_s`` seconds into training: its last evaluation at or before then
+    (None without a curve or before its first evaluation)."""
+    if not curve:
+        return None
+    reached = [p["accuracy"] for p in curve if p.get("accuracy") is not None and p["time_s"] <= time_s + 1e-9]
+    return reached[-1] if reached else None
+
+
+def equal_time_accuracies(records: list[dict[str, Any]]) -> dict[int, float | None]:
+    """Per record (by index): its accuracy at the equal wall time of its (cell, seed) invocation, the training time
+    of the policy that finished first there (so that every policy of the invocation had run that long)."""
+    out: dict[int, float | None] = {}
+    groups: dict[tuple[Any, int], list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault((cell_key(r), r["seed"]), []).append(i)
+    for members in groups.values():
+        ends = [records[i]["accuracy_curve"][-1]["time_s"] for i in members if records[i].get("accuracy_curve")]
+        for i in members:
+            out[i] = accuracy_at(records[i].get("accuracy_curve"), min(ends)) if ends else None
+        for i in members:
+            records[i]["equal_time_s"] = min(ends) if ends else None
+    return out
+
+
 def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per cell and policy: the median final accuracy over the seeds beside DDP's, and the gap of the medians.
 
     A policy's failed run (no accuracy) is counted in ``missing`` and its median is over the seeds that ran.
     """
     out: list[dict[str, Any]] = []
+    for i, accuracy in equal_time_accuracies(records).items():  # stored with the records, beside their curves
+        records[i]["equal_time_accuracy"] = accuracy
     for key in dict.fromkeys(cell_key(r) for r in records):
         mine = [r for r in records if cell_key(r) == key]
         ddp = [r["final_accuracy"] for r in mine if r["policy"] == BASELINE and r["final_accuracy"] is not None]
         ddp_median = statistics.median(ddp) if ddp else None
+        ddp_eq = [r["equal_time_accuracy"] for r in mine
+                  if r["policy"] == BASELINE and r.get("equal_time_accuracy") is not None]
+        ddp_eq_median = statistics.median(ddp_eq) if ddp_eq else None
         for policy in dict.fromkeys(r["policy"] for r in mine):
             runs = [r for r in mine if r["policy"] == policy]
             accs = [r["final_accuracy"] for r in runs if r["final_accuracy"] is not None]
@@ -136,6 +166,10 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "max_staleness": max(
                     (r["staleness_max"] for r in runs if r.get("staleness_max") is not None), default=None),
                 "median_fresh_fraction": med("fresh_fraction"),
+                "median_equal_time_accuracy": med("equal_time_accuracy"),
+                "equal_time_gap_points": None if med("equal_time_accuracy") is None or ddp_eq_median is None
+                else _points(ddp_eq_median - med("equal_time_accuracy")),
+                "median_equal_time_s": med("equal_time_s"),
             })
     return out
 
@@ -198,7 +232,10 @@ def _markdown(result: dict[str, Any]) -> str:
         "seed) is one `benchmarks/run.py` invocation, every policy on the same data, model, seed and delays. Accuracy: "
         "the median over the seeds of the final test accuracy; gap = DDP's median minus the policy's (points; "
         "negative: the policy was better); x DDP: median samples/s ratio to DDP in the same invocation; staleness: "
-        "median of the runs' mean (max over the runs) as the policy reports it; fresh: median fresh fraction.",
+        "median of the runs' mean (max over the runs) as the policy reports it; fresh: median fresh fraction. "
+        "At equal time: each run's test accuracy at its last evaluation within the training time of the invocation's "
+        "first policy to finish (median over the seeds; gap to DDP's at that time), where the records carry "
+        "accuracy curves.",
         "",
         "At a glance: per policy and cell, the median gap to DDP (points) / median samples/s x DDP (DDP's row: its",
         "median accuracy):",
@@ -207,16 +244,20 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         "Every cell:",
         "",
-        "| cell | policy | seeds | accuracy | gap | x DDP | staleness (max) | fresh |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| cell | policy | seeds | accuracy | gap | x DDP | staleness (max) | fresh | at equal time (gap) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         seeds = ",".join(str(x) for x in c["seeds"]) + (f" (failed: {c['missing']})" if c["missing"] else "")
         gap = "" if c["policy"] == BASELINE else _num(c["gap_points"], "+.2f")
         stale = "–" if c["median_staleness"] is None else f"{c['median_staleness']:.2f} ({c['max_staleness']})"
+        eq = c.get("median_equal_time_accuracy")
+        eq_text = "–" if eq is None else f"{100 * eq:.2f}" + (
+            "" if c["policy"] == BASELINE or c.get("equal_time_gap_points") is None
+            else f" ({c['equal_time_gap_points']:+.2f})")
         lines.append(
             f"| {c['cell']} | {c['policy']} | {seeds} | {_num(c['median_accuracy'], '.2f', 100)} | {gap} | "
-            f"{_num(c['median_ddp_ratio'], '.2f')} | {stale} | {_num(c['median_fresh_fraction'], '.2f')} |")
+            f"{_num(c['median_ddp_ratio'], '.2f')} | {stale} | {_num(c['median_fresh_fraction'], '.2f')} | {eq_text} |")
     lines += ["", "Staleness of every contribution (rounds; WAGMA: group rounds, eager-SGD: gradient rounds), summed over "
               "the seeds whose records carry a histogram:", "", staleness_distribution(result["records"])]
     lines += ["", f"Largest median gap per policy over the cells (tolerance {s['tolerance']:g} point):", ""]
@@ -402,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "samples_per_s": (rec or {}).get("samples_per_s"), "ddp_ratio": (rec or {}).get("ddp_ratio"),
                 "staleness": mean_stale, "staleness_max": max_stale, "fresh_fraction": stats.get("fresh_fraction"),
                 "staleness_hist": (rec or {}).get("staleness_hist"), "commit": commit,
+                "accuracy_curve": (rec or {}).get("accuracy_curve"),
                 "reason": (rec or {}).get("reason"),
             })
         out = write()

@@ -214,6 +214,29 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
     assert accuracy.validated_staleness([{"gap_points": 1.5, "max_run_staleness": 1.24}], 1.0) is None
 
 
+def test_accuracy_at_equal_wall_time_is_each_run_at_the_first_finisher_s_training_time():
+    def rec(seed, policy, curve):
+        return {"dataset": "mnist", "model": "cnn", "world_size": 8, "scenario": "random_k1", "rank_cpus": 0.0,
+                "seed": seed, "policy": policy, "final_accuracy": curve[-1][1], "samples_per_s": 1.0, "ddp_ratio": 1.0,
+                "staleness": None, "staleness_max": None, "fresh_fraction": None,
+                "accuracy_curve": [{"step": 100 * (i + 1), "time_s": t, "accuracy": a} for i, (t, a) in enumerate(curve)]}
+
+    records = [rec(0, "allreduce", [(10.0, 0.90), (20.0, 0.96)]),  # slow: 20 s for the whole run
+               rec(0, "fast", [(4.0, 0.85), (8.0, 0.93)]),  # first to finish: the equal time is 8 s
+               rec(0, "late", [(9.0, 0.80), (18.0, 0.95)]),  # no evaluation by 8 s
+               rec(1, "allreduce", [(5.0, 0.91), (12.0, 0.95)]), rec(1, "fast", [(6.0, 0.94)])]
+    assert accuracy.accuracy_at(records[0]["accuracy_curve"], 10.0) == 0.90
+    assert accuracy.accuracy_at(records[0]["accuracy_curve"], 9.99) is None and accuracy.accuracy_at(None, 5.0) is None
+    cells = accuracy.summarize_cells(records)
+    by = {c["policy"]: c for c in cells}
+    assert [r["equal_time_accuracy"] for r in records] == [None, 0.93, None, 0.91, 0.94]
+    assert [r["equal_time_s"] for r in records] == [8.0, 8.0, 8.0, 6.0, 6.0]
+    assert by["fast"]["median_equal_time_accuracy"] == pytest.approx(0.935)  # seeds 0 and 1
+    assert by["allreduce"]["median_equal_time_accuracy"] == 0.91  # seed 0 had no evaluation by then
+    assert by["fast"]["equal_time_gap_points"] == pytest.approx(-2.5) and by["late"]["equal_time_gap_points"] is None
+    assert by["fast"]["median_accuracy"] == pytest.approx(0.935)  # the final accuracies are untouched
+
+
 def test_every_shipped_preset_held_its_accuracy_in_the_committed_grid_and_carries_its_bound():
     # Issue 28: a preset ships only with the evidence. Every configs/averaging/*.yaml (not reference/, not a
     # `baseline: true` one) is in the
