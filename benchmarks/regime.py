@@ -95,7 +95,8 @@ __all__ = ["hidden_width", "main", "parse_args", "resimulate", "run_reps", "shar
 
 IN_DIM, CLASSES = 64, 10  # the synthetic MLP's input and output sizes (digits-like)
 SCENARIOS: tuple[str, ...] = ("random_k1", "random_k2", "persistent", "heavy_tail")
-POLICIES: tuple[str, ...] = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority")
+POLICIES: tuple[str, ...] = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority",
+                             "dpsgd", "sgp", "osgp", "adpsgd")
 QUICK = {"worlds": [4], "scenarios": ["random_k1"], "steps": 14, "warmup": 3, "reps": 1, "compute_ms": 20.0}
 FULL = {"worlds": [4, 8, 16], "scenarios": list(SCENARIOS), "steps": 36, "warmup": 3, "reps": 3, "compute_ms": 100.0}
 KEY = ("scenario", "policy", "world_size", "params", "compute_ms")

@@ -3,6 +3,8 @@
 # else running: the ranks share the cores, and the numbers are wall-clock times), from the repository root:
 #
 #     bash benchmarks/regime_campaign.sh          # 39 min on the 2-core CI machine (measured on ccd9d76, quiet)
+#                                                 (before the four gossip baselines joined the default policies of
+#                                                 its grid; they add their own runs to it)
 #
 # It writes benchmarks/results/regime/: regime.json.xz, regime.md, regime_*.png (the measurements), then
 # benchmarks/results/simulation/: simulation.json, simulation.md, simulation_*.png (the simulator validated against

@@ -39,8 +39,10 @@ __all__ = [
 
 POLICIES: tuple[str, ...] = (
     "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
+    "dpsgd", "sgp", "osgp", "adpsgd",
 )
-"""The policies of issue 5, in the order tables and plots show them; ``allreduce`` is plain DDP."""
+"""The policies of issue 5 and the decentralized baselines of issue 29, in the order tables and plots show them;
+``allreduce`` is plain DDP."""
 
 BASELINE = "allreduce"
 """The policy every ratio is taken against (synchronous SGD, DDP's allreduce)."""
