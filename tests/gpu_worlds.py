@@ -1,7 +1,8 @@
 """Multi-rank checks on CUDA tensors: gloo ranks sharing one GPU stand in for a multi-GPU world.
 
-The engine (its progress thread on a CUDA side stream, ordered by events), WagmaAverager and the
-eager-SGD partial hook under DDP run the same checks as their CPU tests, with every rank's tensors on
+The engine (its progress thread on a CUDA side stream, ordered by events), WagmaAverager, the
+eager-SGD partial hook under DDP and the gossip averagers (their sends and receives staged through the host, as
+gloo needs) run the same checks as their CPU tests, with every rank's tensors on
 the GPU (``wagma.testing.rank_device``). Ranks are forked, and a forked child can use CUDA only if its
 parent never initialised it, so this runs as a script in a fresh interpreter:
 
@@ -27,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the test modules (their check_* functions), and wagma
 
 import test_engine  # noqa: E402
+import test_gossip  # noqa: E402
 import test_partial_hook  # noqa: E402
 import test_wagma_averager  # noqa: E402
 import torch  # noqa: E402
@@ -43,6 +45,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "partial_equals_allreduce": test_partial_hook.check_equals_plain_allreduce,
     "partial_carries_late_solo": lambda d: test_partial_hook.check_late_gradients_carried("solo", d),
     "partial_carries_late_majority": lambda d: test_partial_hook.check_late_gradients_carried("majority", d),
+    "dpsgd_mixing": lambda d: test_gossip.check_dpsgd_mixing(4, "ring", d),
+    "osgp_push_sum": lambda d: test_gossip.check_push_sum(4, True, d),
 }
 
 

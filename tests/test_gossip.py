@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import wagma.averaging.gossip as gossip_module
 from wagma.averaging import ADPSGDAverager, DPSGDAverager, SGPAverager
 from wagma.averaging.adpsgd import adpsgd_peer
 from wagma.averaging.gossip import exponential_neighbours, ring_neighbours, sgp_peers
-from wagma.testing import run_workers, run_workers_outcomes
+from wagma.testing import rank_device, run_workers, run_workers_outcomes
 
 TIMEOUT_S = 10.0
 N = 7  # model size (two tensors: 4 + 3)
@@ -32,17 +33,17 @@ def _delta(rank: int, step: int) -> torch.Tensor:
     return torch.full((N,), 0.01 * (rank + 1) * (step % 3 - 1), dtype=torch.float64) + 0.001 * step
 
 
-def _params(rank: int) -> list[torch.Tensor]:
-    x = _initial(rank)
+def _params(rank: int, device: str = "cpu") -> list[torch.Tensor]:
+    x = _initial(rank).to(rank_device(device, rank))
     return [x[:4].clone(), x[4:].clone()]
 
 
 def _flat(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.reshape(-1) for p in params])
+    return torch.cat([p.reshape(-1) for p in params]).cpu()
 
 
 def _local_step(params: list[torch.Tensor], rank: int, step: int) -> None:
-    d = _delta(rank, step)
+    d = _delta(rank, step).to(params[0].device)
     params[0].add_(d[:4])
     params[1].add_(d[4:])
 
@@ -122,10 +123,23 @@ def _sgp_reference(world: int, steps: int, overlap: bool) -> tuple[torch.Tensor,
 
 @pytest.mark.parametrize("world,topology", [(2, "ring"), (5, "ring"), (8, "exponential")])
 def test_dpsgd_is_its_mixing_matrix_and_keeps_the_mean(world, topology):
+    check_dpsgd_mixing(world, topology)
+
+
+def test_exchanges_staged_through_host_buffers_give_the_same_rounds():
+    # gloo sends and receives CPU tensors only, so CUDA tensors on a gloo group travel through host copies. Here
+    # every CPU tensor is treated so: each receive lands in a host buffer that wait() copies into its tensor.
+    check_dpsgd_mixing(4, "ring", staged=True)
+
+
+def check_dpsgd_mixing(world: int, topology: str, device: str = "cpu", staged: bool = False) -> None:
+    """D-PSGD's rounds are its mixing matrix, exactly, and keep the mean (``device="cuda"``: tests/gpu_worlds.py)."""
     steps = 5
 
     def worker(rank, world_size):
-        params = _params(rank)
+        if staged:  # in the forked worker only
+            gossip_module._Exchange._staged = lambda self, tensor: True
+        params = _params(rank, device)
         averager = DPSGDAverager(topology, timeout=TIMEOUT_S)
         for step in range(steps):
             _local_step(params, rank, step)
@@ -182,10 +196,15 @@ def test_dpsgd_without_local_steps_contracts_the_consensus_distance_as_its_matri
 
 @pytest.mark.parametrize("world,overlap", [(2, True), (3, False), (4, False), (4, True), (8, True)])
 def test_push_sum_matches_the_protocol_and_conserves_numerators_and_weights(world, overlap):
+    check_push_sum(world, overlap)
+
+
+def check_push_sum(world: int, overlap: bool, device: str = "cpu") -> None:
+    """SGP / OSGP follow the push-sum protocol exactly and conserve Σx and Σw (``device="cuda"``: gpu_worlds.py)."""
     steps = 6
 
     def worker(rank, world_size):
-        params = _params(rank)
+        params = _params(rank, device)
         averager = SGPAverager(overlap=overlap, timeout=TIMEOUT_S)
         for step in range(steps):
             _local_step(params, rank, step)

@@ -89,31 +89,42 @@ def sgp_peers(rank: int, world_size: int, round_: int) -> tuple[list[int], list[
 
 
 class _Exchange:
-    """Point-to-point sends and receives started together and waited for with a deadline, each naming its peer."""
+    """Point-to-point sends and receives started together and waited for with a deadline, each naming its peer.
+
+    gloo sends and receives CPU tensors only: CUDA tensors on a gloo group travel through host copies (a receive
+    lands in a host buffer and is copied into its tensor by :meth:`wait`). NCCL takes them as they are.
+    """
 
     def __init__(
         self, owner: str, round_: int, group: dist.ProcessGroup, timeout: datetime.timedelta, unit: str = "round"
     ) -> None:
         self.owner, self.round, self.group, self.timeout, self.unit = owner, round_, group, timeout, unit
-        self._works: list[tuple[str, int, Any, torch.Tensor]] = []
+        self._works: list[tuple[str, int, Any, torch.Tensor, torch.Tensor | None]] = []
+        self._host_only = dist.get_backend(group) == "gloo"
+
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        return self._host_only and tensor.device.type != "cpu"
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Start sending ``tensor`` (kept alive until :meth:`wait`) to group rank ``peer``."""
         dst = dist.get_global_rank(self.group, peer)
+        wire = tensor.cpu() if self._staged(tensor) else tensor
         try:
-            work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+            work = dist.isend(wire, dst=dst, group=self.group, tag=tag)
         except RuntimeError as err:  # the connection is already gone
             raise self._timeout("send", peer, err) from err
-        self._works.append(("send", peer, work, tensor))
+        self._works.append(("send", peer, work, wire, None))
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        """Start receiving into ``tensor`` from group rank ``peer``."""
+        """Start receiving into ``tensor`` from group rank ``peer`` (filled by :meth:`wait`)."""
         src = dist.get_global_rank(self.group, peer)
+        staged = self._staged(tensor)
+        wire = torch.empty(tensor.shape, dtype=tensor.dtype) if staged else tensor
         try:
-            work = dist.irecv(tensor, src=src, group=self.group, tag=tag)
+            work = dist.irecv(wire, src=src, group=self.group, tag=tag)
         except RuntimeError as err:
             raise self._timeout("recv", peer, err) from err
-        self._works.append(("recv", peer, work, tensor))
+        self._works.append(("recv", peer, work, wire, tensor if staged else None))
 
     def wait(self) -> float:
         """Wait for every transfer (receives first); return the seconds waited.
@@ -125,7 +136,7 @@ class _Exchange:
         start = time.perf_counter()
         deadline = start + self.timeout.total_seconds()
         works, self._works = sorted(self._works, key=lambda w: w[0] != "recv"), []
-        for kind, peer, work, _ in works:
+        for kind, peer, work, wire, target in works:
             left = datetime.timedelta(seconds=max(0.001, deadline - time.perf_counter()))
             try:
                 ok = work.wait(left)
@@ -133,6 +144,8 @@ class _Exchange:
                 raise self._timeout(kind, peer, err) from err
             if ok is False:
                 raise self._timeout(kind, peer, None)
+            if target is not None:
+                target.copy_(wire)  # a receive staged through the host
         return time.perf_counter() - start
 
     def _timeout(self, kind: str, peer: int, err: BaseException | None) -> Exception:
