@@ -114,20 +114,18 @@ def accuracy_at(curve: list[dict[str, float]] | None, time_s: float) -> float | 
     return reached[-1] if reached else None
 
 
-def equal_time_accuracies(records: list[dict[str, Any]]) -> dict[int, float | None]:
-    """Per record (by index): its accuracy at the equal wall time of its (cell, seed) invocation, the training time
-    of the policy that finished first there (so that every policy of the invocation had run that long)."""
-    out: dict[int, float | None] = {}
-    groups: dict[tuple[Any, int], list[int]] = {}
-    for i, r in enumerate(records):
-        groups.setdefault((cell_key(r), r["seed"]), []).append(i)
+def equal_time_accuracies(records: list[dict[str, Any]]) -> None:
+    """Store in every record its ``equal_time_s``, the training time of the first policy of its (cell, seed)
+    invocation to finish (every policy there had run that long), and its ``equal_time_accuracy`` then."""
+    groups: dict[tuple[Any, int], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((cell_key(r), r["seed"]), []).append(r)
     for members in groups.values():
-        ends = [records[i]["accuracy_curve"][-1]["time_s"] for i in members if records[i].get("accuracy_curve")]
-        for i in members:
-            out[i] = accuracy_at(records[i].get("accuracy_curve"), min(ends)) if ends else None
-        for i in members:
-            records[i]["equal_time_s"] = min(ends) if ends else None
-    return out
+        ends = [r["accuracy_curve"][-1]["time_s"] for r in members if r.get("accuracy_curve")]
+        equal_s = min(ends) if ends else None
+        for r in members:
+            r["equal_time_s"] = equal_s
+            r["equal_time_accuracy"] = None if equal_s is None else accuracy_at(r.get("accuracy_curve"), equal_s)
 
 
 def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,8 +134,7 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     A policy's failed run (no accuracy) is counted in ``missing`` and its median is over the seeds that ran.
     """
     out: list[dict[str, Any]] = []
-    for i, accuracy in equal_time_accuracies(records).items():  # stored with the records, beside their curves
-        records[i]["equal_time_accuracy"] = accuracy
+    equal_time_accuracies(records)  # stored with the records, beside their curves
     for key in dict.fromkeys(cell_key(r) for r in records):
         mine = [r for r in records if cell_key(r) == key]
         ddp = [r["final_accuracy"] for r in mine if r["policy"] == BASELINE and r["final_accuracy"] is not None]
@@ -166,9 +163,8 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "max_staleness": max(
                     (r["staleness_max"] for r in runs if r.get("staleness_max") is not None), default=None),
                 "median_fresh_fraction": med("fresh_fraction"),
-                "median_equal_time_accuracy": med("equal_time_accuracy"),
-                "equal_time_gap_points": None if med("equal_time_accuracy") is None or ddp_eq_median is None
-                else _points(ddp_eq_median - med("equal_time_accuracy")),
+                "median_equal_time_accuracy": (eq := med("equal_time_accuracy")),
+                "equal_time_gap_points": None if eq is None or ddp_eq_median is None else _points(ddp_eq_median - eq),
                 "median_equal_time_s": med("equal_time_s"),
             })
     return out

@@ -103,15 +103,24 @@ def new_timeout_group(ranks: Sequence[int] | None, timeout: datetime.timedelta) 
 _created = itertools.count()  # the same sequence on every rank: group creation is collective and ordered
 
 
+def store_barrier(store: dist.Store, key: str, world: int, timeout: datetime.timedelta) -> None:
+    """Wait until ``world`` callers have reached ``key`` on ``store`` (a counter, then a release key).
+
+    Raises:
+        torch.distributed.DistStoreError: if they did not all arrive within ``timeout``.
+    """
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", "1")  # the last rank to arrive releases the others
+    store.wait([f"{key}/all"], timeout)
+
+
 def _wait_until_all_created(index: int, timeout: datetime.timedelta) -> None:
     """Store barrier over the default group: every rank has returned from creating group ``index``."""
     store = dist.distributed_c10d._get_default_store()
     world = dist.get_world_size()
     key = f"wagma/groups/{index}"
-    if store.add(key, 1) == world:
-        store.set(f"{key}/all", "1")  # the last rank to arrive releases the others
     try:
-        store.wait([f"{key}/all"], timeout)
+        store_barrier(store, key, world, timeout)
     except dist.DistStoreError as err:
         raise TimeoutError(
             f"new_timeout_group: expected all {world} ranks to create process group #{index} within "

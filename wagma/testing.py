@@ -108,9 +108,9 @@ def _child(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         # Gloo connects the default group inside init; a rank whose fn returns at once must not exit while a
         # slower rank is still connecting ("Connection closed by peer" there), so all wait until all are in.
-        if store.add("initialized", 1) == world_size:
-            store.set("all_initialized", "1")
-        store.wait(["all_initialized"], timeout)
+        from wagma.groups import store_barrier  # noqa: PLC0415 - after the fork, as torch above
+
+        store_barrier(store, "initialized", world_size, timeout)
         value = fn(rank, world_size, *args)
         payload = ("ok", value)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
