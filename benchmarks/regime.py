@@ -62,10 +62,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import resource
 import shlex
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -110,10 +112,11 @@ def hidden_width(params: int) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
 
 
-def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5) -> tuple[list[float], list[float]]:
-    """Wall-clock times and CPU times (every thread of this process) of ``repeats`` allreduces of ``n`` floats over
-    the default group (all ranks call it) by ``reduce``, after one untimed."""
-    buf, times, cpu = torch.zeros(n), [], []
+def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5,
+                 device: torch.device | None = None) -> tuple[list[float], list[float]]:
+    """Wall-clock times and CPU times (every thread of this process) of ``repeats`` allreduces of ``n`` floats (on
+    ``device``, default CPU) over the default group (all ranks call it) by ``reduce``, after one untimed."""
+    buf, times, cpu = torch.zeros(n, device=device), [], []
     reduce(buf)
     for _ in range(repeats):
         dist.barrier()
@@ -124,12 +127,13 @@ def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5
     return times, cpu
 
 
-def _calibrate(nparams: int, transport: str) -> dict[str, Any]:
-    """Allreduce times (wall-clock and CPU) of 1 float and of the model, through the run's transport (gloo, or shared
-    memory: what its policies' collectives go through); a shared segment lives only as long as this call."""
+def _calibrate(nparams: int, transport: str, device: torch.device) -> dict[str, Any]:
+    """Allreduce times (wall-clock and CPU) of 1 float and of the model on ``device``, through the run's transport
+    (gloo, or shared memory: what its policies' collectives go through); a shared segment lives only as long as this
+    call."""
     reduce = SharedMemoryAllreduce(None, nparams).all_reduce if transport == "shm" else dist.all_reduce
-    small, small_cpu = _allreduce_s(1, reduce)
-    large, large_cpu = _allreduce_s(nparams, reduce)
+    small, small_cpu = _allreduce_s(1, reduce, device=device)
+    large, large_cpu = _allreduce_s(nparams, reduce, device=device)
     return {"allreduce_small_s": small, "allreduce_model_s": large, "allreduce_small_cpu_s": small_cpu,
             "allreduce_model_cpu_s": large_cpu, "nparams": nparams}
 
@@ -138,25 +142,33 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, An
     """One rank of one world (forked by :func:`wagma.testing.run_workers`): every repetition in turn, each
     with a fresh policy, optimizer and delay trace (imbalance seed = repetition); returns their traces."""
     torch.manual_seed(rank)
-    net = MLP((IN_DIM,), CLASSES, hidden=[spec["hidden"]] * 2)
+    device = torch.device(spec["device"])
+    if device.type == "cuda":  # every rank on GPU rank % count: with one GPU, all ranks share it (through gloo)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    net = MLP((IN_DIM,), CLASSES, hidden=[spec["hidden"]] * 2).to(device)
     gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(spec["batch_size"], IN_DIM, generator=gen)
-    y = torch.randint(0, CLASSES, (spec["batch_size"],), generator=gen)
+    x = torch.randn(spec["batch_size"], IN_DIM, generator=gen).to(device)
+    y = torch.randint(0, CLASSES, (spec["batch_size"],), generator=gen).to(device)
     with torch.no_grad():
         for tensor in net.state_dict().values():
             dist.broadcast(tensor, src=0)
     nparams = sum(p.numel() for p in net.parameters())
-    network = _calibrate(nparams, str(spec["averaging"].get("transport", "default")))
+    network = _calibrate(nparams, str(spec["averaging"].get("transport", "default")), device)
     # When the last gradient of the current backward pass was accumulated, and the main thread's CPU time then
-    # (backward runs on the calling thread on CPU).
-    ready = [0.0, 0.0]
+    # (backward runs on the calling thread on CPU; on CUDA autograd's device thread runs it, whose CPU clock is not
+    # the main thread's: None then, and the step's CPU split falls back to the main thread's own spans).
+    ready: list[float | None] = [0.0, 0.0]
+    main_thread = threading.get_ident()
 
     def mark(_q: torch.Tensor) -> None:
-        ready[0], ready[1] = time.perf_counter(), time.thread_time()
+        ready[0] = time.perf_counter()
+        ready[1] = time.thread_time() if threading.get_ident() == main_thread else None
 
     hooks = [q.register_post_accumulate_grad_hook(mark) for q in net.parameters()]
     try:
-        return [_repetition(rank, world_size, spec, rep, net, (x, y), ready) | network for rep in range(spec["reps"])]
+        return [_repetition(rank, world_size, spec, rep, net, (x, y), ready, device) | network
+                for rep in range(spec["reps"])]
     finally:
         for hook in hooks:
             hook.remove()
@@ -169,10 +181,15 @@ def _cpu_s() -> float:
 
 
 def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net: torch.nn.Module,
-                batch: tuple[torch.Tensor, torch.Tensor], ready: list[float]) -> dict[str, Any]:
-    """One timed repetition on this rank: warm-up, barrier, timed steps, finalize, barrier."""
+                batch: tuple[torch.Tensor, torch.Tensor], ready: list[float | None],
+                device: torch.device) -> dict[str, Any]:
+    """One timed repetition on this rank: warm-up, barrier, timed steps, finalize, barrier.
+
+    On CUDA the step waits for the GPU after the backward pass and after the optimizer step, so that the
+    spans measure finished work; the gradient hook's mark is then the time the last gradient was queued."""
     x, y = batch
-    policy = build_policy(spec["averaging"], rank=rank, world_size=world_size, device=torch.device("cpu"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    policy = build_policy(spec["averaging"], rank=rank, world_size=world_size, device=device)
     try:
         model = policy.wrap(net)
         optimizer = build_optimizer(spec["optim"], net.parameters())
@@ -191,13 +208,17 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
             optimizer.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()  # DDP and the eager hook communicate in here, after the last gradient is ready
+            sync()
             policy.before_step(optimizer, step)
             t2, c2 = time.perf_counter(), time.thread_time()
             optimizer.step()
+            sync()
             t3, c3 = time.perf_counter(), time.thread_time()
             policy.after_step(optimizer, step)
+            sync()
             t4, c4 = time.perf_counter(), time.thread_time()
             if inject:  # the trace the simulator replays: sleeps, and the real compute without any waiting
+                ready_cpu = c2 if ready[1] is None else ready[1]
                 slept.append(delay)
                 pre.append(t1 - t0)
                 real.append((ready[0] - t1) + (t3 - t2))
@@ -205,8 +226,8 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
                 # averaging before and after the optimizer step (copies, store calls, waiting for results).
                 averaging.append((t2 - ready[0]) + (t4 - t3))
                 # The same two spans in the main thread's CPU time: the work, without waiting or being descheduled.
-                compute_cpu.append((ready[1] - c1) + (c3 - c2))
-                averaging_cpu.append((c2 - ready[1]) + (c4 - c3))
+                compute_cpu.append((ready_cpu - c1) + (c3 - c2))
+                averaging_cpu.append((c2 - ready_cpu) + (c4 - c3))
 
         for step in range(warmup):
             one_step(step, inject=False)
@@ -230,6 +251,7 @@ def _spec(cfg: Any, args: argparse.Namespace, params: int) -> dict[str, Any]:
         "averaging": group_options(cfg, "averaging"), "imbalance": group_options(cfg, "imbalance"),
         "optim": group_options(cfg, "optim"), "compute_ms": args.compute_ms, "hidden": hidden_width(params),
         "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "reps": args.reps,
+        "device": args.device,
     }
 
 
@@ -388,6 +410,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transport", choices=("default", "shm"), default="default",
                    help="averaging.transport of every policy that has one (allreduce, wagma, eager): shm moves the "
                         "CPU collectives through shared memory instead of gloo's sockets; the others keep gloo")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model, its gradients and the averaged buffers live; cuda: rank r on GPU "
+                        "r %% device_count() (ranks share one GPU through gloo); records carry the device")
     p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results[/quick])")
     p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
     p.add_argument("--no-report", action="store_true", help="write regime.json only")
@@ -404,6 +429,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.out = ROOT / ("benchmarks/results/quick" if args.quick else "benchmarks/results/regime")
     if args.compute_ms <= 0 or args.steps < 1 or args.warmup < 2 or args.reps < 1 or min(args.worlds) < 1:
         p.error("need --compute-ms > 0, --steps >= 1, --warmup >= 2 (DDP rebuilds buckets), --reps >= 1, worlds >= 1")
+    if args.device == "cuda" and args.transport == "shm":
+        p.error("--transport shm moves host memory: it cannot carry CUDA tensors (use --transport default)")
+    if args.device == "cuda" and not (args.report_only or args.resimulate):
+        # Ask NVML, not the CUDA runtime: this process forks the ranks and must not initialise CUDA itself.
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        if not torch.cuda.is_available():
+            p.error("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
     args.params = [int(v) for v in args.params]
     args.policies = [sc.BASELINE] + [q for q in dict.fromkeys(args.policies) if q != sc.BASELINE]
     return args
@@ -450,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     invocation = len(result["invocations"])
     settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
                                              "warmup", "reps", "batch_size", "activation_ms", "extra", "transport",
-                                             "slice_s")}
+                                             "slice_s", "device")}
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
     started = time.perf_counter()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
@@ -460,7 +492,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     ddp_ms = None
                     for policy in args.policies:
                         key = dict(zip(KEY, (scenario, policy, world, params, args.compute_ms)))
-                        cfg, reason = _compose(policy, scenario, world, args.compute_ms, args.extra, args.transport)
+                        cfg, reason = _compose(policy, scenario, world, args.compute_ms, args.extra, args.transport,
+                                               args.device)
                         rec: dict[str, Any] = key | {"status": "ok", "invocation": invocation, "steps": args.steps}
                         reps: list[dict[str, Any]] = []
                         try:
@@ -473,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             rec |= summarize(reps)
                             rec["params_actual"] = reps[0]["params_actual"]
                             rec["transport"] = str(cfg.averaging.get("transport", "default"))
+                            rec["device"] = args.device
                         except (WorkerError, ValueError, OSError) as exc:
                             rec |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[-3000:]}
                         if policy == sc.BASELINE and rec["status"] == "ok":
@@ -523,11 +557,11 @@ def resimulate(result: dict[str, Any], slice_s: float | None = None, measured_sl
 
 
 def _compose(policy: str, scenario: str, world: int, compute_ms: float, extra: Sequence[str],
-             transport: str) -> tuple[Any, str | None]:
+             transport: str, device: str = "cpu") -> tuple[Any, str | None]:
     """``policy``'s config for one world of the grid (inside ``initialize_config_dir``), with the scenario's
     imbalance, the ``--set`` overrides and the transport for policies that have the key; or None and the reason
     the policy cannot run there."""
-    base = ["device=cpu", *sc.SCENARIO_TABLE[scenario].overrides(compute_ms / 1e3, world), *extra]
+    base = [f"device={device}", *sc.SCENARIO_TABLE[scenario].overrides(compute_ms / 1e3, world), *extra]
     cfg, reason = sc.resolve_policy(policy, lambda o: compose("config", overrides=o), ROOT / "configs", world, base)
     if cfg is not None and "transport" in cfg.averaging:
         cfg.averaging.transport = transport
@@ -537,7 +571,7 @@ def _compose(policy: str, scenario: str, world: int, compute_ms: float, extra: S
 def _averaging_options(rep: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The averaging options ``rep``'s run had, composed as :func:`main` composed them."""
     cfg, reason = _compose(rep["policy"], rep["scenario"], rep["world_size"], settings["compute_ms"],
-                           settings["extra"], settings.get("transport", "default"))
+                           settings["extra"], settings.get("transport", "default"), settings.get("device", "cpu"))
     if cfg is None:
         raise ValueError(f"cannot compose the options of {rep['policy']!r} again: {reason}")
     return group_options(cfg, "averaging")

@@ -86,17 +86,31 @@ struct BF16 {
     static __device__ __forceinline__ u16 store(float f) { return f32_to_bf16_rne(f); }
 };
 
-// 64-bit indices: flat model buffers can exceed 2^31 elements.
-#define GRID_STRIDE_LOOP(i, n)                                                   \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
-         i += (long long)blockDim.x * gridDim.x)
+// Grid-stride loops with 64-bit indices (flat model buffers can exceed 2^31 elements), WAGMA_ILP
+// elements per thread and trip, `stride` apart (so a warp's accesses stay coalesced). Each kernel loads
+// all WAGMA_ILP elements of a trip before it stores any: several independent loads in flight per thread
+// (the kernels are memory-bound), with no __restrict__, so in-place calls (w == group_sum) stay exact.
+// WAGMA_FOR_EACH(k, j) runs its body for the trip's k-th element j, skipping j >= n.
+#define WAGMA_ILP 4
+#ifdef WAGMA_HOST_EMULATION
+#define WAGMA_UNROLL
+#else
+#define WAGMA_UNROLL _Pragma("unroll")
+#endif
+#define GRID_STRIDE_TRIPS(i, stride, n)                                                    \
+    const long long stride = (long long)blockDim.x * gridDim.x;                            \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += WAGMA_ILP * stride)
+#define WAGMA_FOR_EACH(k, j, i, stride, n) \
+    WAGMA_UNROLL for (int k = 0; k < WAGMA_ILP; ++k) if (const long long j = (i) + k * (stride); j < (n))
 
 // WAGMA combine: w = (w + group_sum) * inv_divisor, in place.
 template <class D>
 __device__ __forceinline__ void combine(typename D::T* w, const typename D::T* sum, float inv_divisor,
                                         long long n) {
-    GRID_STRIDE_LOOP(i, n) {
-        w[i] = D::store(mul_rn(add_rn(D::load(w[i]), D::load(sum[i])), inv_divisor));
+    GRID_STRIDE_TRIPS(i, stride, n) {
+        float a[WAGMA_ILP], b[WAGMA_ILP];
+        WAGMA_FOR_EACH(k, j, i, stride, n) { a[k] = D::load(w[j]); b[k] = D::load(sum[j]); }
+        WAGMA_FOR_EACH(k, j, i, stride, n) { w[j] = D::store(mul_rn(add_rn(a[k], b[k]), inv_divisor)); }
     }
 }
 
@@ -105,13 +119,20 @@ template <class D>
 __device__ __forceinline__ void momentum(typename D::T* anchor, typename D::T* velocity,
                                          const typename D::T* average, float mu, float lr,
                                          int nesterov, long long n) {
-    GRID_STRIDE_LOOP(i, n) {
-        const float a = D::load(anchor[i]);
-        const float d = sub_rn(D::load(average[i]), a);
-        const float v = add_rn(mul_rn(mu, D::load(velocity[i])), d);
-        const float step = nesterov ? add_rn(mul_rn(mu, v), d) : v;
-        velocity[i] = D::store(v);
-        anchor[i] = D::store(add_rn(a, mul_rn(lr, step)));
+    GRID_STRIDE_TRIPS(i, stride, n) {
+        float a[WAGMA_ILP], x[WAGMA_ILP], u[WAGMA_ILP];
+        WAGMA_FOR_EACH(k, j, i, stride, n) {
+            a[k] = D::load(anchor[j]);
+            x[k] = D::load(average[j]);
+            u[k] = D::load(velocity[j]);
+        }
+        WAGMA_FOR_EACH(k, j, i, stride, n) {
+            const float d = sub_rn(x[k], a[k]);
+            const float v = add_rn(mul_rn(mu, u[k]), d);
+            const float step = nesterov ? add_rn(mul_rn(mu, v), d) : v;
+            velocity[j] = D::store(v);
+            anchor[j] = D::store(add_rn(a[k], mul_rn(lr, step)));
+        }
     }
 }
 
@@ -119,27 +140,36 @@ __device__ __forceinline__ void momentum(typename D::T* anchor, typename D::T* v
 template <class D>
 __device__ __forceinline__ void residual_take(typename D::T* residual, typename D::T* out,
                                               long long n) {
-    GRID_STRIDE_LOOP(i, n) {
-        out[i] = residual[i];  // a bit copy: no rounding
-        residual[i] = 0;       // all-zero bits are +0.0 in every storage type
+    GRID_STRIDE_TRIPS(i, stride, n) {
+        typename D::T r[WAGMA_ILP];
+        WAGMA_FOR_EACH(k, j, i, stride, n) { r[k] = residual[j]; }
+        WAGMA_FOR_EACH(k, j, i, stride, n) {
+            out[j] = r[k];     // a bit copy: no rounding
+            residual[j] = 0;   // all-zero bits are +0.0 in every storage type
+        }
     }
 }
 
 template <class D>
 __device__ __forceinline__ void residual_take_add(typename D::T* residual, const typename D::T* grad,
                                                   typename D::T* out, long long n) {
-    GRID_STRIDE_LOOP(i, n) {
-        const float r = D::load(residual[i]);
-        out[i] = D::store(add_rn(r, D::load(grad[i])));
-        residual[i] = 0;
+    GRID_STRIDE_TRIPS(i, stride, n) {
+        float r[WAGMA_ILP], g[WAGMA_ILP];
+        WAGMA_FOR_EACH(k, j, i, stride, n) { r[k] = D::load(residual[j]); g[k] = D::load(grad[j]); }
+        WAGMA_FOR_EACH(k, j, i, stride, n) {
+            out[j] = D::store(add_rn(r[k], g[k]));
+            residual[j] = 0;
+        }
     }
 }
 
 template <class D>
 __device__ __forceinline__ void residual_accumulate(typename D::T* residual, const typename D::T* grad,
                                                     long long n) {
-    GRID_STRIDE_LOOP(i, n) {
-        residual[i] = D::store(add_rn(D::load(residual[i]), D::load(grad[i])));
+    GRID_STRIDE_TRIPS(i, stride, n) {
+        float r[WAGMA_ILP], g[WAGMA_ILP];
+        WAGMA_FOR_EACH(k, j, i, stride, n) { r[k] = D::load(residual[j]); g[k] = D::load(grad[j]); }
+        WAGMA_FOR_EACH(k, j, i, stride, n) { residual[j] = D::store(add_rn(r[k], g[k])); }
     }
 }
 
@@ -172,9 +202,17 @@ WAGMA_INSTANTIATE(bf16, BF16)
 
 // Low-precision exchange: fp32 -> bf16 (round to nearest even) and bf16 -> fp32 times scale.
 extern "C" __global__ void wagma_pack_bf16(const float* src, u16* dst, long long n) {
-    GRID_STRIDE_LOOP(i, n) { dst[i] = f32_to_bf16_rne(src[i]); }
+    GRID_STRIDE_TRIPS(i, stride, n) {
+        float x[WAGMA_ILP];
+        WAGMA_FOR_EACH(k, j, i, stride, n) { x[k] = src[j]; }
+        WAGMA_FOR_EACH(k, j, i, stride, n) { dst[j] = f32_to_bf16_rne(x[k]); }
+    }
 }
 
 extern "C" __global__ void wagma_unpack_bf16(const u16* src, float* dst, float scale, long long n) {
-    GRID_STRIDE_LOOP(i, n) { dst[i] = mul_rn(bf16_to_f32(src[i]), scale); }
+    GRID_STRIDE_TRIPS(i, stride, n) {
+        u16 x[WAGMA_ILP];
+        WAGMA_FOR_EACH(k, j, i, stride, n) { x[k] = src[j]; }
+        WAGMA_FOR_EACH(k, j, i, stride, n) { dst[j] = mul_rn(bf16_to_f32(x[k]), scale); }
+    }
 }

@@ -504,3 +504,24 @@ def test_a_rank_that_starts_late_does_not_fail_a_group_with_a_short_timeout(tmp_
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "rank 0: sum 2" in proc.stdout and "rank 1: sum 2" in proc.stdout
+
+
+def test_the_launch_config_fits_torch_versions_with_and_without_a_shutdown_timeout(monkeypatch):
+    # torch 2.11 (the GPU machine's) has no LaunchConfig.shutdown_timeout; 2.13 has. Found on the first GPU run:
+    # `python train.py` failed there with "unexpected keyword argument 'shutdown_timeout'".
+    import dataclasses as dc
+
+    from torch.distributed.launcher import api
+
+    from wagma.app import run
+
+    config = run._launch_config(2, 1)
+    assert (config.nproc_per_node, config.max_restarts, config.start_method) == (2, 1, "spawn")
+    if "shutdown_timeout" in {f.name for f in dc.fields(api.LaunchConfig)}:
+        assert config.shutdown_timeout == int(run.STOP_GRACE_S)
+    fields = [(f.name, f.type, f) for f in dc.fields(api.LaunchConfig) if f.name != "shutdown_timeout"]
+    older = dc.make_dataclass("LaunchConfig", [(n, t, dc.field(default=f.default, default_factory=f.default_factory))
+                                               for n, t, f in fields])
+    monkeypatch.setattr(api, "LaunchConfig", older)
+    config = run._launch_config(3, 0)
+    assert type(config) is older and config.nproc_per_node == 3

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 from benchmarks import regime, results_io  # noqa: E402
@@ -141,6 +142,18 @@ def test_transport_shm_reaches_the_policies_that_have_it(tmp_path):
         ("allreduce", "ok", "shm"), ("eager_solo", "ok", "shm"), ("local_sgd", "ok", "default"),
     ]
     assert result["invocations"][0]["settings"]["transport"] == "shm"
+    assert {r["device"] for r in result["records"]} == {"cpu"}
+    assert result["invocations"][0]["settings"]["device"] == "cpu"
+
+
+def test_device_cuda_is_refused_clearly_without_a_gpu_or_with_shm(capsys):
+    with pytest.raises(SystemExit):
+        regime.parse_args(["--device", "cuda", "--transport", "shm"])
+    assert "--transport shm moves host memory: it cannot carry CUDA tensors" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            regime.parse_args(["--device", "cuda"])
+        assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_an_override_a_policy_lacks_fails_that_policy_only():

@@ -17,8 +17,8 @@ kernel and reference agree bit for bit. CuPy is imported once, lazily, on the fi
 :func:`backend` call, never at ``import wagma``. Kernels are compiled with ``cupy.RawModule`` on first
 use and cached per (kernel, dtype, device); a compile failure (e.g. no NVRTC on the host) warns once
 and falls back to torch. Kernels launch on torch's current CUDA stream (wrapped for CuPy with
-``cupy.cuda.Stream.from_external``, or ``ExternalStream`` on CuPy < 14) and read the tensors' memory
-through DLPack (no copies), so they are ordered with surrounding torch work like any torch op.
+``cupy.cuda.Stream.from_external``, or ``ExternalStream`` on CuPy < 14) and get the tensors' device
+addresses (no copies, no DLPack views), so they are ordered with surrounding torch work like any torch op.
 
 Shipping the ``.cu`` sources. They live once, in the repository's top-level ``cuda/`` folder;
 ``pyproject.toml`` maps the package ``wagma._cuda`` onto that folder, so the wheel carries them as
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 SOURCE_FILE = "averaging.cu"
-# dtype -> kernel name suffix; 16-bit types cross to CuPy as int16 views (CuPy has no bfloat16).
+# dtype -> kernel name suffix (16-bit values are raw `unsigned short` in the kernels: CuPy has no bfloat16).
 KERNEL_DTYPES: dict[torch.dtype, str] = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _BLOCK = 256
 _BLOCKS_PER_SM = 8  # 8 x 256 threads fill an SM on sm_80/sm_90; the grid-stride loop covers the rest
@@ -305,7 +305,9 @@ def _launch(name: str, args: tuple[Any, ...], n: int) -> bool:
         # torch's current stream: the kernel is ordered after the torch ops that produced its inputs,
         # and the caching allocator's stream bookkeeping stays valid for the tensors it touches.
         with _cupy_stream(cp, torch.cuda.current_stream(index), index):
-            kernel_args = tuple(cp.from_dlpack(_bits(a)) if isinstance(a, Tensor) else a for a in args)
+            # A tensor crosses as its device address (a 64-bit value, what the kernel's pointer parameter holds):
+            # DLPack views would cost several microseconds per tensor and call, which small buffers notice.
+            kernel_args = tuple(np.uint64(a.data_ptr()) if isinstance(a, Tensor) else a for a in args)
             kernel((grid,), (_BLOCK,), kernel_args + (np.int64(n),))
     return True
 
@@ -317,12 +319,6 @@ def _cupy_stream(cp: Any, stream: torch.cuda.Stream, index: int) -> Any:
     if from_external is not None and hasattr(stream, "__cuda_stream__"):
         return from_external(stream)
     return cp.cuda.ExternalStream(stream.cuda_stream, index)
-
-
-def _bits(t: Tensor) -> Tensor:
-    """A view CuPy can import: detached (DLPack refuses tensors that require grad), 16-bit as int16."""
-    t = t.detach()
-    return t.view(torch.int16) if t.element_size() == 2 else t
 
 
 # ----------------------------------------------------------------------------------------------

@@ -88,10 +88,14 @@ def _launch_config(nproc: int, max_restarts: int) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    options: dict[str, Any] = {}
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        # torch >= 2.12: the agent's grace between SIGTERM and SIGKILL; before, its fixed 30 s.
+        options["shutdown_timeout"] = int(STOP_GRACE_S)
     return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.1,
-        start_method="spawn", logs_specs=DefaultLogsSpecs(), shutdown_timeout=int(STOP_GRACE_S),
+        start_method="spawn", logs_specs=DefaultLogsSpecs(), **options,
     )
 
 
