@@ -57,14 +57,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-group", type=int, default=2, help="group size S (default 2)")
     p.add_argument("--engine-rounds", type=int, default=200, help="rounds per rank (default 200)")
     p.add_argument("--engine-numel", default="1e6", help="elements of the averaged buffer (default 1e6)")
+    p.add_argument("--ilp", default=None, metavar="LIST",
+                   help="instead of the comparison: the kernels alone, recompiled with each WAGMA_ILP (loads in flight "
+                        "per thread) of the comma-separated LIST, interleaved over --ilp-rounds rounds, against copy")
+    p.add_argument("--ilp-rounds", type=int, default=3, help="rounds of the --ilp sweep (default 3)")
     args = p.parse_args(argv)
     if args.reps < 20:
         p.error(f"--reps must be >= 20, got {args.reps}")
     try:
         args.size_list = [int(float(s)) for s in args.sizes.split(",") if s.strip()]
         args.engine_numel = int(float(args.engine_numel))
+        args.ilp_list = [int(v) for v in args.ilp.split(",")] if args.ilp else []
     except ValueError:
         p.error(f"--sizes and --engine-numel must be numbers, got {args.sizes!r} and {args.engine_numel!r}")
+    if any(v < 1 for v in args.ilp_list) or args.ilp_rounds < 1:
+        p.error(f"--ilp values and --ilp-rounds must be >= 1, got {args.ilp!r} and {args.ilp_rounds}")
     if args.engine_world < 1 or args.engine_group < 1 or args.engine_world % args.engine_group:
         p.error(f"--engine-group must divide --engine-world, got {args.engine_group} and {args.engine_world}")
     return args
@@ -165,6 +172,60 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def ilp_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each kernel's bandwidth with the source recompiled at every WAGMA_ILP of ``args.ilp_list``, the variants
+    interleaved round by round (so drift of the clock or the machine hits them alike), beside a copy; one row per
+    (round, ilp, kernel, size)."""
+    import tempfile  # noqa: PLC0415
+
+    source = (kernels.cuda_source_dir() / kernels.SOURCE_FILE).read_text()
+    if "#ifdef WAGMA_ILP" not in source:
+        raise SystemExit(f"--ilp: {kernels.SOURCE_FILE} no longer reads WAGMA_ILP; update benchmarks/gpu.py")
+    dtype, rows = getattr(torch, args.dtype), []
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {}
+        for ilp in args.ilp_list:
+            dirs[ilp] = Path(tmp) / f"ilp{ilp}"
+            dirs[ilp].mkdir()
+            (dirs[ilp] / kernels.SOURCE_FILE).write_text(f"#define WAGMA_ILP {ilp}\n" + source)
+        real_dir = kernels.cuda_source_dir
+        try:
+            for n in args.size_list:
+                work = cases(n, dtype)
+                src, dst = torch.randn(n, device="cuda", dtype=dtype), torch.empty(n, device="cuda", dtype=dtype)
+                for round_ in range(args.ilp_rounds):
+                    copy_s = median_seconds(lambda: dst.copy_(src), args.reps, args.warmup)
+                    for ilp in args.ilp_list:
+                        kernels.cuda_source_dir = lambda d=dirs[ilp]: d  # type: ignore[assignment]
+                        kernels._modules.clear()
+                        kernels._kernels.clear()
+                        for name, bytes_per_elem, fns in work:
+                            t = median_seconds(fns["wagma"], args.reps, args.warmup)
+                            rows.append({"round": round_, "ilp": ilp, "kernel": name, "n": n,
+                                         "wagma_gbs": bytes_per_elem * n / t / 1e9,
+                                         "copy_gbs": 2 * src.element_size() * n / copy_s / 1e9})
+                del work, src, dst
+                torch.cuda.empty_cache()
+        finally:
+            kernels.cuda_source_dir = real_dir  # type: ignore[assignment]
+            kernels._modules.clear()
+            kernels._kernels.clear()
+    return rows
+
+
+def ilp_markdown(rows: list[dict[str, Any]]) -> str:
+    """Median over rounds of each kernel's share of copy bandwidth, one column per WAGMA_ILP."""
+    ilps = sorted({r["ilp"] for r in rows})
+    lines = ["| kernel | n | " + " | ".join(f"ILP {v}: / copy" for v in ilps) + " |", "|" + "---|" * (len(ilps) + 2)]
+    for kernel, n in dict.fromkeys((r["kernel"], r["n"]) for r in rows):
+        cells = []
+        for v in ilps:
+            ratios = [r["wagma_gbs"] / r["copy_gbs"] for r in rows if (r["kernel"], r["n"], r["ilp"]) == (kernel, n, v)]
+            cells.append(f"{statistics.median(ratios):.0%} ({min(ratios):.0%}-{max(ratios):.0%})")
+        lines.append(f"| {kernel} | {n:.0e} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The results as a markdown table (GB/s, and wagma's share of copy bandwidth)."""
     cols = ["wagma", "eager", "compile"]
@@ -188,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here")
     engine = None
-    if not args.no_engine:
+    if not args.no_engine and not args.ilp_list:
         print(f"engine: {args.engine_world} ranks, S={args.engine_group}, {args.engine_numel:,d} elements, "
               f"{args.engine_rounds} rounds on CUDA tensors", file=sys.stderr)
         engine = engine_latency.measure(args.engine_world, args.engine_group, args.engine_rounds,
@@ -203,8 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     if kernels.backend() != "cupy":
         print("warning: wagma.kernels.backend() is 'torch' (CuPy missing or disabled): the 'wagma' column "
               "measures the torch fallback, not the CUDA kernels", file=sys.stderr)
-    rows = run(args)
-    table = markdown(rows)
+    if args.ilp_list:
+        rows = ilp_sweep(args)
+        table = ilp_markdown(rows)
+    else:
+        rows = run(args)
+        table = markdown(rows)
     print(table)
     if args.out is not None:
         report = {

@@ -340,3 +340,17 @@ def test_a_kernel_that_breaks_is_caught(emulated, monkeypatch, tmp_path):
     K.wagma_combine_(w, s, 4.0)
     assert torch.equal(w, torch.full((300,), 4.0))  # (1 + 3) without the division: the mutant ran
     assert not torch.equal(w, K.wagma_combine_ref(torch.ones(300), s, 4.0))
+
+
+@pytest.mark.parametrize("ilp", [1, 2, 3, 8])
+def test_every_loads_in_flight_setting_equals_the_reference(emulated, monkeypatch, tmp_path, ilp):
+    # benchmarks/gpu.py --ilp recompiles the source with another WAGMA_ILP: each must stay exact, including the
+    # trips that end past n and a grid small enough to wrap (257 elements, one SM: 8 blocks of 256 threads).
+    source = (K.cuda_source_dir() / K.SOURCE_FILE).read_text()
+    assert "#ifdef WAGMA_ILP" in source, "benchmarks/gpu.py --ilp defines WAGMA_ILP before the source: update both"
+    (tmp_path / K.SOURCE_FILE).write_text(f"#define WAGMA_ILP {ilp}\n" + source)
+    monkeypatch.setattr(K, "cuda_source_dir", lambda: tmp_path)
+    for sms, n in [(1, 257), (1, 5_000), (132, 100_003)]:
+        emulated.sms = sms
+        for case, dtype in CASE_DTYPES:
+            _compare_with_reference(case, dtype, n, "cpu")
