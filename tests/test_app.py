@@ -49,7 +49,8 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
         assert key in cfg
     assert cfg.device == "auto"
     assert set(_options("imbalance")) == {"none", "random_k", "persistent", "heavy_tail"}
-    assert set(_options("model")) == {"mlp", "cnn"} and set(_options("data")) == {"digits", "mnist"}
+    assert set(_options("model")) == {"mlp", "cnn", "transformer"}
+    assert set(_options("data")) == {"digits", "mnist", "sequences"}
     assert set(_options("optim")) == {"sgd", "adam"}
     assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo (issue 28)
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
@@ -62,13 +63,15 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
 # Every averaging option and experiment preset is composed, validated and built in tests/test_policies.py.
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g) if g != "averaging"])
 def test_every_config_option_composes_validates_and_builds(group, option):
-    cfg = _compose(f"{group}={option}")
+    # Token data and the Transformer come as a pair (each alone is refused: test_data_and_model_must_match).
+    pair = {"sequences": "model=transformer", "transformer": "data=sequences"}.get(option)
+    cfg = _compose(f"{group}={option}", *([pair] if pair else []))
     assert cfg[group].name == option
     validate_config(cfg, 4)
     data = group_options(cfg, "data")
-    ds = load_dataset(data["name"], seed=cfg.seed, test_fraction=data["test_fraction"])
+    ds = load_dataset(data.pop("name"), seed=cfg.seed, test_fraction=data.pop("test_fraction"), **data)
     model_cfg = group_options(cfg, "model")
-    model = build_model(model_cfg.pop("name"), ds.in_shape, ds.num_classes, **model_cfg)
+    model = build_model(model_cfg.pop("name"), ds.in_shape, ds.num_classes, **model_cfg, **ds.model_options())
     assert model(ds.x_test[:5]).shape == (5, ds.num_classes)
     assert isinstance(build_optimizer(group_options(cfg, "optim"), model.parameters()), torch.optim.Optimizer)
     for rank in range(4):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from wagma.app.data import DATASET_INFO, KNOWN_DATASETS, BatchIterator, Dataset, load_dataset, train_split_size
+from wagma.app.data import DATASET_INFO, IMAGE_DATASETS, BatchIterator, Dataset, load_dataset, train_split_size
 
 
 def _indexed_dataset(n: int) -> Dataset:
@@ -34,7 +34,7 @@ def test_shard_rejects_bad_rank():
         ds.shard(0, 11)
 
 
-@pytest.mark.parametrize("name", KNOWN_DATASETS)
+@pytest.mark.parametrize("name", IMAGE_DATASETS)
 def test_split_shapes_and_normalisation(name):
     ds = load_dataset(name, seed=0)
     n, in_shape, classes = DATASET_INFO[name]

