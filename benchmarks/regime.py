@@ -90,6 +90,7 @@ from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
 from wagma.app.models import MLP  # noqa: E402
 from wagma.app.policies import build_policy  # noqa: E402
+from wagma.app.quota import RankQuota, check_rank_cpus, remove_job_cgroups  # noqa: E402
 from wagma.shm import SharedMemoryAllreduce  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 
@@ -140,7 +141,18 @@ def _calibrate(nparams: int, transport: str, device: torch.device) -> dict[str, 
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """One rank of one world (forked by :func:`wagma.testing.run_workers`): every repetition in turn, each
-    with a fresh policy, optimizer and delay trace (imbalance seed = repetition); returns their traces."""
+    with a fresh policy, optimizer and delay trace (imbalance seed = repetition); returns their traces. With
+    ``rank_cpus`` the rank first joins a CPU cgroup of its own, capped at that many CPUs (every thread: gloo's, the
+    progress threads), and leaves it when done."""
+    quota = RankQuota(spec["rank_cpus"], job=spec["quota_job"], rank=rank) if spec.get("rank_cpus") else None
+    try:
+        return _rank_traces(rank, world_size, spec)
+    finally:
+        if quota is not None:
+            quota.leave()
+
+
+def _rank_traces(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     torch.manual_seed(rank)
     device = torch.device(spec["device"])
     if device.type == "cuda":  # every rank on GPU rank % count: with one GPU, all ranks share it (through gloo)
@@ -251,7 +263,7 @@ def _spec(cfg: Any, args: argparse.Namespace, params: int) -> dict[str, Any]:
         "averaging": group_options(cfg, "averaging"), "imbalance": group_options(cfg, "imbalance"),
         "optim": group_options(cfg, "optim"), "compute_ms": args.compute_ms, "hidden": hidden_width(params),
         "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "reps": args.reps,
-        "device": args.device,
+        "device": args.device, "rank_cpus": args.rank_cpus, "quota_job": f"regime-{os.getpid()}",
     }
 
 
@@ -260,7 +272,11 @@ def run_reps(cfg: Any, args: argparse.Namespace, world: int, params: int) -> lis
     ideal, bound and simulated ms/step."""
     spec = _spec(cfg, args, params)
     timeout_s = 120.0 + args.reps * (args.warmup + args.steps) * (4 * 5 * args.compute_ms / 1e3 + 2.0)
-    per_rank = run_workers(_rank, world, spec, timeout_s=timeout_s, collective_timeout_s=120.0)
+    try:
+        per_rank = run_workers(_rank, world, spec, timeout_s=timeout_s, collective_timeout_s=120.0)
+    finally:
+        if args.rank_cpus:  # what a killed rank left of its cgroup (each rank removes its own)
+            remove_job_cgroups(spec["quota_job"])
     return [_analyse([reps[i] for reps in per_rank], spec, args, world) for i in range(args.reps)]
 
 
@@ -413,6 +429,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model, its gradients and the averaged buffers live; cuda: rank r on GPU "
                         "r %% device_count() (ranks share one GPU through gloo); records carry the device")
+    p.add_argument("--rank-cpus", type=float, default=0.0,
+                   help="each rank in its own CPU cgroup capped at this many CPUs, as a device would be (0: none; "
+                        "root; every world's P x quota must fit the cores); records carry it")
     p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results[/quick])")
     p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
     p.add_argument("--no-report", action="store_true", help="write regime.json only")
@@ -429,6 +448,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.out = ROOT / ("benchmarks/results/quick" if args.quick else "benchmarks/results/regime")
     if args.compute_ms <= 0 or args.steps < 1 or args.warmup < 2 or args.reps < 1 or min(args.worlds) < 1:
         p.error("need --compute-ms > 0, --steps >= 1, --warmup >= 2 (DDP rebuilds buckets), --reps >= 1, worlds >= 1")
+    if args.rank_cpus and not (args.report_only or args.resimulate):
+        for world in args.worlds:
+            problem = check_rank_cpus(args.rank_cpus, world)
+            if problem is not None:
+                p.error(f"--rank-cpus: {problem}")
     if args.device == "cuda" and args.transport == "shm":
         p.error("--transport shm moves host memory: it cannot carry CUDA tensors (use --transport default)")
     if args.device == "cuda" and not (args.report_only or args.resimulate):
@@ -482,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     invocation = len(result["invocations"])
     settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
                                              "warmup", "reps", "batch_size", "activation_ms", "extra", "transport",
-                                             "slice_s", "device")}
+                                             "slice_s", "device", "rank_cpus")}
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
     started = time.perf_counter()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
@@ -507,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             rec["params_actual"] = reps[0]["params_actual"]
                             rec["transport"] = str(cfg.averaging.get("transport", "default"))
                             rec["device"] = args.device
+                            rec["rank_cpus"] = args.rank_cpus
                         except (WorkerError, ValueError, OSError) as exc:
                             rec |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[-3000:]}
                         if policy == sc.BASELINE and rec["status"] == "ok":

@@ -2,6 +2,7 @@
 tiny real run end to end on forked gloo ranks (the CI smoke test: a few seconds)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -213,3 +214,33 @@ def test_every_committed_regime_result_loads_and_has_records():
     for path in found:
         result = results_io.load(path)
         assert result["records"] and result["invocations"], path
+
+
+def test_rank_cpus_puts_every_rank_in_its_own_cgroup_and_leaves_nothing(tmp_path, monkeypatch):
+    from wagma.app.quota import cgroup_root, check_rank_cpus
+
+    why = check_rank_cpus(0.5, 2)
+    if why is not None:
+        pytest.skip(f"no writable cgroup v1 cpu hierarchy: {why}")
+    traces = regime._rank_traces
+
+    def noting(rank, world_size, spec):  # runs in the forked rank, after it joined its cgroup
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        cpu = next(line for line in lines if "cpu" in line.split(":")[1].split(","))  # not cpuset, not cpuacct
+        (tmp_path / f"rank{rank}.cgroup").write_text(cpu.split(":", 2)[2])
+        return traces(rank, world_size, spec)
+
+    monkeypatch.setattr(regime, "_rank_traces", noting)
+    argv = ["--worlds", "2", "--scenarios", "none", "--policies", "allreduce", "--compute-ms", "5", "--steps", "3",
+            "--warmup", "2", "--reps", "1", "--out", str(tmp_path), "--no-report", "--slice-ms", "4",
+            "--rank-cpus", "0.5"]
+    result = regime.main(argv)
+    (rec,) = result["records"]
+    assert rec["status"] == "ok" and rec["rank_cpus"] == 0.5
+    assert result["invocations"][0]["settings"]["rank_cpus"] == 0.5
+    job = f"regime-{os.getpid()}"
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.cgroup").read_text().endswith(f"/wagma/{job}/rank{rank}")
+    assert not (cgroup_root() / "wagma" / job).exists()  # every rank left and removed its cgroup
+    with pytest.raises(SystemExit):
+        regime.parse_args(["--worlds", "8", "--rank-cpus", "64"])  # 8 x 64 CPUs fit no machine here
