@@ -73,6 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-s", type=float, default=0.02, help="the scenarios' delay unit d")
     p.add_argument("--eval-every", type=int, default=100, help="steps between (collective) test evaluations")
     p.add_argument("--tolerance", type=float, default=1.0, help="the largest acceptable median gap to DDP, in points")
+    p.add_argument("--target", type=float, default=None,
+                   help="time to solution: a target test accuracy in (0, 1]; adds each policy's training time and "
+                        "samples to reach it (medians over the seeds) and the accuracy-against-time plot")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
                    help="extra Hydra override for every run (repeatable)")
     p.add_argument("--resume", action="store_true", help="keep the records in --out's accuracy.json, run the rest")
@@ -81,9 +84,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("/tmp/wagma-accuracy"), help="run.py's outputs (not committed)")
     args = p.parse_args(argv)
     if (args.steps < 1 or args.batch_size < 1 or min(args.worlds) < 2 or args.delay_s < 0 or args.tolerance < 0
-            or args.eval_every < 0 or min(args.rank_cpus) < 0):
+            or args.eval_every < 0 or min(args.rank_cpus) < 0 or not (args.target is None or 0 < args.target <= 1)):
         p.error("need --steps >= 1, --batch-size >= 1, --worlds >= 2, --delay-s >= 0, --tolerance >= 0, "
-                "--eval-every >= 0, --rank-cpus >= 0")
+                "--eval-every >= 0, --rank-cpus >= 0, --target in (0, 1]")
     workloads = []
     for w in args.workloads:
         dataset, sep, model = w.partition(":")
@@ -114,6 +117,26 @@ def accuracy_at(curve: list[dict[str, float]] | None, time_s: float) -> float | 
     return reached[-1] if reached else None
 
 
+def to_target(curve: list[dict[str, float]] | None, target: float, world: int, batch_size: int
+              ) -> tuple[float | None, float | None]:
+    """(training seconds, samples) at the first evaluation of ``curve`` at or above ``target``; Nones when it never
+    got there. Samples as the curve counted them (batches by tokens vary), else step x P x batch size."""
+    for point in curve or []:
+        if point.get("accuracy") is not None and point["accuracy"] >= target:
+            return point["time_s"], point.get("samples", point["step"] * world * batch_size)
+    return None, None
+
+
+def _median_reached(values: list[float | None]) -> float | None:
+    """The median with a run that never reached the target counted as slower than all: None when half or more
+    of the runs never reached it."""
+    ranked = sorted(values, key=lambda v: math.inf if v is None else v)
+    if not ranked:
+        return None
+    mid = ranked[(len(ranked) - 1) // 2: len(ranked) // 2 + 1]
+    return None if any(v is None for v in mid) else statistics.median(mid)
+
+
 def equal_time_accuracies(records: list[dict[str, Any]]) -> None:
     """Store in every record its ``equal_time_s``, the training time of the first policy of its (cell, seed)
     invocation to finish (every policy there had run that long), and its ``equal_time_accuracy`` then."""
@@ -128,13 +151,20 @@ def equal_time_accuracies(records: list[dict[str, Any]]) -> None:
             r["equal_time_accuracy"] = None if equal_s is None else accuracy_at(r.get("accuracy_curve"), equal_s)
 
 
-def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per cell and policy: the median final accuracy over the seeds beside DDP's, and the gap of the medians.
+def summarize_cells(records: list[dict[str, Any]], target: float | None = None,
+                    batch_size: int | None = None) -> list[dict[str, Any]]:
+    """Per cell and policy: the median final accuracy over the seeds beside DDP's, and the gap of the medians;
+    with a ``target``, the median training time and samples to reach it (:func:`to_target`), and the time's ratio
+    to DDP's.
 
     A policy's failed run (no accuracy) is counted in ``missing`` and its median is over the seeds that ran.
     """
     out: list[dict[str, Any]] = []
     equal_time_accuracies(records)  # stored with the records, beside their curves
+    if target is not None:
+        for r in records:
+            r["time_to_target_s"], r["samples_to_target"] = to_target(
+                r.get("accuracy_curve"), target, int(r["world_size"]), int(batch_size or 0))
     for key in dict.fromkeys(cell_key(r) for r in records):
         mine = [r for r in records if cell_key(r) == key]
         ddp = [r["final_accuracy"] for r in mine if r["policy"] == BASELINE and r["final_accuracy"] is not None]
@@ -142,6 +172,7 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ddp_eq = [r["equal_time_accuracy"] for r in mine
                   if r["policy"] == BASELINE and r.get("equal_time_accuracy") is not None]
         ddp_eq_median = statistics.median(ddp_eq) if ddp_eq else None
+        ddp_tts = _median_reached([r.get("time_to_target_s") for r in mine if r["policy"] == BASELINE])
         for policy in dict.fromkeys(r["policy"] for r in mine):
             runs = [r for r in mine if r["policy"] == policy]
             accs = [r["final_accuracy"] for r in runs if r["final_accuracy"] is not None]
@@ -166,7 +197,15 @@ def summarize_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "median_equal_time_accuracy": (eq := med("equal_time_accuracy")),
                 "equal_time_gap_points": None if eq is None or ddp_eq_median is None else _points(ddp_eq_median - eq),
                 "median_equal_time_s": med("equal_time_s"),
-            })
+                "median_compute_max_over_median": med("compute_max_over_median"),
+                "median_compute_cv": med("compute_cv"),
+            } | ({} if target is None else {
+                "target": target,
+                "reached": sum(r.get("time_to_target_s") is not None for r in runs),
+                "median_time_to_target_s": (tts := _median_reached([r.get("time_to_target_s") for r in runs])),
+                "median_samples_to_target": _median_reached([r.get("samples_to_target") for r in runs]),
+                "time_to_target_x_ddp": None if tts is None or not ddp_tts else tts / ddp_tts,
+            }))
     return out
 
 
@@ -254,6 +293,24 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {c['cell']} | {c['policy']} | {seeds} | {_num(c['median_accuracy'], '.2f', 100)} | {gap} | "
             f"{_num(c['median_ddp_ratio'], '.2f')} | {stale} | {_num(c['median_fresh_fraction'], '.2f')} | {eq_text} |")
+    if s.get("target") is not None:
+        lines += ["", f"Time to solution: training time (the slowest rank's summed step times, evaluations excluded) "
+                  f"and samples until the first evaluation at or above {100 * s['target']:g} % test accuracy; medians "
+                  "over the seeds, a run that never got there counted as slowest ('–': half or more never did); "
+                  "x DDP: the median time over DDP's. compute max/median: per step, the slowest rank's own compute "
+                  "(forward, backward, optimizer step; no waiting) over the median rank's, averaged over the steps "
+                  "after the fifth; CV: the coefficient of variation of every (rank, step) compute time.", "",
+                  "| cell | policy | reached | time to target (s) | x DDP | samples to target | final accuracy | "
+                  "at equal time | samples/s x DDP | compute max/median (CV) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in result["cells"]:
+            eq = c.get("median_equal_time_accuracy")
+            lines.append(
+                f"| {c['cell']} | {c['policy']} | {c.get('reached', 0)}/{len(c['seeds'])} | "
+                f"{_num(c.get('median_time_to_target_s'), '.1f')} | {_num(c.get('time_to_target_x_ddp'), '.2f')} | "
+                f"{_num(c.get('median_samples_to_target'), ',.0f')} | {_num(c['median_accuracy'], '.2f', 100)} | "
+                f"{_num(eq, '.2f', 100)} | {_num(c['median_ddp_ratio'], '.2f')} | "
+                f"{_num(c.get('median_compute_max_over_median'), '.2f')} ({_num(c.get('median_compute_cv'), '.2f')}) |")
     lines += ["", "Staleness of every contribution (rounds; WAGMA: group rounds, eager-SGD: gradient rounds), summed over "
               "the seeds whose records carry a histogram:", "", staleness_distribution(result["records"])]
     lines += ["", f"Largest median gap per policy over the cells (tolerance {s['tolerance']:g} point):", ""]
@@ -365,6 +422,40 @@ def plot(cells: list[dict[str, Any]], tolerance: float, path: Path) -> bool:
     return True
 
 
+def plot_curves(records: list[dict[str, Any]], target: float, path: Path) -> bool:
+    """Test accuracy against training time, one panel per cell, one curve per policy: at each evaluation the median
+    over the seeds of the accuracy and of the time; the target as a line. False (nothing drawn) without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("accuracy: matplotlib is not installed (pip install -e '.[bench]'), so no plot", flush=True)
+        return False
+    cells = list(dict.fromkeys(cell_key(r) for r in records))
+    fig, axes = plt.subplots(1, len(cells), figsize=(6.0 * len(cells), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], cells):
+        mine = [r for r in records if cell_key(r) == key and r.get("accuracy_curve")]
+        for i, policy in enumerate(dict.fromkeys(r["policy"] for r in mine)):
+            curves = [r["accuracy_curve"] for r in mine if r["policy"] == policy]
+            n = min(len(c) for c in curves)
+            t = [statistics.median(c[j]["time_s"] for c in curves) for j in range(n)]
+            a = [100 * statistics.median(c[j]["accuracy"] for c in curves) for j in range(n)]
+            ax.plot(t, a, marker=".", color=f"C{i % 10}", label=policy, linewidth=2.2 if policy == BASELINE else 1.2)
+        ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)
+        ax.set_title(_cell_name(key), fontsize=10)
+        ax.set_xlabel("training time (s, slowest rank)")
+        ax.set_ylabel("test accuracy (%), median of seeds")
+        ax.set_ylim(max(0.0, 100 * target - 30), 100 * min(1.0, target + 0.1))
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run every (cell, seed) not yet recorded, write ``accuracy.json``, ``accuracy.md`` and ``accuracy_grid.png``;
     return the JSON's contents."""
@@ -386,14 +477,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     done = {(cell_key(r), r["seed"]) for r in records}
     settings = {"steps": args.steps, "batch_size": args.batch_size, "delay_s": args.delay_s,
                 "eval_every": args.eval_every, "tolerance": args.tolerance, "policies": args.policies,
-                "extra_overrides": args.extra}
+                "extra_overrides": args.extra, "target": args.target}
     machine = machine_info(ROOT)
     if args.report_only and old:
-        settings = old["settings"]  # the grid's own, not this command's defaults
+        settings = old["settings"] | ({"target": args.target} if args.target is not None else {})  # the grid's own
         machine = old.get("machine", machine)  # the machine that ran the records, not the one redrawing the report
 
     def write() -> dict[str, Any]:
-        cells = summarize_cells(records)
+        cells = summarize_cells(records, settings.get("target"), settings["batch_size"])
         out = {
             "commands": commands, "machine": machine, "settings": settings, "invocations": invocations,
             "records": records, "cells": cells, "summary": summarize(cells, args.tolerance),
@@ -403,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         saved.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
         (args.out / "accuracy.md").write_text(_markdown(out), encoding="utf-8")
         plot(cells, args.tolerance, args.out / "accuracy_grid.png")
+        if settings.get("target") is not None:
+            plot_curves(records, settings["target"], args.out / "accuracy_vs_time.png")
         return out
 
     out = write() if records else {}
@@ -440,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "staleness": mean_stale, "staleness_max": max_stale, "fresh_fraction": stats.get("fresh_fraction"),
                 "staleness_hist": (rec or {}).get("staleness_hist"), "commit": commit,
                 "accuracy_curve": (rec or {}).get("accuracy_curve"),
+                "compute_max_over_median": (rec or {}).get("compute_max_over_median"),
+                "compute_cv": (rec or {}).get("compute_cv"),
                 "reason": (rec or {}).get("reason"),
             })
         out = write()

@@ -36,7 +36,7 @@ import numpy as np
 
 from wagma.app.metrics import read_metrics
 
-__all__ = ["accuracy_curve", "collect", "time_to_target", "training_clock"]
+__all__ = ["accuracy_curve", "collect", "compute_spread", "samples_clock", "time_to_target", "training_clock"]
 
 
 def training_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, float]:
@@ -52,10 +52,47 @@ def training_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, flo
     return {s: max(c[s] for c in per_rank) for s in sorted(common)}
 
 
+def compute_spread(records_by_rank: list[list[dict[str, Any]]], warmup: int = 5) -> dict[str, float | None]:
+    """How unequal the ranks' own work per step is, waiting left out (``compute_s``: forward, backward, optimizer
+    step), from per-step records after ``warmup`` steps: ``compute_max_over_median``, the mean over steps of the
+    slowest rank's compute over the median rank's (what a synchronous step pays for its straggler), and
+    ``compute_cv``, the coefficient of variation of all (rank, step) compute times. Nones without per-step
+    records of every rank."""
+    by_step: dict[int, list[float]] = {}
+    for records in records_by_rank:
+        for r in records:
+            if int(r.get("steps_in_record", 1)) == 1 and int(r["step"]) > warmup and r.get("compute_s") is not None:
+                by_step.setdefault(int(r["step"]), []).append(float(r["compute_s"]))
+    rows = [v for v in by_step.values() if len(v) == len(records_by_rank) and np.median(v) > 0]
+    if not rows:
+        return {"compute_max_over_median": None, "compute_cv": None}
+    values = np.concatenate(rows)
+    return {"compute_max_over_median": float(np.mean([max(v) / np.median(v) for v in rows])),
+            "compute_cv": float(values.std() / values.mean())}
+
+
+def samples_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, float]:
+    """Step -> examples all ranks had trained on in steps 1..step (only steps every rank recorded, and only when
+    the records count their samples: batches by tokens vary in size)."""
+    per_rank: list[dict[int, float]] = []
+    for records in records_by_rank:
+        if not records or any(r.get("samples") is None for r in records):
+            return {}
+        total, clock = 0.0, {}
+        for r in records:
+            total += float(r["samples"]) * int(r.get("steps_in_record", 1))
+            clock[int(r["step"])] = total
+        per_rank.append(clock)
+    common = set(per_rank[0]).intersection(*per_rank[1:]) if per_rank else set()
+    return {s: sum(c[s] for c in per_rank) for s in sorted(common)}
+
+
 def accuracy_curve(
-    records: list[dict[str, Any]], clock: dict[int, float], final_step: int, final_accuracy: float | None
+    records: list[dict[str, Any]], clock: dict[int, float], final_step: int, final_accuracy: float | None,
+    samples: dict[int, float] | None = None,
 ) -> list[dict[str, float]]:
-    """``[{step, time_s, accuracy}]`` from the periodic evaluations, then the final evaluation."""
+    """``[{step, time_s, accuracy}]`` (and ``samples``, where ``samples`` counts them: :func:`samples_clock`) from
+    the periodic evaluations, then the final evaluation."""
     curve = [
         {"step": int(r["step"]), "time_s": clock[int(r["step"])], "accuracy": float(r["test_accuracy"])}
         for r in records
@@ -63,6 +100,9 @@ def accuracy_curve(
     ]
     if final_accuracy is not None and final_step in clock:
         curve.append({"step": final_step, "time_s": clock[final_step], "accuracy": float(final_accuracy)})
+    for point in curve:
+        if samples and point["step"] in samples:
+            point["samples"] = samples[point["step"]]
     return curve
 
 
@@ -126,7 +166,8 @@ def collect(run_dir: Path, world_size: int, target: float) -> dict[str, Any]:
     records_by_rank = [read_metrics(run_dir, rank) for rank in range(world_size)]
     clock = training_clock(records_by_rank)
     steps = int(summary["steps"])
-    curve = accuracy_curve(records_by_rank[0], clock, steps, summary.get("test_accuracy"))
+    curve = accuracy_curve(records_by_rank[0], clock, steps, summary.get("test_accuracy"),
+                           samples_clock(records_by_rank))
     ttt_s, ttt_step = time_to_target(curve, target)
     waits = [float(r["wait_s"]) for records in records_by_rank for r in records if r.get("wait_s") is not None]
     stats = dict(summary.get("policy_stats") or {})
@@ -155,6 +196,7 @@ def collect(run_dir: Path, world_size: int, target: float) -> dict[str, Any]:
         "consensus": consensus or None,
         "final_consensus": consensus[-1]["consensus"] if consensus else None,
         "accuracy_curve": curve,
+        **compute_spread(records_by_rank),
         "train_s": summary.get("step_time_s"),  # the slowest rank's summed step times
         "wall_s": summary.get("wall_s"),
         "policy_stats": stats,

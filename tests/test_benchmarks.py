@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -329,3 +330,39 @@ def test_engine_latency_refuses_bad_input_and_cuda_without_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             engine_latency.measure(world=2, rounds=4, device="cuda")
+
+
+def test_time_to_solution_counts_runs_that_never_got_there_as_slowest():
+    def rec(seed, policy, curve, world=4):
+        return {"dataset": "sequences", "model": "transformer", "world_size": world, "scenario": "none",
+                "rank_cpus": 0.25, "seed": seed, "policy": policy, "final_accuracy": curve[-1][1], "samples_per_s": 1.0,
+                "ddp_ratio": 1.0, "staleness": None, "staleness_max": None, "fresh_fraction": None,
+                "accuracy_curve": [{"step": 10 * (i + 1), "time_s": t, "accuracy": a} for i, (t, a) in enumerate(curve)]}
+
+    records = [rec(0, "allreduce", [(10.0, 0.7), (20.0, 0.85)]), rec(1, "allreduce", [(12.0, 0.81), (24.0, 0.86)]),
+               rec(2, "allreduce", [(11.0, 0.6), (22.0, 0.79)]),  # never reaches 0.8
+               rec(0, "fast", [(5.0, 0.82)]), rec(1, "fast", [(6.0, 0.7), (12.0, 0.84)]), rec(2, "fast", [(4.0, 0.81)]),
+               rec(0, "poor", [(5.0, 0.5)]), rec(1, "poor", [(5.0, 0.5)]), rec(2, "poor", [(3.0, 0.9)])]
+    cells = {c["policy"]: c for c in accuracy.summarize_cells(records, target=0.8, batch_size=16)}
+    # Samples: step x P x batch where the curve does not count them.
+    assert records[0]["time_to_target_s"] == 20.0 and records[0]["samples_to_target"] == 20 * 4 * 16
+    assert cells["allreduce"]["reached"] == 2 and cells["allreduce"]["median_time_to_target_s"] == 20.0  # 12, 20, never
+    assert cells["fast"]["median_time_to_target_s"] == 5.0 and cells["fast"]["time_to_target_x_ddp"] == 5.0 / 20.0
+    assert cells["poor"]["reached"] == 1 and cells["poor"]["median_time_to_target_s"] is None  # 2 of 3 never did
+    assert cells["poor"]["time_to_target_x_ddp"] is None
+    # A curve that counts its samples (batches by tokens) is read as it counts them.
+    assert accuracy.to_target([{"step": 3, "time_s": 1.0, "accuracy": 0.9, "samples": 123.0}], 0.8, 4, 16) == (1.0, 123.0)
+    assert accuracy.to_target(None, 0.8, 4, 16) == (None, None)
+
+
+def test_samples_clock_and_compute_spread_from_per_step_records():
+    a = [{"step": s, "step_s": 0.1, "samples": n, "compute_s": c} for s, n, c in [(1, 3, 1.0), (2, 5, 1.0), (3, 4, 1.0)]]
+    b = [{"step": s, "step_s": 0.1, "samples": n, "compute_s": c} for s, n, c in [(1, 2, 1.0), (2, 2, 3.0), (3, 1, 2.0)]]
+    c = [{"step": s, "step_s": 0.1, "samples": 1, "compute_s": 1.0} for s in (1, 2, 3)]
+    assert collect.samples_clock([a, b]) == {1: 5.0, 2: 12.0, 3: 17.0}
+    assert collect.samples_clock([a, [{"step": 1, "step_s": 0.1}]]) == {}  # records without counts: no clock
+    spread = collect.compute_spread([a, b, c], warmup=1)  # steps 2 and 3: max/median 3/1 and 2/1
+    assert spread["compute_max_over_median"] == pytest.approx(2.5)
+    values = np.array([1.0, 3.0, 1.0, 1.0, 2.0, 1.0])
+    assert spread["compute_cv"] == pytest.approx(values.std() / values.mean())
+    assert collect.compute_spread([a], warmup=5) == {"compute_max_over_median": None, "compute_cv": None}
