@@ -15,7 +15,8 @@ Usage::
 
 The grid is long (hours): ``accuracy.json`` is rewritten after every run.py invocation, and ``--resume``
 skips the (cell, seed) invocations it already holds, so an interrupted grid continues where it stopped.
-Outputs in ``--out``: ``accuracy.json`` (``records``: one per cell, seed and policy with its final accuracy,
+Outputs in ``--out``: ``accuracy.json.xz`` (xz-compressed JSON, :func:`benchmarks.results_io.load` reads it; an
+older plain ``accuracy.json`` is read and converted) (``records``: one per cell, seed and policy with its final accuracy,
 the gap to DDP of that seed, throughput, staleness and fresh fraction; ``cells``: per cell and policy the
 medians; ``summary``: per policy the worst median gap and whether every cell is within tolerance;
 ``invocations``: every run.py command) and ``accuracy.md``. run.py's own outputs (tables, plots, per-run
@@ -31,7 +32,6 @@ staleness builds up as it does in a user's run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import statistics
@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing
 
-from benchmarks import run  # noqa: E402
+from benchmarks import results_io, run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
 
@@ -462,14 +462,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     started = time.perf_counter()
     command = "python " + shlex.join(["benchmarks/accuracy.py", *(sys.argv[1:] if argv is None else argv)])
-    saved = args.out / "accuracy.json"
+    found = results_io.find(args.out, "accuracy.json")  # accuracy.json.xz, or an older plain accuracy.json
+    saved = args.out / "accuracy.json.xz"
     records: list[dict[str, Any]] = []
     invocations: list[str] = []
     commands: list[str] = []
     earlier_s = 0.0
     old: dict[str, Any] = {}
-    if (args.resume or args.report_only) and saved.exists():
-        old = json.loads(saved.read_text(encoding="utf-8"))
+    if (args.resume or args.report_only) and found.exists():
+        old = results_io.load(found)
         records, invocations, earlier_s = old["records"], old["invocations"], float(old.get("duration_s", 0.0))
         commands = old.get("commands", [old["command"]] if "command" in old else [])
     if not args.report_only and command not in commands:
@@ -491,7 +492,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "duration_s": earlier_s + (0.0 if args.report_only else time.perf_counter() - started),
         }
         args.out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        results_io.dump(saved, out)
+        if found != saved and found.exists():
+            found.unlink()  # converted to the compressed file
         (args.out / "accuracy.md").write_text(_markdown(out), encoding="utf-8")
         plot(cells, args.tolerance, args.out / "accuracy_grid.png")
         if settings.get("target") is not None:

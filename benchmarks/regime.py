@@ -478,8 +478,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     found = results_io.find(args.out, "regime.json")  # regime.json.xz, or an older plain regime.json
     path = args.out / "regime.json.xz"
 
-    def save(result: dict[str, Any]) -> None:
-        results_io.dump(path, result)
+    def save(result: dict[str, Any], final: bool = True) -> None:
+        results_io.dump(path, result, preset=9 if final else 1)  # a quick save after every record, the small one last
         if found != path and found.exists():
             found.unlink()  # converted to the compressed file
 
@@ -538,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             ddp_ms = rec["ms_per_step"]
                         rec["x_ddp"] = ddp_ms / rec["ms_per_step"] if ddp_ms and rec["status"] == "ok" else None
                         _replace(result, rec, reps)
-                        save(result)
+                        save(result, final=False)
                         print(_line(rec), flush=True)
     result["invocations"][-1]["duration_s"] = time.perf_counter() - started
     result["invocations"][-1]["load_average_end"] = load_average()

@@ -13,7 +13,7 @@
 # default 22 = two WAGMA periods), REPS (default 3),
 # SWEEP_STEPS (timed steps of the 2.5 M / 25 M payload runs, default 11 = one WAGMA period), SWEEP=0 skips them,
 # TARGETS=0 skips the 1 M-parameter target point; HORIZON=1 adds the 200-step runs (about 45 min more), LONG=1
-# the 600-step runs (about 43 min more);
+# the 600-step runs (about 43 min more), QUOTA=1 the target point with per-rank CPU quotas (about 8 min);
 # for a dry run of the script itself: WORLDS, SCENARIOS, COMPUTE_MS, SCALE_ARGS (extra scale.py options).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -87,7 +87,21 @@ if [ "${LONG:-0}" != 0 ]; then
     echo "600-step runs done after $(( $(date +%s) - start )) s"
 fi
 
-# 6. The simulator against every run above (seconds); the paper-setting extrapolation already committed in
+# 6. (QUOTA=1) Issue 30's re-measurement of the target point with ranks that behave like devices: every rank in its
+#    own CPU cgroup capped at cores / P (0.25 at P = 8, 0.125 at P = 16 on 2 cores), into $OUT/variants/quota.
+#    1 M parameters, random_k1; the reference wagma and the relaxed presets beside DDP (about 8 min).
+if [ "${QUOTA:-0}" != 0 ]; then
+    cores=$(nproc)
+    "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 1e6 --worlds 8 --scenarios random_k1 \
+        --policies allreduce wagma wagma_relaxed wagma_relaxed_overlap --steps "$STEPS" --warmup 3 --reps "$REPS" \
+        --rank-cpus "$(python3 -c "print($cores / 8)")" --out "$OUT/variants/quota" --no-report
+    "$PY" benchmarks/regime.py --compute-ms "$COMPUTE_MS" --params 1e6 --worlds 16 --scenarios random_k1 \
+        --policies allreduce wagma_relaxed wagma_relaxed_overlap --steps "$STEPS" --warmup 3 --reps "$REPS" \
+        --rank-cpus "$(python3 -c "print($cores / 16)")" --out "$OUT/variants/quota" --append
+    echo "quota runs done after $(( $(date +%s) - start )) s"
+fi
+
+# 7. The simulator against every run above (seconds); the paper-setting extrapolation already committed in
 #    $SIM_OUT/simulation.json is kept (without one it is computed: about 2-3 min).
 # shellcheck disable=SC2086
 "$PY" benchmarks/scale.py --regime "$OUT/regime.json.xz" --out "$SIM_OUT" --validate-only $SCALE_ARGS

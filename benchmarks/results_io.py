@@ -29,12 +29,13 @@ def load(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def dump(path: Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` (xz-compressed when the name ends in ``.xz``), atomically."""
+def dump(path: Path, obj: Any, preset: int = 9) -> None:
+    """Write ``obj`` as indented JSON to ``path`` (xz-compressed when the name ends in ``.xz``, at ``preset``: 9 is
+    the smallest file, 1 several times faster for the saves in between), atomically."""
     text = json.dumps(obj, indent=1) + "\n"
     tmp = path.with_name(path.name + ".tmp")
     if path.suffix == ".xz":
-        with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
+        with lzma.open(tmp, "wt", encoding="utf-8", preset=preset) as f:
             f.write(text)
     else:
         tmp.write_text(text, encoding="utf-8")

@@ -15,7 +15,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 import wagma.app.policies as policy_module  # noqa: E402
-from benchmarks import accuracy, collect, delayed_sgd, report, run  # noqa: E402
+from benchmarks import accuracy, collect, delayed_sgd, report, results_io, run  # noqa: E402
 from wagma.app.policies import Policy, register_policy  # noqa: E402
 
 REQUIRED = (
@@ -246,7 +246,7 @@ def test_every_shipped_preset_held_its_accuracy_in_the_committed_grid_and_carrie
     from hydra import compose, initialize_config_dir
 
     root = Path(__file__).resolve().parents[1]
-    saved = json.loads((root / "benchmarks/results/accuracy/accuracy.json").read_text())
+    saved = results_io.load(root / "benchmarks/results/accuracy/accuracy.json.xz")
     summary = accuracy.summarize(accuracy.summarize_cells(saved["records"]), saved["settings"]["tolerance"])
     for path in sorted((root / "configs/averaging").glob("*.yaml")):
         preset = path.stem
@@ -265,7 +265,7 @@ def test_accuracy_grid_sets_each_policy_beside_ddp_at_equal_samples_and_resumes(
             "--delay-s", "0.005", "--eval-every", "0", "--policies", test_policy, "no_such_policy",
             "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")]
     out = accuracy.main(argv)
-    saved = json.loads((tmp_path / "acc" / "accuracy.json").read_text())
+    saved = results_io.load(tmp_path / "acc" / "accuracy.json.xz")
     assert saved["records"] == json.loads(json.dumps(out["records"]))
     by_policy = {r["policy"]: r for r in saved["records"]}
     assert list(by_policy) == ["allreduce", test_policy, "no_such_policy"]

@@ -298,3 +298,15 @@ def test_hook_classification_knows_wagma_and_torch_hooks_and_trusts_custom_ones(
 
     allreduce_hook_lookalike.__module__, allreduce_hook_lookalike.__qualname__ = "wagma.hooks.basic", "allreduce_hook"
     assert hook_communicates(allreduce_hook_lookalike, None) is None
+
+
+def test_is_timeout_tells_a_passed_deadline_from_a_broken_connection():
+    # One predicate for the averagers, the gossip exchanges and the engine's store clients (they used to repeat it).
+    from torch.distributed import DistStoreError
+
+    from wagma.groups import is_timeout
+
+    assert is_timeout(TimeoutError("x")) and is_timeout(DistStoreError("wait timeout after 5000ms"))
+    assert is_timeout(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error: Timed out"))
+    assert not is_timeout(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    assert not is_timeout(ValueError("bad input"))

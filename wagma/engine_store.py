@@ -46,6 +46,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from wagma.groups import is_timeout
+
 __all__ = ["ActivationChannel", "StoreCaller"]
 
 # How long one blocking activation wait lasts before the watcher looks at its stop flag again. Each expiry
@@ -137,7 +139,7 @@ def _clone(store: dist.Store, connect_s: float, timeout: datetime.timedelta, add
     except NotImplementedError:
         return store
     except RuntimeError as exc:  # DistNetworkError, DistStoreError: the connect or its validation failed
-        kind = TimeoutError if "timed out" in str(exc) or "timeout" in str(exc) else RuntimeError
+        kind = TimeoutError if is_timeout(exc) else RuntimeError
         raise kind(
             f"could not open a client of the c10d store at {address} within {connect_s:.0f} s (each engine opens "
             f"3 per rank): the store's host may be overloaded, frozen or gone; check it, or the machine's load "

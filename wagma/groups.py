@@ -23,6 +23,7 @@ __all__ = [
     "contiguous_subgroups",
     "destroy_groups",
     "group_ranks",
+    "is_timeout",
     "new_timeout_group",
     "require_initialized",
 ]
@@ -46,6 +47,16 @@ def as_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
     if value.total_seconds() <= 0:
         raise ValueError(f"timeout: expected a positive duration, found {value.total_seconds()} s")
     return value
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether a ``torch.distributed`` error (a collective's, a point-to-point's, the c10d store's) says that a
+    deadline passed, rather than that a connection broke. torch raises both as ``RuntimeError`` subclasses
+    (``DistBackendError``, ``DistStoreError``, ``DistNetworkError``) and tells them apart only in the message."""
+    if isinstance(exc, TimeoutError):
+        return True
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def require_initialized(what: str) -> None:

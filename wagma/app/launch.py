@@ -118,7 +118,7 @@ def meet(store: dist.Store, rank: int, world_size: int, deadline_s: float) -> No
 def _init_from_torchrun(backend: str, timeout: datetime.timedelta) -> None:
     """``init_process_group`` from torchrun's environment, its store keys kept apart per restart attempt.
 
-    Under torchrun's agent store every rank first meets the others (:func:`meet`) (within :data:`START_S`, or the
+    Under torchrun's agent store every rank first meets the others with :func:`meet` (within :data:`START_S`, or the
     group's timeout if longer), so the group's short timeout starts counting only once all ranks are there.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -12,8 +12,10 @@ not by injected sleeps. ``data=sequences`` is such a workload, generated offline
 Sequences are stored padded to ``max_len`` as ``(N, max_len)`` int64. A batch is cut to its own longest sequence
 (:func:`trim_padding`), so a step costs what its tokens cost: with ``batching: samples`` (``batch_size`` sequences
 per step) a rank that draws a long sequence is a straggler; with ``batching: tokens``
-(:class:`TokenBatchIterator`) each batch holds as many sequences as fit a padded-token budget, which evens the
-cost out, the usual remedy.
+(:class:`TokenBatchIterator`) each batch holds as many sequences as fit a padded-token budget, the sequence
+trainers' usual batching. It bounds the padded tokens, not the cost (attention grows with the square of the
+length, a step's overhead with its sequence count): measured in ``benchmarks/results/tts/README.md``, the per-step
+spread stays as large.
 """
 
 from __future__ import annotations

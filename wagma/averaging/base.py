@@ -34,6 +34,7 @@ from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
     destroy_groups,
+    is_timeout,
     new_timeout_group,
     require_initialized,
 )
@@ -369,9 +370,8 @@ class AveragerBase(ModelAverager):
             for work in works:
                 work.wait()
         except RuntimeError as err:
-            text = str(err).lower()
             where = f"{type(self).__name__}: {what} at step {self.step} over {size} ranks"
-            if "timed out" in text or "timeout" in text:
+            if is_timeout(err):
                 raise TimeoutError(
                     f"{where} did not finish within the group's timeout; a peer is slow, hung or gone ({err})"
                 ) from err

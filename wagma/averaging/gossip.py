@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.tensors import widened
-from wagma.groups import DEFAULT_TIMEOUT
+from wagma.groups import DEFAULT_TIMEOUT, is_timeout
 
 __all__ = [
     "TOPOLOGIES",
@@ -150,7 +150,7 @@ class _Exchange:
 
     def _timeout(self, kind: str, peer: int, err: BaseException | None) -> Exception:
         rank = dist.get_global_rank(self.group, peer)
-        if err is not None and "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
+        if err is not None and not is_timeout(err):
             return RuntimeError(
                 f"{self.owner}: {self.unit} {self.round}: the {kind} with rank {rank} failed; rank {rank} is probably "
                 f"gone ({err})"
