@@ -239,8 +239,10 @@ def test_osgp_weights_settle_at_three_fifths():
         averager = SGPAverager(overlap=True, timeout=TIMEOUT_S)
         for _ in range(30):
             averager.average_parameters(params)
+        weight = averager.weight
+        averager.synchronize(params)  # as documented: collect the round in flight before close()
         averager.close()
-        return averager.weight
+        return weight
 
     weights = run_workers(worker, 4, timeout_s=60, collective_timeout_s=TIMEOUT_S)
     assert weights == pytest.approx([0.6] * 4, rel=1e-4)  # w_t - 3/5 shrinks by 2/3 per round

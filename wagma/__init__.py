@@ -48,6 +48,7 @@ from wagma.hooks import (
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
+from wagma.world import World, as_world
 
 __all__ = [
     "ADPSGDAverager",
@@ -67,8 +68,10 @@ __all__ = [
     "SharedMemoryAllreduce",
     "WagmaAverager",
     "WaitAvoidingGroupAllreduce",
+    "World",
     "__version__",
     "allreduce_hook",
+    "as_world",
     "flatten_parameters",
     "group_allreduce_hook",
     "local_hook",

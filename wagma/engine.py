@@ -44,7 +44,9 @@ import torch.distributed as dist
 
 from wagma.engine_core import Done, EngineCore, initiator_of, is_sync
 from wagma.schedule import GroupSchedule
+from wagma.groups import DEFAULT_TIMEOUT
 from wagma.shm import check_transport
+from wagma.world import WorldLike, as_world
 
 __all__ = ["SYNCS", "RoundResult", "WaitAvoidingGroupAllreduce", "check_progress_nice"]
 
@@ -111,7 +113,7 @@ class WaitAvoidingGroupAllreduce:
     dropped, or still open when the interpreter exits, is closed by a finalizer.
 
     Args:
-        schedule: which ranks exchange in which round; its world size must be the job's.
+        schedule: which ranks exchange in which round, in world ranks; its world size must be the world's.
         initial: what this rank contributes until its first call; fixes shape, dtype and device.
             Replace mode copies it; accumulate mode starts its pending contribution from it.
         sync_period: rounds k with ``k % (sync_period + 1) == sync_period`` are blocking global
@@ -149,6 +151,9 @@ class WaitAvoidingGroupAllreduce:
             this rank's thread sent into the round, kept unchanged until the result is handed back with
             :meth:`release` (instead of :meth:`recycle`). For a caller that applies a round against what it
             contributed even when that was an older snapshot than its last call's; no copy is made.
+        world: the ranks the engine averages over (:func:`wagma.world.as_world`): ``None`` for the whole job, a
+            process group or a ``(DeviceMesh, dim_name)`` pair; ``schedule`` and ``rank`` are then in world ranks
+            and every world of the family runs its own engine, constructed at the same time on every rank.
     """
 
     def __init__(
@@ -169,6 +174,7 @@ class WaitAvoidingGroupAllreduce:
         progress_nice: int = 0,
         transport: str = "default",
         keep_contributions: bool = False,
+        world: WorldLike = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -177,10 +183,14 @@ class WaitAvoidingGroupAllreduce:
             )
         if not isinstance(schedule, GroupSchedule):
             raise ValueError(f"schedule must be a wagma.GroupSchedule, got {type(schedule).__name__}")
-        world_size = dist.get_world_size()
+        resolved = as_world(world, timeout if isinstance(timeout, datetime.timedelta) else DEFAULT_TIMEOUT)
+        if not resolved.is_member:
+            raise ValueError(f"world: rank {dist.get_rank()} is in none of the worlds {list(resolved.family)}")
+        world_size = resolved.size
         if schedule.world_size != world_size:
+            where = "the job has" if resolved.whole_job else f"its world {list(resolved.ranks)} has"
             raise ValueError(
-                f"the schedule is for {schedule.world_size} ranks but the job has {world_size}: "
+                f"the schedule is for {schedule.world_size} ranks but {where} {world_size}: "
                 f"build it with world_size={world_size}"
             )
         if not isinstance(sync_period, int) or isinstance(sync_period, bool) or sync_period < 0:
@@ -213,7 +223,10 @@ class WaitAvoidingGroupAllreduce:
                 "the exchange takes over, not a snapshot"
             )
 
-        self.rank = dist.get_rank()
+        #: The world this engine averages over (the whole job unless ``world`` was given).
+        self.world = resolved
+        #: This rank's world rank (the job's rank when the world is the whole job).
+        self.rank = resolved.rank
         self.world_size = world_size
         self.schedule = schedule
         self.sync_period = sync_period
@@ -228,7 +241,7 @@ class WaitAvoidingGroupAllreduce:
         self.keep_contributions = keep_contributions
         self.shape, self.dtype, self.device = initial.shape, initial.dtype, initial.device
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        prefix = f"wagma/{name if name is not None else next(_instance_ids)}/"
+        prefix = f"wagma/{resolved.key}{name if name is not None else next(_instance_ids)}/"
         # The progress thread and the finalizer see only the core, never `self`: a dropped engine is collected.
         self._core = EngineCore(self, initial, base, prefix, start_round)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
@@ -472,7 +485,7 @@ class WaitAvoidingGroupAllreduce:
         core = self._core
         if core.error is not None:
             raise RuntimeError(
-                f"wagma progress thread of rank {self.rank} failed in round {core.thread_round} "
+                f"wagma progress thread of {self.world.describe(self.rank)} failed in round {core.thread_round} "
                 f"(group {self.group_of(core.thread_round)}): {core.error}"
             ) from core.error
 
@@ -514,13 +527,13 @@ class WaitAvoidingGroupAllreduce:
             stopped, round_, phase = core.stop and core.error is None, core.thread_round, core.phase
         if stopped:
             raise RuntimeError(
-                f"rank {self.rank}: this engine was closed (from another thread) while waiting for round {k}; "
+                f"{self.world.describe(self.rank)}: this engine was closed (from another thread) while waiting for round {k}; "
                 f"create a new one to continue"
             )
         self._check_usable()
         why = core.channel.who_is_missing(round_, self.group_of(round_))
         raise TimeoutError(
-            f"rank {self.rank}: round {k} did not complete within {limit:.1f} s; the progress thread is in "
+            f"{self.world.describe(self.rank)}: round {k} did not complete within {limit:.1f} s; the progress thread is in "
             f"round {round_}, {phase}; {why}. A peer may have died, hung or be slower than the timeout "
             f"({self.timeout}); raise `timeout` if that is expected."
         )

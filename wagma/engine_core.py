@@ -24,6 +24,7 @@ from wagma.engine_store import ActivationChannel
 from wagma.groups import destroy_groups
 from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
+from wagma.world import World
 
 
 class EngineSettings(Protocol):
@@ -34,6 +35,7 @@ class EngineSettings(Protocol):
 
     rank: int
     world_size: int
+    world: World
     schedule: GroupSchedule
     sync_period: int
     max_lead: int
@@ -146,6 +148,7 @@ class EngineCore:
         self.channel = ActivationChannel(
             store, prefix, self.rank, self.world_size, start, self.timeout,
             self.on_activated, self.next_wait, self.on_watch_error,
+            None if eng.world.whole_job else eng.world.ranks,
         )
         self.shm: dict[tuple[int, ...], SharedMemoryAllreduce] = {}  # transport 'shm': by group
         # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
@@ -157,7 +160,7 @@ class EngineCore:
             # creator's nice value: built from a niced helper thread, they run at the progress thread's priority.
             deadline = self.channel.connect_s + (len(self.schedule.distinct_groups()) + 1) * self.timeout.total_seconds()
             self.groups, self.global_pg = _niced(
-                self.nice, lambda: _communicators(self.schedule, self.rank, self.timeout), deadline
+                self.nice, lambda: _communicators(self.schedule, self.rank, self.timeout, eng.world), deadline
             )
             if self.global_pg is not None:
                 # Gloo connects a group's members inside its constructor: a rank that returned first and
@@ -440,32 +443,34 @@ def _niced(increment: int, fn: Callable[[], _T], deadline_s: float) -> _T:
     return value  # type: ignore[return-value]
 
 
-def _can_split() -> bool:
+def _can_split(world: World) -> bool:
     """Whether sub-communicators can be split from the default group (NCCL bound to a device).
 
-    The answer is the same on every rank of a job, so all ranks take the same path.
+    The answer is the same on every rank of a job, so all ranks take the same path. A world smaller than the job
+    creates its groups with ``new_group`` (in every world of its family), on NCCL too.
     """
     default = dist.distributed_c10d._get_default_group()
     return (
-        hasattr(dist, "split_group")
+        world.whole_job
+        and hasattr(dist, "split_group")
         and dist.get_backend() == "nccl"
         and getattr(default, "bound_device_id", None) is not None
     )
 
 
 def _communicators(
-    schedule: GroupSchedule, rank: int, timeout: datetime.timedelta
+    schedule: GroupSchedule, rank: int, timeout: datetime.timedelta, world: World
 ) -> tuple[dict[tuple[int, ...], dist.ProcessGroup | None], dist.ProcessGroup | None]:
-    """This rank's communicator for each of its groups in the schedule, and one over all ranks.
+    """This rank's communicator for each of its groups in the schedule, and one over all ranks of its world.
 
     With NCCL bound to a device, each round's partition is one ``split_group`` call (one
     ``ncclCommSplit`` for all its groups); otherwise every distinct group is a ``new_group`` (gloo).
     """
-    world = schedule.world_size
+    size = schedule.world_size
     groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    if world == 1:
+    if size == 1:
         return {(0,): None}, None
-    if _can_split():
+    if _can_split(world):
         seen: set[tuple[tuple[int, ...], ...]] = set()
         for r in range(schedule.period):
             partition = tuple(schedule.groups(r))
@@ -475,10 +480,16 @@ def _communicators(
             pg = dist.split_group(split_ranks=[list(g) for g in partition], timeout=timeout)
             mine = schedule.group_of(rank, r)
             groups.setdefault(mine, pg if len(mine) > 1 else None)
-        return groups, dist.split_group(split_ranks=[list(range(world))], timeout=timeout)
+        return groups, dist.split_group(split_ranks=[list(range(size))], timeout=timeout)
+    if not world.whole_job:  # the same groups in every world of the family, each world keeping its own
+        for members in schedule.distinct_groups():
+            pg = world.new_group(members, timeout, wait=False) if len(members) > 1 else None
+            if rank in members:
+                groups[members] = pg
+        return groups, world.new_group(None, timeout, wait=False)
     for members in schedule.distinct_groups():
         pg = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
         if rank in members:
             groups[members] = pg
-    return groups, dist.new_group(list(range(world)), timeout=timeout)
+    return groups, dist.new_group(list(range(size)), timeout=timeout)
 

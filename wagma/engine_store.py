@@ -41,7 +41,7 @@ import datetime
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -185,8 +185,11 @@ class ActivationChannel:
         on_activated: Callable[[int], None],
         next_wait: Callable[[int], int | None],
         on_error: Callable[[BaseException], None],
+        global_ranks: Sequence[int] | None = None,
     ) -> None:
         self.rank, self.world_size, self.address = rank, world_size, _address(store)
+        # a sub-world's ranks are named by their job rank in messages (None: world rank = job rank)
+        self._global = tuple(global_ranks) if global_ranks is not None else None
         self._diagnose_s = min(1.0, timeout.total_seconds() / 4)
         self._timeout_s = timeout.total_seconds()
         self._start = start_round
@@ -224,11 +227,11 @@ class ActivationChannel:
                 there = self._caller.call(
                     "a check of the progress records", lambda s: [s.check([k]) for k in keys], self._diagnose_s
                 )
-                missing = f"rank(s) {[r for r, ok in enumerate(there) if not ok]} did not"
+                missing = f"{self._names([r for r, ok in enumerate(there) if not ok])} did not"
             except (TimeoutError, RuntimeError):
                 missing = "which ranks did not is unknown (the store could not be read either); some rank did not"
             raise TimeoutError(
-                f"rank {self.rank}: the engine's start meeting in the c10d store at {self.address} did not complete "
+                f"{self._name(self.rank)}: the engine's start meeting in the c10d store at {self.address} did not complete "
                 f"within {self.connect_s:.0f} s: {missing} open its store clients and write its first progress "
                 f"record; check that every rank constructs its engines in the same order ({exc})"
             ) from exc
@@ -307,20 +310,33 @@ class ActivationChannel:
             )
 
         def where(ranks: list[int]) -> str:
-            return ", ".join(f"rank {r} last seen in round {seen[r][0]} (its main thread at call {seen[r][1]})"
-                             for r in ranks)
+            return ", ".join(f"{self._name(r)} last seen in round {seen[r][0]} (its main thread at call "
+                             f"{seen[r][1]})" for r in ranks)
 
         missing = [r for r in group if r != self.rank and seen[r][0] < k]
         if missing:
-            text = f"rank(s) {missing} of group {group} did not arrive: {where(missing)}"
+            text = f"{self._names(missing)} of group {self._group_name(group)} did not arrive: {where(missing)}"
         else:
-            text = (f"every member of group {group} had reached round {k}, so one of them failed during the "
+            text = (f"every member of group {self._group_name(group)} had reached round {k}, so one of them failed during the "
                     f"exchange")
         low = min(e for e, _ in seen.values())
         behind = [r for r, (e, _) in seen.items() if e == low and e < k and r not in missing]
         if behind:
-            text += f"; furthest behind: rank(s) {behind}: {where(behind)}"
+            text += f"; furthest behind: {self._names(behind)}: {where(behind)}"
         return text
+
+    def _name(self, rank: int) -> str:
+        """``"rank 3"``; in a sub-world the job's rank, with the world rank after it."""
+        return f"rank {rank}" if self._global is None else f"rank {self._global[rank]} (world rank {rank})"
+
+    def _names(self, ranks: list[int]) -> str:
+        """``"rank(s) [1, 3]"``; in a sub-world the job's ranks, with the world ranks after them."""
+        if self._global is None:
+            return f"rank(s) {ranks}"
+        return f"rank(s) {[self._global[r] for r in ranks]} (world rank(s) {ranks})"
+
+    def _group_name(self, group: tuple[int, ...]) -> str:
+        return str(group) if self._global is None else str(tuple(self._global[r] for r in group))
 
     # ----------------------------------------------------------------------------------- closing
     def close(self, next_round: int) -> None:

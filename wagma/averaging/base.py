@@ -34,10 +34,11 @@ from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
     destroy_groups,
+    group_ranks,
     is_timeout,
-    new_timeout_group,
     require_initialized,
 )
+from wagma.world import World, WorldLike, as_world
 from wagma.averaging.guards import (
     DoubleCommunicationGuard,
     order_ignored_by_caller,
@@ -208,10 +209,16 @@ class AveragerBase(ModelAverager):
     ``weakref.finalize`` finalizer, which holds the resources but not the averager, so reference cycles
     through the averager do not keep it from running.
 
+    Worlds: ``world`` (``None``: the whole job; a process group; a ``(DeviceMesh, dim_name)`` pair, e.g. HSDP's
+    ``"replicate"`` dimension) makes every reduction stay inside the calling rank's world; ranks and groups are
+    then world ranks, and every rank of the job constructs its averager on its own world at the same time
+    (:mod:`wagma.world`).
+
     Args:
-        process_group: group of the global reductions; ``None`` creates one over all ranks.
+        process_group: group of the global reductions; ``None`` creates one over all ranks of the world.
         average_buffers: also average the floating-point ``buffers`` passed to :meth:`average_parameters`.
         timeout: timeout of the groups this averager creates (``timedelta`` or seconds).
+        world: the ranks to average over (see above).
     """
 
     def __init__(
@@ -220,11 +227,21 @@ class AveragerBase(ModelAverager):
         *,
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        world: WorldLike = None,
     ) -> None:
         if not isinstance(average_buffers, bool):
             raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
         self.timeout = as_timeout(timeout)
         require_initialized(type(self).__name__)
+        #: The ranks this averager averages over (:func:`wagma.world.as_world`); the whole job by default.
+        self.world: World = as_world(world, self.timeout)
+        if process_group is not None and world is not None:
+            given = group_ranks(process_group) if isinstance(process_group, dist.ProcessGroup) else []
+            if tuple(given) != self.world.ranks:
+                raise ValueError(
+                    f"process_group: expected a group over the world's ranks {list(self.world.ranks)}, found {given} "
+                    "(pass world= alone to let the averager create its groups)"
+                )
         self._resources = OwnedResources()
         self._finalizer = weakref.finalize(self, self._resources.release)
         #: Groups this averager created (the same list its finalizer releases: extend it in place).
@@ -377,12 +394,13 @@ class AveragerBase(ModelAverager):
                 ) from err
             raise RuntimeError(f"{where} failed; a peer is gone or its connection broke ({err})") from err
 
-    def _new_group(self, ranks: Sequence[int] | None) -> dist.ProcessGroup:
-        """Create a group over ``ranks`` with this averager's timeout; :meth:`close` destroys it.
+    def _new_group(self, ranks: Sequence[int] | None) -> dist.ProcessGroup | None:
+        """Create a group over ``ranks`` (world ranks; ``None``: the whole world) with this averager's timeout, in
+        every world of the family; :meth:`close` destroys this rank's.
 
-        Collective over the default group: call it from the constructor, on every rank, in the same order.
+        Collective over the job: call it from the constructor, on every rank, in the same order.
         """
-        group = new_timeout_group(ranks, self.timeout)
+        group = self.world.new_group(ranks, self.timeout)
         if isinstance(group, dist.ProcessGroup):
             self._owned_groups.append(group)
         return group

@@ -10,12 +10,14 @@ import torch.distributed as dist
 from wagma.averaging.base import AveragerBase, Reduction, check_int
 from wagma.groups import (
     DEFAULT_TIMEOUT,
+    as_timeout,
     contiguous_subgroups,
     group_ranks,
     require_initialized,
 )
 from wagma.averaging.guards import warn_at_caller
 from wagma.schedule import check_group_fits
+from wagma.world import WorldLike, as_world
 
 __all__ = ["HierarchicalAverager"]
 
@@ -50,6 +52,8 @@ class HierarchicalAverager(AveragerBase):
             A given group must span every rank of the default group (local groups are cut from it).
         average_buffers: also average the floating-point buffers passed to ``average_parameters``.
         timeout: timeout of the groups this averager creates (``timedelta`` or seconds).
+        world: the ranks to average over (:func:`wagma.world.as_world`; ``None``: the whole job); local blocks
+            are cut from the world's ranks.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class HierarchicalAverager(AveragerBase):
         *,
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        world: WorldLike = None,
     ) -> None:
         self.local_group_size = check_int("local_group_size", local_group_size, 1)
         self.local_period = check_int("local_period", local_period, 1)
@@ -74,34 +79,43 @@ class HierarchicalAverager(AveragerBase):
         # Check everything that needs the world before creating any group, so a bad argument cannot leave
         # some ranks inside a collective group creation.
         require_initialized(type(self).__name__)
-        world = dist.get_world_size()
+        resolved = as_world(world, as_timeout(timeout))
+        world_size = resolved.size
         if process_group is not None:
-            if not isinstance(process_group, dist.ProcessGroup) or process_group.size() != world:
+            if not isinstance(process_group, dist.ProcessGroup) or process_group.size() != world_size:
                 found = process_group.size() if isinstance(process_group, dist.ProcessGroup) else "none (not a member)"
                 raise ValueError(
-                    f"process_group: expected a group spanning all {world} ranks (local groups are cut from it), "
+                    f"process_group: expected a group spanning all {world_size} ranks (local groups are cut from it), "
                     f"found {found} ranks"
                 )
-        check_group_fits(local_group_size, world, "local_group_size")
-        if world % local_group_size != 0:
+        check_group_fits(local_group_size, world_size, "local_group_size")
+        if world_size % local_group_size != 0:
             raise ValueError(
-                f"local_group_size: expected a divisor of the number of ranks ({world}), found {local_group_size}"
+                f"local_group_size: expected a divisor of the number of ranks ({world_size}), found {local_group_size}"
             )
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout)
-        self._global_every = local_period if local_group_size == world else global_period
-        self._has_local = 1 < local_group_size < world
+        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=resolved)
+        self._global_every = local_period if local_group_size == world_size else global_period
+        self._has_local = 1 < local_group_size < world_size
         self.local_group: dist.ProcessGroup | None = None
         #: The local groups as lists of global ranks (block k holds ranks k*S .. k*S+S-1 of the global group).
         self.local_blocks: list[list[int]] = [[r] for r in group_ranks(self.process_group)]
-        if self._has_local:
+        if self._has_local and process_group is None:  # blocks of world ranks, cut in every world of the family
+            blocks = [list(range(i, i + local_group_size)) for i in range(0, world_size, local_group_size)]
+            for block in blocks:
+                group = self._new_group(block)
+                if self.world.rank in block:
+                    self.local_group = group
+            if self.world.is_member:
+                self.local_blocks = [[self.world.global_rank(r) for r in block] for block in blocks]
+        elif self._has_local:
             self.local_group, self.local_blocks = contiguous_subgroups(
                 local_group_size, group_ranks(self.process_group), self.timeout
             )
             if self.local_group is not None:
                 self._owned_groups.append(self.local_group)
-        elif local_group_size == world:
+        elif local_group_size == world_size:
             self.local_blocks = [group_ranks(self.process_group)]
-        degenerate = self._not_hierarchical(world)
+        degenerate = self._not_hierarchical(world_size)
         if degenerate is not None:
             warn_at_caller(degenerate)
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction, check_int
+from wagma.world import WorldLike
 from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = ["PeriodicAverager"]
@@ -28,6 +29,7 @@ class PeriodicAverager(AveragerBase):
         process_group: group of the global mean; ``None`` creates a timeout-bound group over all ranks.
         average_buffers: also average the floating-point buffers passed to ``average_parameters``.
         timeout: timeout of the group this averager creates (``timedelta`` or seconds).
+        world: the ranks to average over (:func:`wagma.world.as_world`; ``None``: the whole job).
     """
 
     def __init__(
@@ -38,10 +40,11 @@ class PeriodicAverager(AveragerBase):
         *,
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        world: WorldLike = None,
     ) -> None:
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout)
+        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=world)
 
     def reduction_at(self, step: int) -> Reduction | None:
         """The reduction the call with this ``step`` runs: ``"global"`` or ``None``."""

@@ -38,15 +38,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.tensors import FlatBuffers, widened
-from wagma.groups import DEFAULT_TIMEOUT, require_initialized
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import check_transport
+from wagma.world import WorldLike, as_world
 
 __all__ = ["MIXINGS", "ORDERS", "SYNCS", "WagmaAverager"]
 
@@ -114,6 +114,9 @@ class WagmaAverager(AveragerBase):
             for yet fill the idle time.
         transport: how the engines' rounds move CPU models: ``"default"`` (gloo) or ``"shm"`` (shared memory,
             every rank on one host: :class:`wagma.shm.SharedMemoryAllreduce`). CUDA models use NCCL.
+        world: the ranks to average over (:func:`wagma.world.as_world`): ``None`` for the whole job, a process
+            group, or ``(mesh, "replicate")`` for HSDP's replicas. Groups, rounds and sync rounds stay inside the
+            calling rank's world; every rank of the job builds its averager at the same time.
 
     **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
     rank i's k-th call of :meth:`average_parameters` its call k (round k); call k publishes the model
@@ -168,6 +171,7 @@ class WagmaAverager(AveragerBase):
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         progress_nice: int = 0,
         transport: str = "default",
+        world: WorldLike = None,
     ) -> None:
         check_progress_nice(progress_nice)
         check_transport(transport)
@@ -187,11 +191,11 @@ class WagmaAverager(AveragerBase):
                 raise ValueError(f"max_lead: expected at most sync_period={sync_period}, found {max_lead}")
         # Checked before any group exists, so a bad size leaves no rank inside a collective group creation.
         require_initialized(type(self).__name__)
-        world = dist.get_world_size()
-        check_group_fits(group_size, world)
-        if world % group_size:
-            raise ValueError(f"group_size: expected a divisor of the world size {world}, found {group_size}")
-        super().__init__(None, average_buffers=average_buffers, timeout=timeout)
+        resolved = as_world(world, as_timeout(timeout))
+        check_group_fits(group_size, resolved.size)
+        if resolved.size % group_size:
+            raise ValueError(f"group_size: expected a divisor of the world size {resolved.size}, found {group_size}")
+        super().__init__(None, average_buffers=average_buffers, timeout=timeout, world=resolved)
         self.group_size = group_size
         self.sync_period = sync_period
         self.mixing: Mixing = mixing
@@ -226,7 +230,7 @@ class WagmaAverager(AveragerBase):
             WaitAvoidingGroupAllreduce(
                 self.schedule, widened(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
                 sync=self.sync, timeout=self.timeout, start_round=start_round, progress_nice=self.progress_nice,
-                transport=self.transport, keep_contributions=self.mixing == "conserve",
+                transport=self.transport, keep_contributions=self.mixing == "conserve", world=self.world,
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]
