@@ -211,3 +211,47 @@ def test_world_is_exported():
     import wagma
 
     assert wagma.World is World and wagma.as_world is as_world
+
+
+def _partial_hook_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from wagma import PartialAllreduceState, partial_allreduce_hook
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(3, 1, bias=False), process_group=mesh.get_group("replicate"))
+    # sync_period 0: every round is a blocking mean of the world's fresh gradients (the warm-up's too)
+    state = PartialAllreduceState(model.parameters(), sync_period=0, world=(mesh, "replicate"), timeout=TIMEOUT)
+    model.register_comm_hook(state, partial_allreduce_hook)
+    grads = []
+    for _ in range(4):
+        model.zero_grad()
+        model(torch.full((1, 3), float(rank + 1))).sum().backward()  # gradient: (r + 1) in every entry
+        grads.append(float(model.module.weight.grad[0, 0]))
+    state.close()
+    return grads
+
+
+def test_the_partial_hook_on_a_world_reduces_that_worlds_gradients_only():
+    for rank, grads in enumerate(run_workers(_partial_hook_worker, 4, collective_timeout_s=20, timeout_s=90)):
+        expected = sum(r + 1 for r in (rank % 2, rank % 2 + 2)) / 2
+        assert grads == pytest.approx([expected] * 4), rank
+
+
+def _sgp_worker(rank, world_size):
+    from wagma.averaging import SGPAverager
+
+    mesh = _mesh()
+    model = _tagged(rank)
+    with SGPAverager(world=(mesh, "replicate"), timeout=TIMEOUT) as avg:
+        for _ in range(3):
+            avg.average_parameters(model.parameters())
+        avg.synchronize(model.parameters())
+    return _values(model)
+
+
+def test_push_sum_on_a_world_converges_to_that_worlds_mean():
+    for rank, values in enumerate(run_workers(_sgp_worker, 4, collective_timeout_s=20, timeout_s=90)):
+        expected = sum(r + 1 for r in (rank % 2, rank % 2 + 2)) / 2
+        assert values == pytest.approx([expected, expected]), rank

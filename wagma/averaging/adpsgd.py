@@ -41,6 +41,7 @@ from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.gossip import _Exchange, _check_world
 from wagma.averaging.tensors import widened
 from wagma.groups import DEFAULT_TIMEOUT
+from wagma.world import WorldLike
 
 __all__ = ["ADPSGDAverager", "adpsgd_peer"]
 
@@ -83,6 +84,7 @@ class ADPSGDAverager(AveragerBase):
         warmup_steps: calls before the thread starts; at least 0.
         average_buffers: also average the floating-point buffers passed to ``average_parameters``.
         timeout: bound of every send, receive and join (``timedelta`` or seconds).
+        world: the ranks to gossip among (:func:`wagma.world.as_world`; ``None``: the whole job).
 
     Raises:
         ValueError: for a world of fewer than 2 ranks or an odd one.
@@ -94,9 +96,10 @@ class ADPSGDAverager(AveragerBase):
         *,
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        world: WorldLike = None,
     ) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        super().__init__(None, average_buffers=average_buffers, timeout=timeout)
+        super().__init__(None, average_buffers=average_buffers, timeout=timeout, world=world)
         adpsgd_peer(0, self.world_size, 0)  # validates the world
         self._p2p = self._new_group(None)  # the thread's own: never used by two threads at once
         self._cond = threading.Condition()

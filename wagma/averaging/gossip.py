@@ -31,6 +31,7 @@ import torch.distributed as dist
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.tensors import widened
 from wagma.groups import DEFAULT_TIMEOUT, is_timeout
+from wagma.world import WorldLike
 
 __all__ = [
     "TOPOLOGIES",
@@ -181,6 +182,7 @@ class DPSGDAverager(AveragerBase):
             over all ranks. It needs at least 2 ranks.
         average_buffers: also average the floating-point buffers passed to ``average_parameters``.
         timeout: bound of every send and receive (``timedelta`` or seconds).
+        world: the ranks to gossip among (:func:`wagma.world.as_world`; ``None``: the whole job).
 
     Raises:
         ValueError: for an unknown topology, a negative ``warmup_steps`` or a group of fewer than 2 ranks.
@@ -194,12 +196,13 @@ class DPSGDAverager(AveragerBase):
         *,
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        world: WorldLike = None,
     ) -> None:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology: expected one of {TOPOLOGIES}, found {topology!r}")
         self.topology = topology
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout)
+        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=world)
         self.neighbours: list[int] = []
         if self.is_member:
             _check_world(type(self).__name__, self.world_size)
@@ -265,6 +268,7 @@ class SGPAverager(AveragerBase):
         process_group: group to gossip in; ``None`` creates a timeout-bound group over all ranks (>= 2 ranks).
         average_buffers: also average the floating-point buffers passed to ``average_parameters``.
         timeout: bound of every send and receive (``timedelta`` or seconds).
+        world: the ranks to gossip among (:func:`wagma.world.as_world`; ``None``: the whole job).
     """
 
     SHARE = 1.0 / 3.0  # kept, and pushed to each of the two out-peers
@@ -277,12 +281,13 @@ class SGPAverager(AveragerBase):
         *,
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        world: WorldLike = None,
     ) -> None:
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap: expected a bool, found {overlap!r}")
         self.overlap = overlap
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout)
+        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=world)
         if self.is_member:
             _check_world(type(self).__name__, self.world_size)
         #: The push-sum weight w of this rank.

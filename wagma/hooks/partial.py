@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources, check_int, reduced_parameters
-from wagma.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 from wagma.shm import check_transport
+from wagma.world import World, WorldLike, as_world
 
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook"]
 
@@ -69,6 +70,8 @@ class PartialAllreduceState:
             nice levels below the caller (:class:`~wagma.WaitAvoidingGroupAllreduce`'s ``progress_nice``).
         transport: how the rounds move CPU gradients: ``"default"`` (gloo) or ``"shm"`` (shared memory, every
             rank on one host: :class:`wagma.shm.SharedMemoryAllreduce`). The warm-up and :meth:`flush` use gloo.
+        world: the ranks whose gradients are reduced (:func:`wagma.world.as_world`; ``None``: the whole job).
+            Wrap the model with ``DistributedDataParallel(..., process_group=...)`` over the same ranks.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class PartialAllreduceState:
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         progress_nice: int = 0,
         transport: str = "default",
+        world: WorldLike = None,
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
         if mode not in ("solo", "majority"):
@@ -113,13 +117,17 @@ class PartialAllreduceState:
         self.stats = AveragerStats()
         self.rounds = 0
         self.iteration = 0
-        self.group: dist.ProcessGroup | None = new_timeout_group(None, self.timeout)
+        #: The ranks whose gradients are reduced (:func:`wagma.world.as_world`); the whole job by default.
+        self.world: World = as_world(world, self.timeout)
+        if not self.world.is_member:
+            raise ValueError(f"world: rank {dist.get_rank()} is in none of the worlds {list(self.world.family)}")
+        self.group: dist.ProcessGroup | None = self.world.new_group(None, self.timeout)
         # Released by close(), or by the finalizer when the state is dropped or alive at interpreter exit
         # (a progress thread inside a collective at exit would otherwise abort the process).
         self._resources = OwnedResources()
         self._resources.groups.append(self.group)
         self._finalizer = weakref.finalize(self, self._resources.release)
-        self.world_size = dist.get_world_size()
+        self.world_size = self.world.size
         self.engine: WaitAvoidingGroupAllreduce | None = None
         self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
@@ -129,12 +137,12 @@ class PartialAllreduceState:
         if self.engine is not None:
             self.engine.close()
         self._pending = None
-        schedule = GroupSchedule.from_partitions([[list(range(dist.get_world_size()))]], name="global")
+        schedule = GroupSchedule.from_partitions([[list(range(self.world_size))]], name="global")
         self.engine = WaitAvoidingGroupAllreduce(
             schedule, residual, sync_period=self.sync_period, max_lead=self.max_lead, timeout=self.timeout,
             trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
             start_round=max(0, self.iteration - self.warmup_iters), progress_nice=self.progress_nice,
-            transport=self.transport,
+            transport=self.transport, world=self.world,
         )
         self._resources.closers[:] = [self.engine]
         # Where the buckets' gradients go, in parameter order. The engine takes it over at the end of the
