@@ -54,7 +54,7 @@ def test_no_library_module_imports_the_application():
 # The library's layers, bottom up: a module may import only from its own layer or the ones below (issue 32).
 LAYERS = [
     {"wagma.schedule", "wagma.shm", "wagma.kernels", "wagma.telemetry"},
-    {"wagma.groups", "wagma.engine_store"},
+    {"wagma.groups", "wagma.engine_store", "wagma.world"},
     {"wagma.engine_core"},
     {"wagma.engine"},
     {"wagma.averaging", "wagma.hooks"},
@@ -120,3 +120,12 @@ def test_recipe_periodic_averaging_agrees_with_torchs_post_local_sgd_optimizer()
 def test_recipe_gossip_baselines_end_with_identical_replicas(method):
     out = _torchrun("gossip_baselines.py", 4, "--method", method)
     assert f"{method}: 30 steps on 4 ranks" in out and "replicas identical after synchronize" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_recipe_fsdp2_wagma_shards_inside_replicas_and_ends_with_identical_replicas():
+    out = _torchrun("fsdp2_wagma.py", 4)
+    assert "40 steps on 2 replicas x 2 shards" in out and "replicas identical after the final average" in out
+    held, total = (int(v) for v in out.split("each rank holds ")[1].split(" parameters")[0].split(" of "))
+    assert held < 0.6 * total  # rank 0 holds its shards, about half the model, not all of it

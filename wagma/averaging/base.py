@@ -52,6 +52,7 @@ from wagma.averaging.tensors import (
     collect_named,
     collect_named_buffers,
     collect_parameters,
+    local_tensor,
     reduced_parameters,
 )
 
@@ -317,7 +318,8 @@ class AveragerBase(ModelAverager):
     def tensors_to_average(
         self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None, *, where: str = "average_parameters"
     ) -> list[torch.Tensor]:
-        """The bound parameters, then (if ``average_buffers``) floating-point buffers, in the bound order.
+        """The bound parameters, then (if ``average_buffers``) floating-point buffers, in the bound order; of a
+        ``DTensor`` (an FSDP2 parameter) its local shard.
 
         The first call binds the averager to what it is given (see :meth:`bind`); later calls must pass the
         same tensor objects, in any order.
@@ -328,7 +330,8 @@ class AveragerBase(ModelAverager):
         tensors, names = self._collect(params, buffers)
         if self._binding is None:
             self._binding = ParameterBinding(tensors, names)
-        return self._binding.arrange(tensors, names, where=f"{type(self).__name__}.{where}")
+        arranged = self._binding.arrange(tensors, names, where=f"{type(self).__name__}.{where}")
+        return [local_tensor(t) for t in arranged]  # bound by the DTensor, averaged as this rank's shard
 
     def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
         """Bind the averager to these tensors (and their order) from now on, replacing an earlier binding.

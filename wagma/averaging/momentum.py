@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from wagma.averaging.base import AveragerBase, AveragerStats, Reduction
-from wagma.averaging.tensors import FlatBuffers, ParameterBinding, ParamsLike, collect_named
+from wagma.averaging.tensors import FlatBuffers, ParameterBinding, ParamsLike, collect_named, local_tensor
 
 __all__ = ["MomentumLevels", "ReductionMomentum", "reduction_momentum_update_"]
 
@@ -195,7 +195,7 @@ class ReductionMomentum(ModelAverager):
         kind = self.averager.average_parameters(tensors, buffers)
         if kind not in self._levels and all(level.established for level in self._levels.values()):
             return kind  # nothing to update (a global reduction always has a level)
-        self._flat = flat = FlatBuffers.reuse_or_build(self._flat, tensors)
+        self._flat = flat = FlatBuffers.reuse_or_build(self._flat, [local_tensor(t) for t in tensors])
         values = flat.pack()  # the model after the wrapped averager: x̄ at a reduction
         if kind is not None and kind in self._levels:
             level = self._levels[kind]

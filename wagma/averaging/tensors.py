@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "local_tensor",
     "FlatBuffers",
     "flatten_parameters",
     "ParameterBinding",
@@ -36,6 +37,19 @@ __all__ = [
 #: What ``average_parameters`` accepts: ``model.parameters()``, ``model.named_parameters()``, a list of
 #: tensors, or ``optimizer.param_groups`` (dicts with a ``"params"`` list, optionally ``"param_names"``).
 ParamsLike = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for a ``DTensor`` (an FSDP2 parameter) the shard this rank holds.
+
+    The shard is the DTensor's own local tensor object, which FSDP2 keeps for the parameter's lifetime and whose
+    storage the optimizer updates: averaging it in place averages this rank's shard, and only that.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def collect_named(params: ParamsLike) -> tuple[list[torch.Tensor], list[str | None]]:

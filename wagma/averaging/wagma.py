@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
-from wagma.averaging.tensors import FlatBuffers, widened
+from wagma.averaging.tensors import FlatBuffers, local_tensor, widened
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.kernels import wagma_combine_
@@ -373,7 +373,7 @@ class WagmaAverager(AveragerBase):
         """
         super().bind(params, buffers)
         assert self._binding is not None
-        self._tensors = self._binding.tensors
+        self._tensors = [local_tensor(t) for t in self._binding.tensors]
         self._start_engines(self.step)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
