@@ -11,7 +11,7 @@ from torch import nn
 
 from wagma.averaging import PeriodicAverager, WagmaAverager
 from wagma.averaging.tensors import local_tensor
-from wagma.testing import run_workers
+from wagma.testing import run_workers, run_workers_outcomes
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -126,3 +126,77 @@ def test_reduction_momentum_over_sharded_parameters_averages_each_shard():
     for rank, values in enumerate(run_workers(_momentum_worker, 4, collective_timeout_s=30)):
         expected = ((rank % 2 + 1) + (rank % 2 + 3)) / 2  # first global reduction: the plain mean
         assert values == pytest.approx([expected] * len(values))
+
+
+def _dcp_worker(rank, world_size, ckpt: str, phase: str, steps: int, cut: int):
+    """``reference``: train 0..steps, saving a DCP checkpoint at ``cut``; ``killed``: the same run, rank 1 killed
+    (SIGKILL) two steps after the checkpoint; ``resumed``: load the checkpoint and train cut..steps.
+
+    Between averages the replicas' models differ, and DCP would keep one copy of a DTensor sharded over the
+    ``shard`` dimension only (it takes the replicas for copies): each replica saves its own checkpoint, over its
+    shard group."""
+    import os
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh, model = _sharded(rank, 2, 2, tagged=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    avg = PeriodicAverager(3, world=(mesh, "replicate"), timeout=datetime.timedelta(seconds=5))
+    replica = f"{ckpt}/replica{mesh.get_local_rank('replicate')}"
+    shard_group = mesh.get_group("shard")
+    start = 0
+    if phase == "resumed":
+        model_sd, opt_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": opt_sd, "averager": avg.state_dict()}
+        dcp.load(state, checkpoint_id=replica, process_group=shard_group)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        avg.load_state_dict(state["averager"])
+        start = avg.step
+    with avg:
+        for step in range(start, steps):
+            if phase == "killed" and rank == 1 and step == cut + 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            g = torch.Generator().manual_seed(1000 * rank + step)  # the data of (rank, step), whatever the run
+            x = torch.randn(16, 4, generator=g)
+            loss = ((model(x) - x[:, :2]) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            avg.average_parameters(model.parameters())
+            if step + 1 == cut and phase != "resumed":
+                model_sd, opt_sd = get_state_dict(model, opt)
+                dcp.save({"model": model_sd, "optim": opt_sd, "averager": avg.state_dict()}, checkpoint_id=replica,
+                         process_group=shard_group)
+    return _shards(model)
+
+
+def test_a_dcp_checkpoint_of_sharded_model_and_averager_resumes_exactly_after_a_rank_is_killed(tmp_path):
+    steps, cut = 10, 5
+    reference = run_workers(_dcp_worker, 4, str(tmp_path / "ref"), "reference", steps, cut, collective_timeout_s=30)
+    killed = run_workers_outcomes(_dcp_worker, 4, str(tmp_path / "run"), "killed", steps, cut,
+                                  collective_timeout_s=5, timeout_s=60)
+    assert killed[1].exitcode == -9 and not any(o.ok for o in killed)  # the survivors fail too, in bounded time
+    resumed = run_workers(_dcp_worker, 4, str(tmp_path / "run"), "resumed", steps, cut, collective_timeout_s=30)
+    for rank, (ref, res) in enumerate(zip(reference, resumed)):
+        assert all(torch.equal(a, b) for a, b in zip(ref, res)), f"rank {rank}: resumed shards differ"
+
+
+def _one_copy_worker(rank, world_size, ckpt):
+    import torch.distributed.checkpoint as dcp
+
+    mesh, model = _sharded(rank, 2, 2)  # replicas differ: rank + 1
+    state = {"model": model.state_dict()}
+    dcp.save(state, checkpoint_id=ckpt)  # one checkpoint for the whole job
+    dcp.load(state, checkpoint_id=ckpt)
+    model.load_state_dict(state["model"])
+    return [float(s.flatten()[0]) for s in _shards(model) if s.numel()]
+
+
+def test_one_dcp_checkpoint_for_all_replicas_keeps_one_replicas_shards_which_is_why_each_replica_saves_its_own(
+    tmp_path,
+):
+    out = run_workers(_one_copy_worker, 4, str(tmp_path / "one"), collective_timeout_s=30)
+    # before: shard j of replica r holds 2r + j + 1; after: both replicas hold one replica's shards
+    assert out[0] == out[2] and out[1] == out[3], out
