@@ -200,3 +200,75 @@ def test_one_dcp_checkpoint_for_all_replicas_keeps_one_replicas_shards_which_is_
     out = run_workers(_one_copy_worker, 4, str(tmp_path / "one"), collective_timeout_s=30)
     # before: shard j of replica r holds 2r + j + 1; after: both replicas hold one replica's shards
     assert out[0] == out[2] and out[1] == out[3], out
+
+
+def _eager_worker(rank, world_size, mode, steps, late_rank):
+    import time
+
+    from wagma import FSDPPartialAllreduce
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3, bias=True)
+    fsdp.fully_shard(model, mesh=mesh["shard"])
+    initial = _shards(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the parameters move by exactly what the rounds apply
+    state = FSDPPartialAllreduce(model, world=(mesh, "replicate"), mode=mode, sync_period=4, warmup_iters=1,
+                                 timeout=TIMEOUT)
+    x = torch.full((1, 5), float(rank + 1))  # a gradient that does not depend on the parameters: known exactly
+    for step in range(steps):
+        if rank == late_rank and step % 3 == 1:
+            time.sleep(0.3)  # a straggling replica: the others' rounds go without its fresh gradient
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    flushed = state.flush(opt)
+    stats = state.stats.as_dict()
+    state.close()
+    return initial, _shards(model), flushed, stats
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_replicas_identical(mode):
+    steps = 9
+    out = run_workers(_eager_worker, 4, mode, steps, 2, collective_timeout_s=30, timeout_s=120)
+    # rank r's gradient: every weight entry r + 1, bias 1; FSDP2 averages it over its replica's two ranks (the shard
+    # group {2c, 2c + 1}), so replica c's shard gradient is the mean of its two ranks' inputs
+    mean_x = {0: (1 + 2) / 2, 1: (3 + 4) / 2}  # replica c: the mean of its two ranks' inputs
+    for rank, (initial, final, flushed, stats) in enumerate(out):
+        partner = rank ^ 2  # the same shard index in the other replica
+        assert all(torch.equal(a, b) for a, b in zip(final, out[partner][1])), f"rank {rank}: replicas differ"
+        # conservation: the sum over the replicas of what was applied is the sum of every computed gradient
+        weight_grad = steps * (mean_x[0] + mean_x[1])  # per element of the weight, over both replicas
+        bias_grad = steps * 2.0
+        applied = [2 * (a - b) for a, b in zip(initial, final)]  # both replicas applied the same, R = 2
+        torch.testing.assert_close(applied[0], torch.full_like(applied[0], weight_grad))
+        if applied[1].numel():
+            torch.testing.assert_close(applied[1], torch.full_like(applied[1], bias_grad))
+    late = out[2][3]  # the straggling replica's rank: rounds went without its fresh gradient, carried, not lost
+    if mode == "solo":
+        assert late["stale_contributions"] > 0 and out[2][2], late  # ... and flush() applied what was left
+
+
+def _nested_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from wagma import FSDPPartialAllreduce
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    fsdp.fully_shard(model[0], mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    with pytest.raises(ValueError, match=r"expected one fully_shard-ed module .* found nested ones: \['0'\]"):
+        FSDPPartialAllreduce(model, world=None)
+    return True
+
+
+def test_the_fsdp_hook_refuses_a_module_fsdp2_did_not_shard_and_nested_fully_shard_modules():
+    from wagma import FSDPPartialAllreduce
+
+    with pytest.raises(ValueError, match="expected a module sharded with .*fully_shard .* found Linear"):
+        FSDPPartialAllreduce(nn.Linear(2, 2), world=None)
+    assert all(run_workers(_nested_worker, 2, collective_timeout_s=20))

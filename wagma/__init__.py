@@ -45,6 +45,7 @@ from wagma.hooks import (
     local_hook,
     partial_allreduce_hook,
 )
+from wagma.hooks.fsdp import FSDPPartialAllreduce
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
@@ -56,6 +57,7 @@ __all__ = [
     "AveragerBase",
     "AveragingOptimizer",
     "DPSGDAverager",
+    "FSDPPartialAllreduce",
     "GroupAllreduceState",
     "GroupSchedule",
     "HierarchicalAverager",

@@ -1,0 +1,204 @@
+"""eager-SGD across the replicas of a sharded model: FSDP2's all-reduce hook runs a partial allreduce.
+
+With HSDP's layout (a ``("replicate", "shard")`` mesh, ``fully_shard`` over the ``shard`` dimension alone), FSDP2
+reduce-scatters each replica's gradients inside the replica and hands this rank's shard of them, one flat tensor,
+to the hook set with ``set_all_reduce_hook``. :class:`FSDPPartialAllreduce` sums that tensor over the
+``replicate`` world as eager-SGD's partial collective does for DDP (:mod:`wagma.hooks.partial`): the first replica
+to finish its backward pass triggers the round (``solo``; ``majority``: the round's initiator), a replica still
+computing takes part with its residual, and a late gradient is carried to a later round, never dropped, counted
+exactly once. Every replica applies the same round sum / R, so the replicas stay identical; every
+``(sync_period + 1)``-th round is blocking and fully fresh; the first ``warmup_iters`` iterations are plain
+allreduces; :meth:`FSDPPartialAllreduce.flush` applies what is left in the residuals at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import weakref
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from wagma.averaging.base import AveragerStats, OwnedResources, check_int
+from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout
+from wagma.schedule import GroupSchedule
+from wagma.world import World, WorldLike, as_world
+
+__all__ = ["FSDPPartialAllreduce"]
+
+
+class FSDPPartialAllreduce:
+    """eager-SGD partial allreduce of an FSDP2 module's shard gradients over a world (HSDP's replicas).
+
+    Build it on every rank of the job at the same time, after ``fully_shard`` and before the first backward pass;
+    it registers itself as the module's all-reduce hook. The module must be the only ``fully_shard``-ed module of
+    the model (one flat reduce-scatter output a backward pass). Its engine starts at the first backward pass,
+    sized by FSDP2's reduce-scatter output.
+
+    Args:
+        module: the ``fully_shard``-ed module (an ``FSDPModule``), sharded over the ``shard`` mesh dimension only.
+        world: the replicas (``(mesh, "replicate")``, a process group, ...; :func:`wagma.world.as_world`).
+        mode: ``"solo"`` (the first replica to arrive triggers the round) or ``"majority"``.
+        sync_period: every ``(sync_period + 1)``-th round is blocking and fully fresh (0: every round).
+        warmup_iters: plain allreduces first (at least 1).
+        seed: seed of ``majority``'s initiator draw.
+        max_lead: how many rounds the progress thread may run ahead (default ``sync_period``).
+        timeout: bound of every wait.
+        progress_nice: CPU: nice levels below the caller for the progress thread.
+
+    Raises:
+        ValueError: if ``module`` is not an FSDP2 module, holds nested ``fully_shard`` modules, or an argument is
+            out of range (saying what was expected).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        world: WorldLike,
+        mode: Literal["solo", "majority"] = "solo",
+        sync_period: int = 32,
+        warmup_iters: int = 1,
+        seed: int = 0,
+        max_lead: int | None = None,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        progress_nice: int = 0,
+    ) -> None:
+        if not callable(getattr(module, "set_all_reduce_hook", None)):
+            raise ValueError(
+                f"module: expected a module sharded with torch.distributed.fsdp.fully_shard (an FSDPModule), "
+                f"found {type(module).__name__}"
+            )
+        nested = [n for n, m in module.named_modules() if m is not module and callable(getattr(m, "set_all_reduce_hook", None))]
+        if nested:
+            raise ValueError(
+                f"module: expected one fully_shard-ed module (one reduce-scatter output a backward pass), found nested "
+                f"ones: {nested[:4]}; shard the model with one fully_shard call for FSDPPartialAllreduce"
+            )
+        if mode not in ("solo", "majority"):
+            raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
+        self.mode = mode
+        self.sync_period = check_int("sync_period", sync_period, 0)
+        self.warmup_iters = check_int("warmup_iters", warmup_iters, 1)
+        self.seed = int(seed)
+        self.max_lead = max_lead
+        self.progress_nice = check_progress_nice(progress_nice)
+        self.timeout = as_timeout(timeout)
+        #: The replicas whose shard gradients are summed.
+        self.world: World = as_world(world, self.timeout)
+        if not self.world.is_member:
+            raise ValueError(f"world: rank {dist.get_rank()} is in none of the worlds {list(self.world.family)}")
+        self.world_size = self.world.size
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.stats = AveragerStats()
+        self.iteration = 0
+        self.rounds = 0
+        self.group = self.world.new_group(None, self.timeout)  # warm-up and flush
+        self._resources = OwnedResources()
+        self._resources.groups.append(self.group)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self.engine: WaitAvoidingGroupAllreduce | None = None
+        # Where each parameter's local gradient lies in the reduce-scatter output: (offset, numel, shape), by id
+        self._layout: dict[int, tuple[int, int, torch.Size]] | None = None
+        module.set_all_reduce_hook(self._hook)
+
+    # --------------------------------------------------------------------------------------- the hook
+    def _hook(self, out: torch.Tensor) -> None:
+        if self.engine is None:
+            self._start_engine(out)
+        assert self.engine is not None
+        if self.iteration < self.warmup_iters:
+            start = time.perf_counter()
+            work = dist.all_reduce(out, group=self.group, async_op=True)
+            work.wait(self.timeout)
+            out.div_(self.world_size)
+            self.stats.record_reduction("global", out.nbytes, time.perf_counter() - start)
+        else:
+            staging = self.engine.staging_buffer()
+            staging.copy_(out)
+            res = self.engine(staging)
+            torch.div(res.sum, self.world_size, out=out)
+            self.engine.recycle(res.sum)
+            self.rounds += 1
+            self.stats.record_reduction("global" if res.is_sync else "local", out.nbytes, res.wait_s)
+            self.stats.record_contribution(res.staleness)
+        if self._layout is None:
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: self._record_layout(out))  # once FSDP2 has made the gradients
+        self.iteration += 1
+
+    def _start_engine(self, out: torch.Tensor) -> None:
+        schedule = GroupSchedule.from_partitions([[list(range(self.world_size))]], name="global")
+        self.engine = WaitAvoidingGroupAllreduce(
+            schedule, torch.zeros_like(out), sync_period=self.sync_period, max_lead=self.max_lead,
+            timeout=self.timeout, trigger="any" if self.mode == "solo" else "initiator", seed=self.seed,
+            accumulate=True, progress_nice=self.progress_nice, world=self.world,
+        )
+        self._resources.closers[:] = [self.engine]
+
+    def _record_layout(self, out: torch.Tensor) -> None:
+        layout: dict[int, tuple[int, int, torch.Size]] = {}
+        for p in self.params:
+            local = getattr(p.grad, "_local_tensor", p.grad)
+            if local is None:
+                continue
+            if local.numel() == 0:
+                layout[id(p)] = (0, 0, local.shape)
+                continue
+            offset = (local.data_ptr() - out.data_ptr()) // out.element_size()
+            if not (local.is_contiguous() and 0 <= offset and offset + local.numel() <= out.numel()):
+                raise RuntimeError(
+                    "FSDPPartialAllreduce: FSDP2 did not hand a parameter's gradient as a view of its reduce-scatter "
+                    f"output (shape {tuple(local.shape)}), so flush() could not place the residual; mixed precision "
+                    "and gradient accumulation across backward passes are not supported yet"
+                )
+            layout[id(p)] = (offset, local.numel(), local.shape)
+        self._layout = layout
+
+    # ------------------------------------------------------------------------------------ end of run
+    def flush(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Apply every replica's leftover residual: one blocking round, then ``optimizer.step()``.
+
+        Collective over the world: call it on every rank after the last training step. Writes the mean residual
+        into the parameters' gradients and steps, unless every residual was empty (then nothing is touched).
+
+        Returns:
+            Whether the optimizer stepped (the same answer on every rank).
+        """
+        if self.engine is None or self._layout is None:
+            raise RuntimeError("FSDPPartialAllreduce.flush: no backward pass ran through the hook yet")
+        residual = self.engine.take()
+        payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
+        start = time.perf_counter()
+        dist.all_reduce(payload, group=self.group, async_op=True).wait(self.timeout)
+        self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
+        if payload[-1].item() == 0:
+            return False
+        mean = payload[:-1].div_(self.world_size)
+        from torch.distributed.tensor import DTensor
+
+        for p in self.params:
+            offset, n, shape = self._layout[id(p)]
+            value = mean[offset : offset + n].view(shape).to(p.dtype, copy=True)
+            if isinstance(p, DTensor):
+                p.grad = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                            stride=p.stride())
+            else:
+                p.grad = value
+        optimizer.step()
+        return True
+
+    def close(self) -> None:
+        """Stop the engine and release the groups; idempotent."""
+        self.engine = None
+        self._finalizer()
+
+    def __enter__(self) -> FSDPPartialAllreduce:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
