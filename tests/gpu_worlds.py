@@ -31,6 +31,7 @@ import test_engine  # noqa: E402
 import test_gossip  # noqa: E402
 import test_partial_hook  # noqa: E402
 import test_wagma_averager  # noqa: E402
+import test_worlds  # noqa: E402
 import torch  # noqa: E402
 
 CHECKS: dict[str, Callable[[str], None]] = {
@@ -47,6 +48,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "partial_carries_late_majority": lambda d: test_partial_hook.check_late_gradients_carried("majority", d),
     "dpsgd_mixing": lambda d: test_gossip.check_dpsgd_mixing(4, "ring", d),
     "osgp_push_sum": lambda d: test_gossip.check_push_sum(4, True, d),
+    "two_worlds": test_worlds.check_two_worlds,
 }
 
 

@@ -366,3 +366,21 @@ def test_samples_clock_and_compute_spread_from_per_step_records():
     values = np.array([1.0, 3.0, 1.0, 1.0, 2.0, 1.0])
     assert spread["compute_cv"] == pytest.approx(values.std() / values.mean())
     assert collect.compute_spread([a], warmup=5) == {"compute_max_over_median": None, "compute_cv": None}
+
+
+@pytest.mark.slow
+def test_hsdp_benchmark_writes_step_rates_accuracy_and_memory(tmp_path):
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "hsdp.py"), "--quick", "--steps", "12", "--compute-ms", "5",
+         "--policies", "hsdp", "hsdp_wagma", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=400, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "hsdp.json").read_text())
+    assert [r["policy"] for r in result["runs"]] == ["hsdp", "hsdp_wagma"]
+    assert result["summary"]["hsdp"]["x_hsdp"] == 1.0 and result["summary"]["hsdp_wagma"]["step_ms"] > 0
+    assert 0.0 <= result["summary"]["hsdp_wagma"]["accuracy"] <= 1.0
+    assert set(result["memory"]) >= {"ddp", "fsdp_shard_only", "hsdp_wagma"} and result["memory"]["width"] == 512

@@ -12,7 +12,7 @@ from torch import nn
 
 from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
 from wagma.averaging import HierarchicalAverager, PeriodicAverager, WagmaAverager
-from wagma.testing import run_workers, run_workers_outcomes
+from wagma.testing import rank_device, run_workers, run_workers_outcomes
 from wagma.world import World, as_world
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -255,3 +255,34 @@ def test_push_sum_on_a_world_converges_to_that_worlds_mean():
     for rank, values in enumerate(run_workers(_sgp_worker, 4, collective_timeout_s=20, timeout_s=90)):
         expected = sum(r + 1 for r in (rank % 2, rank % 2 + 2)) / 2
         assert values == pytest.approx([expected, expected]), rank
+
+
+def _device_worlds_worker(rank, world_size, device):
+    # worlds {0, 2} and {1, 3} as exchanged process groups; tensors on `device` (several ranks share one GPU)
+    dev = rank_device(device, rank)
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    world = as_world(groups[rank % 2])
+    x = torch.full((1000,), float(rank + 1), device=dev)
+    sums = []
+    with WaitAvoidingGroupAllreduce(GroupSchedule.butterfly(2, 2), x, sync_period=2, max_lead=0, timeout=TIMEOUT,
+                                    world=world) as engine:
+        for _ in range(5):
+            res = engine(x)
+            sums.append((float(res.sum[0]), str(res.sum.device)))
+    model = _tagged(rank).to(dev)
+    with WagmaAverager(2, 0, params=model.parameters(), world=world, timeout=TIMEOUT) as avg:
+        avg.average_parameters(model.parameters())
+    return sums, _values(model)
+
+
+def check_two_worlds(device: str = "cpu") -> None:
+    """Two worlds of 2 in a job of 4: every round sums its own world only, on ``device``'s tensors."""
+    for rank, (sums, values) in enumerate(run_workers(_device_worlds_worker, 4, device, collective_timeout_s=30)):
+        own = sum(r + 1 for r in (rank % 2, rank % 2 + 2))
+        assert [s for s, _ in sums] == [float(own)] * 5, (rank, sums)
+        assert all(d.startswith(device) for _, d in sums)
+        assert values == pytest.approx([own / 2, own / 2])
+
+
+def test_two_worlds_on_exchanged_groups_sum_their_own_ranks():
+    check_two_worlds("cpu")
