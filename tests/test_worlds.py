@@ -43,6 +43,10 @@ def _family_worker(rank, world_size):
     # every rank passes the group of its own world; the family is read from the store
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     exchanged = as_world(groups[rank // 2])
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(rep))  # a state that holds a world pickles: without the group
+    assert copy.family == rep.family and copy.rank == rep.rank and copy.group is None and rep.group is not None
     return (rep.family, rep.ranks, rep.rank, shard.family, exchanged.family, exchanged.rank, rep.describe(1),
             as_world(None).whole_job, as_world(None).key, rep.key != as_world((mesh, "replicate")).key)
 
@@ -286,3 +290,40 @@ def check_two_worlds(device: str = "cpu") -> None:
 
 def test_two_worlds_on_exchanged_groups_sum_their_own_ranks():
     check_two_worlds("cpu")
+
+
+def _disagree_worker(rank, world_size):
+    mesh = _mesh()
+    world = as_world((mesh, "replicate"))
+    with pytest.raises(ValueError, match=r"rank 0 creates the group of world ranks \[0,1\] while rank 1 creates \[1,0\]"):
+        world.new_group([0, 1] if rank % 2 == 0 else [1, 0], TIMEOUT)
+    return True
+
+
+def test_worlds_that_ask_for_different_groups_are_told_so_instead_of_hanging():
+    assert all(run_workers(_disagree_worker, 4, collective_timeout_s=20))
+
+
+def _mixed_averagers_worker(rank, world_size):
+    mesh = _mesh()
+    model = _tagged(rank)
+    timeout = datetime.timedelta(seconds=3)
+    try:
+        if rank % 2 == 0:  # world {0, 2}: WAGMA, whose engine creates groups the other world never asks for
+            WagmaAverager(2, 4, params=model.parameters(), world=(mesh, "replicate"), timeout=timeout).close()
+        else:
+            with PeriodicAverager(1, world=(mesh, "replicate"), timeout=timeout) as avg:
+                avg.average_parameters(model.parameters())
+            time.sleep(6)  # stays alive past the other world's deadline
+    except (TimeoutError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "ok"
+
+
+def test_different_averagers_on_the_worlds_of_one_family_fail_in_bounded_time_naming_the_absent_ranks():
+    start = time.monotonic()
+    out = run_workers(_mixed_averagers_worker, 4, collective_timeout_s=20, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert out[1] == out[3] == "ok"
+    for rank in (0, 2):
+        assert out[rank].startswith("TimeoutError: World.new_group: rank(s) [1, 3] did not take part"), out[rank]

@@ -97,6 +97,8 @@ class World:
                 raise ValueError(
                     f"world_ranks: expected distinct world ranks in [0, {self.size}), found {list(world_ranks)}"
                 )
+        if not self.whole_job:
+            self._agree(world_ranks, timeout)
         mine: dist.ProcessGroup | None = None
         for world in self.family:
             ranks = list(world) if world_ranks is None else [world[r] for r in world_ranks]
@@ -105,6 +107,31 @@ class World:
             if world == self.ranks and isinstance(group, dist.ProcessGroup):
                 mine = group
         return mine
+
+    def _agree(self, world_ranks: Sequence[int] | None, timeout: datetime.timedelta) -> None:
+        """Check that every rank asks for the same group now (else the creations would pair wrongly and hang).
+
+        Raises:
+            ValueError: naming two ranks that asked for different groups (e.g. different averagers per world).
+        """
+        asked = "all" if world_ranks is None else ",".join(map(str, world_ranks))
+        values = _exchange("World.new_group", asked, timeout)
+        if len(set(values)) > 1:
+            first = values[0]
+            other = next(r for r, v in enumerate(values) if v != first)
+            raise ValueError(
+                f"World.new_group: rank 0 creates the group of world ranks [{first}] while rank {other} creates "
+                f"[{values[other]}]; every world of a family builds the same averager, with the same arguments, "
+                "at the same time (group creation is collective over the job)"
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its process group (a group cannot be pickled; the ranks and the family are kept)."""
+        return {k: v for k, v in self.__dict__.items() if k != "group"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.group = None
 
     def __repr__(self) -> str:
         if self.whole_job:
@@ -165,25 +192,36 @@ def _mesh_world(mesh: Any, dim: str) -> World:
     return World(family, mesh.get_group(dim), whole_job=len(family) == 1)
 
 
-def _exchanged_world(group: Any, timeout: datetime.timedelta) -> World:
+def _exchange(what: str, value: str, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's ``value``, in rank order, through the default store; collective over the job, bounded.
+
+    Raises:
+        TimeoutError: naming the ranks that did not take part within ``timeout``.
+    """
     me, size = dist.get_rank(), dist.get_world_size()
-    ranks = list(dist.get_process_group_ranks(group)) if isinstance(group, dist.ProcessGroup) else []
     store = dist.distributed_c10d._get_default_store()
     key = f"wagma/worlds/{next(_exchanges)}"
-    store.set(f"{key}/{me}", ",".join(map(str, ranks)))
+    store.set(f"{key}/{me}", value)
     try:
         store.wait([f"{key}/{r}" for r in range(size)], timeout)
     except dist.DistStoreError as err:
         there = [r for r in range(size) if store.check([f"{key}/{r}"])]
         raise TimeoutError(
-            f"as_world: rank(s) {sorted(set(range(size)) - set(there))} did not resolve their world within "
-            f"{timeout.total_seconds():.0f} s; every rank of the job resolves its world (builds its averager) at "
-            "the same time"
+            f"{what}: rank(s) {sorted(set(range(size)) - set(there))} did not take part within "
+            f"{timeout.total_seconds():.0f} s; every rank of the job builds its averager (on its own world) at the "
+            "same time"
         ) from err
-    worlds = {tuple(int(x) for x in store.get(f"{key}/{r}").decode().split(",") if x) for r in range(size)}
-    worlds.discard(())
+    values = [store.get(f"{key}/{r}").decode() for r in range(size)]
     store_barrier(store, f"{key}/read", size, timeout)  # every rank has read every key
     store.delete_key(f"{key}/{me}")
+    return values
+
+
+def _exchanged_world(group: Any, timeout: datetime.timedelta) -> World:
+    ranks = list(dist.get_process_group_ranks(group)) if isinstance(group, dist.ProcessGroup) else []
+    values = _exchange("as_world", ",".join(map(str, ranks)), timeout)
+    worlds = {tuple(int(x) for x in v.split(",") if x) for v in values}
+    worlds.discard(())
     if not worlds:
         raise ValueError("world: no rank is in any world (every rank passed a group it is not a member of)")
     whole = len(worlds) == 1 and len(next(iter(worlds))) == size
