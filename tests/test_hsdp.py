@@ -172,6 +172,7 @@ def _dcp_worker(rank, world_size, ckpt: str, phase: str, steps: int, cut: int):
     return _shards(model)
 
 
+@pytest.mark.slow  # a real fault: SIGKILL, then a second job
 def test_a_dcp_checkpoint_of_sharded_model_and_averager_resumes_exactly_after_a_rank_is_killed(tmp_path):
     steps, cut = 10, 5
     reference = run_workers(_dcp_worker, 4, str(tmp_path / "ref"), "reference", steps, cut, collective_timeout_s=30)

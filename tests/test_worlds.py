@@ -167,7 +167,7 @@ def _engine_worker(rank, world_size, stall):
     try:
         for k in range(6):
             if stall and rank == 3 and k == 2:
-                time.sleep(12)  # hung past its world's timeout
+                time.sleep(7)  # hung past its world's timeout (3 s)
                 return "stalled"
             res = engine(x)
             sums.append(float(res.sum[0]))
@@ -178,6 +178,7 @@ def _engine_worker(rank, world_size, stall):
     return sums
 
 
+@pytest.mark.slow  # a real fault: a rank hangs past the timeout
 def test_an_engine_on_a_world_sums_its_world_and_names_a_missing_rank_by_its_job_rank():
     out = run_workers_outcomes(_engine_worker, 4, True, collective_timeout_s=20, timeout_s=90)
     assert all(o.ok for o in out), [o.error for o in out if not o.ok]
@@ -320,6 +321,7 @@ def _mixed_averagers_worker(rank, world_size):
     return "ok"
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_different_averagers_on_the_worlds_of_one_family_fail_in_bounded_time_naming_the_absent_ranks():
     start = time.monotonic()
     out = run_workers(_mixed_averagers_worker, 4, collective_timeout_s=20, timeout_s=60)

@@ -53,7 +53,7 @@ class World:
     ) -> None:
         require_initialized("World")
         me = dist.get_rank()
-        fam = tuple(sorted(tuple(sorted(int(r) for r in w)) for w in family))  # new_group orders a group's ranks so
+        fam = tuple(sorted(tuple(sorted(int(r) for r in w)) for w in family))  # sorted, as new_group orders them
         _check_family(fam, dist.get_world_size())
         self.family: tuple[tuple[int, ...], ...] = fam
         self.size: int = len(fam[0])
