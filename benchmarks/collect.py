@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +40,25 @@ from wagma.app.metrics import read_metrics
 __all__ = ["accuracy_curve", "collect", "compute_spread", "samples_clock", "time_to_target", "training_clock"]
 
 
-def training_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, float]:
-    """Step -> seconds the slowest rank had spent in steps 1..step (only steps every rank recorded)."""
+def _cumulative(
+    records_by_rank: list[list[dict[str, Any]]], field: str, combine: Callable[[Iterable[float]], float]
+) -> dict[int, float]:
+    """Step -> ``combine`` over the ranks of each rank's running total of ``field`` x ``steps_in_record`` through
+    that step (only steps every rank recorded)."""
     per_rank: list[dict[int, float]] = []
     for records in records_by_rank:
         total, clock = 0.0, {}
         for r in records:
-            total += float(r["step_s"]) * int(r.get("steps_in_record", 1))
+            total += float(r[field]) * int(r.get("steps_in_record", 1))
             clock[int(r["step"])] = total
         per_rank.append(clock)
     common = set(per_rank[0]).intersection(*per_rank[1:]) if per_rank else set()
-    return {s: max(c[s] for c in per_rank) for s in sorted(common)}
+    return {s: combine(c[s] for c in per_rank) for s in sorted(common)}
+
+
+def training_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, float]:
+    """Step -> seconds the slowest rank had spent in steps 1..step (only steps every rank recorded)."""
+    return _cumulative(records_by_rank, "step_s", max)
 
 
 def compute_spread(records_by_rank: list[list[dict[str, Any]]], warmup: int = 5) -> dict[str, float | None]:
@@ -74,17 +83,9 @@ def compute_spread(records_by_rank: list[list[dict[str, Any]]], warmup: int = 5)
 def samples_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, float]:
     """Step -> examples all ranks had trained on in steps 1..step (only steps every rank recorded, and only when
     the records count their samples: batches by tokens vary in size)."""
-    per_rank: list[dict[int, float]] = []
-    for records in records_by_rank:
-        if not records or any(r.get("samples") is None for r in records):
-            return {}
-        total, clock = 0.0, {}
-        for r in records:
-            total += float(r["samples"]) * int(r.get("steps_in_record", 1))
-            clock[int(r["step"])] = total
-        per_rank.append(clock)
-    common = set(per_rank[0]).intersection(*per_rank[1:]) if per_rank else set()
-    return {s: sum(c[s] for c in per_rank) for s in sorted(common)}
+    if any(not records or any(r.get("samples") is None for r in records) for records in records_by_rank):
+        return {}
+    return _cumulative(records_by_rank, "samples", sum)
 
 
 def accuracy_curve(
