@@ -481,15 +481,10 @@ def _communicators(
             mine = schedule.group_of(rank, r)
             groups.setdefault(mine, pg if len(mine) > 1 else None)
         return groups, dist.split_group(split_ranks=[list(range(size))], timeout=timeout)
-    if not world.whole_job:  # the same groups in every world of the family, each world keeping its own
-        for members in schedule.distinct_groups():
-            pg = world.new_group(members, timeout, wait=False) if len(members) > 1 else None
-            if rank in members:
-                groups[members] = pg
-        return groups, world.new_group(None, timeout, wait=False)
+    # The same groups in every world of the family, each world keeping its own (the whole job: one world).
     for members in schedule.distinct_groups():
-        pg = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
+        pg = world.new_group(members, timeout, wait=False) if len(members) > 1 else None
         if rank in members:
             groups[members] = pg
-    return groups, dist.new_group(list(range(size)), timeout=timeout)
+    return groups, world.new_group(None, timeout, wait=False)
 

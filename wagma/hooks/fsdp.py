@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources, check_int
+from wagma.averaging.tensors import local_tensor
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.schedule import GroupSchedule
@@ -143,9 +144,9 @@ class FSDPPartialAllreduce:
     def _record_layout(self, out: torch.Tensor) -> None:
         layout: dict[int, tuple[int, int, torch.Size]] = {}
         for p in self.params:
-            local = getattr(p.grad, "_local_tensor", p.grad)
-            if local is None:
+            if p.grad is None:
                 continue
+            local = local_tensor(p.grad)
             if local.numel() == 0:
                 layout[id(p)] = (0, 0, local.shape)
                 continue
