@@ -285,6 +285,9 @@ def load_checkpoint(run_dir: str | os.PathLike[str], step: int, rank: int) -> di
         raise CheckpointError(f"{path} is intact but cannot be loaded: {first}") from None
 
 
+#: Fingerprint entries that runs recorded only from some version on, with the value of every run before.
+_FINGERPRINT_DEFAULTS: dict[str, Any] = {"parallel": "ddp", "shard_size": 1}
+
 RESETTABLE = ("averaging",)
 """Fingerprint entries a resume may be told to accept changed (their state then starts fresh)."""
 
@@ -324,7 +327,9 @@ def resume_checkpoint(
                 f"{where} was written by {meta['world_size']} ranks, this run has {world_size}; resume with "
                 f"{meta['world_size']} ranks (every rank's data shard and random streams belong to its rank)"
             )
-        saved = meta.get("fingerprint", {})
+        # An entry newer than the checkpoint (or than the caller) takes the value every run had before it.
+        saved = _FINGERPRINT_DEFAULTS | meta.get("fingerprint", {})
+        fingerprint = _FINGERPRINT_DEFAULTS | fingerprint
         for key in sorted(set(saved) | set(fingerprint)):
             if saved.get(key) == fingerprint.get(key):
                 continue

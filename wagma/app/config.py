@@ -20,7 +20,8 @@ from wagma.app.data import DATASET_INFO, DataInfo, dataset_info, train_split_siz
 from wagma.app.imbalance import build_imbalance
 from wagma.app.quota import check_rank_cpus
 from wagma.app.models import build_model
-from wagma.app.policies import validate_policy_config
+from wagma.app.parallel import check_parallel, replica_count
+from wagma.app.policies import validate_hsdp, validate_policy_config
 
 __all__ = [
     "ConfigError", "KNOWN_OPTIMIZERS", "build_optimizer", "group_options", "validate_config", "validate_launch",
@@ -175,13 +176,35 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
             build_imbalance(plain["imbalance"], 0, world_size)
         except ValueError as exc:
             problems.append(str(exc))
-        try:
-            validate_policy_config(plain["averaging"], world_size)
-        except ValueError as exc:
-            problems.append(str(exc))
+        _check_averaging(plain, world_size, problems)
 
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), problems)
+
+
+def _check_averaging(plain: Mapping[str, Any], world_size: int, problems: list[str]) -> None:
+    """Check ``parallel`` / ``shard_size`` and the averaging policy on the world it averages over.
+
+    Under ``parallel=hsdp`` that world is the replicas (``world_size / shard_size``): every policy size is checked
+    against their number, and a policy with no sharded form is refused (:func:`wagma.app.policies.validate_hsdp`).
+    """
+    layout = check_parallel(plain.get("parallel", "ddp"), plain.get("shard_size", 1), world_size)
+    problems.extend(layout)
+    if layout:
+        return
+    hsdp = plain.get("parallel", "ddp") == "hsdp"
+    replicas = replica_count(plain, world_size)
+    try:
+        if hsdp:
+            validate_hsdp(plain["averaging"])
+        validate_policy_config(plain["averaging"], replicas)
+    except ValueError as exc:
+        where = (f" (parallel=hsdp: the policy averages over the {replicas} replicas = {world_size} ranks / "
+                 f"shard_size {plain.get('shard_size')})") if hsdp and "parallel=hsdp" not in str(exc) else ""
+        problems.append(f"{exc}{where}")
+    if hsdp and plain.get("consensus_every", 0):
+        problems.append(f"consensus_every: expected 0 with parallel=hsdp (the consensus meter compares whole models, "
+                        f"not shards), found {plain.get('consensus_every')}")
 
 
 def validate_launch(cfg: DictConfig | Mapping[str, Any]) -> None:

@@ -75,6 +75,9 @@ from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter, preload_tensorboard, write_summary
 from wagma.app.models import build_model
+from wagma.app.parallel import (
+    Layout, build_layout, full_model_state, load_local_model_state, load_local_optimizer_state, local_state,
+)
 from wagma.app.progress import Progress, progress_every
 from wagma.app.quota import RankQuota, job_name
 from wagma.app.policies import ModelAveragingPolicy
@@ -168,7 +171,13 @@ def _train(
         preload_tensorboard()
     _broadcast_from_rank0(net)
 
-    policy = build_policy(group_options(cfg, "averaging"), rank=rank, world_size=world_size, device=device)
+    # Ranks' layout: whole replicas (ddp), or an HSDP mesh whose replicas the policy averages (hsdp).
+    layout = build_layout(str(cfg.get("parallel", "ddp")), int(cfg.get("shard_size", 1)), world_size, device,
+                          float(cfg.get("dist_timeout_s", 300.0)))
+    policy = build_policy(
+        group_options(cfg, "averaging"), device=device, mesh=layout.mesh,
+        rank=layout.mesh.get_local_rank("replicate") if layout.sharded else rank, world_size=layout.replicas,
+    )
     meter: ConsensusMeter | None = None
     gpu = GpuMetrics(device, float(cfg.get("telemetry_interval_s", 0.0)))
     writer: MetricsWriter | None = None
@@ -187,8 +196,8 @@ def _train(
             if writer is not None:
                 totals.elapsed_s = writer.elapsed_s
             state = {
-                "step": step, "world_size": world_size, "model": net.state_dict(),
-                "optimizer": optimizer.state_dict(), "data": batches.state_dict(), "rng": capture_rng_state(),
+                "step": step, "world_size": world_size, "model": local_state(net.state_dict()),
+                "optimizer": local_state(optimizer.state_dict()), "data": batches.state_dict(), "rng": capture_rng_state(),
                 "policy_state": policy.state_dict(), "counters": dataclasses.asdict(totals),
             }
             save_checkpoint(run_dir, step, state, fingerprint=fingerprint)
@@ -203,8 +212,8 @@ def _train(
             )
             if resumed is not None:
                 resume_from, state, changed = resumed
-                totals, start_step = _restore(state, net, optimizer, batches, policy, changed, rank, run_dir)
-                if isinstance(policy, (AllreducePolicy, ModelAveragingPolicy)):  # stateless comm hooks only
+                totals, start_step = _restore(state, net, optimizer, batches, policy, changed, rank, run_dir, layout)
+                if not layout.sharded and isinstance(policy, (AllreducePolicy, ModelAveragingPolicy)):  # DDP only
                     _rebuild_ddp_buckets(model, x_test[:1])
             elif rank == 0:
                 why = "resume=true" if cfg.resume else f"restart {restarts} of this job"
@@ -213,8 +222,10 @@ def _train(
             ensure_no_history(run_dir)
         if rank == 0:
             log.info(
-                "training %s on %s, %d rank(s), device %s, policy %s, steps %d..%d, run dir %s",
-                cfg.model.name, dataset.name, world_size, device, policy.name, start_step, steps, run_dir,
+                "training %s on %s, %d rank(s)%s, device %s, policy %s, steps %d..%d, run dir %s",
+                cfg.model.name, dataset.name, world_size,
+                f" (hsdp: {layout.replicas} replicas x {layout.shard_size} shards)" if layout.sharded else "",
+                device, policy.name, start_step, steps, run_dir,
             )
 
         # The loop.
@@ -294,10 +305,11 @@ def _train(
         warnings = guard.finish(staleness=summary["staleness"], staleness_max=summary["staleness_max"],
                                 test_accuracy=test_accuracy, num_classes=dataset.num_classes, steps=steps)
         summary["guard"] = TrainingGuard.summary_field(warnings)
+        final_state = full_model_state(net) if layout.sharded else net.state_dict()  # collective under hsdp
         if rank == 0:
             for line in warnings[before:]:
                 log.warning("guard: %s", line)
-            torch.save(net.state_dict(), run_dir / "model.pt")
+            torch.save(final_state, run_dir / "model.pt")
             write_summary(run_dir, summary)
             log.info(
                 "test accuracy %.4f, %.0f samples/s, mean wait %.2f ms/step, wall %.1f s (start-up %.1f s, "
@@ -322,22 +334,30 @@ def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """What a checkpoint records of its run and a resume must match (``averaging`` may be allowed to change)."""
     plain = {group: group_options(cfg, group) for group in ("model", "optim", "averaging", "data")}
     plain |= {"batch_size": int(cfg.batch_size), "seed": int(cfg.seed)}
+    plain |= {"parallel": str(cfg.get("parallel", "ddp")), "shard_size": int(cfg.get("shard_size", 1))}
     return json.loads(json.dumps(plain, sort_keys=True))  # as meta.json gives it back: lists, sorted keys
 
 
 def _restore(
     state: dict[str, Any], net: nn.Module, optimizer: torch.optim.Optimizer,
     batches: BatchIterator | TokenBatchIterator, policy: Policy, changed: list[str], rank: int, run_dir: Path,
+    layout: Layout,
 ) -> tuple[_Totals, int]:
     """Load this rank's checkpointed state into the (already wrapped) module, optimizer, data and policy.
 
     Every rank loads its own shard (replicas and optimizer state may differ between ranks), into the
-    module the wrapper shares -- after the wrapper's own broadcast from rank 0. With ``averaging`` in
-    ``changed`` (``resume_policy_change=true``) the policy keeps its fresh state.
+    module the wrapper shares -- after the wrapper's own broadcast from rank 0. Under ``parallel=hsdp`` the
+    checkpoint holds this rank's parameter and optimizer shards, copied back into the ``DTensor``s
+    (:mod:`wagma.app.parallel`). With ``averaging`` in ``changed`` (``resume_policy_change=true``) the policy keeps
+    its fresh state.
     """
     try:
-        net.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if layout.sharded:
+            load_local_model_state(net, state["model"])
+            load_local_optimizer_state(optimizer, state["optimizer"])
+        else:
+            net.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0]
         raise CheckpointError(f"the checkpoint in {run_dir} does not fit this model or optimizer: {first}") from None
@@ -420,14 +440,15 @@ def evaluate(
     """Accuracy and mean cross-entropy of ``net`` on ``(x, y)``; collective over the default group.
 
     Rank r scores examples r, r + P, ... with its own model and the counts are summed, so with identical
-    replicas this is the exact test accuracy, computed P times faster.
+    replicas this is the exact test accuracy, computed P times faster. Every rank runs the same number of
+    forward passes (the last may be empty): a sharded model's forward all-gathers inside its replica.
     """
     was_training = net.training
     net.eval()
     xs, ys = x[rank::world_size], y[rank::world_size]
     correct = torch.zeros((), dtype=torch.float64, device=x.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
-    for i in range(0, len(xs), batch_size):
+    for i in range(0, -(-len(x) // world_size), batch_size):  # the largest rank's share, on every rank
         logits = net(xs[i : i + batch_size])
         target = ys[i : i + batch_size]
         correct += (logits.argmax(dim=1) == target).sum()
@@ -561,4 +582,6 @@ def _summary(
         "seed": int(cfg.seed),
         "run_dir": str(run_dir),
         "rank_cpus": float(cfg.get("rank_cpus") or 0.0),  # the per-rank CPU quota the run had (0: none)
+        "parallel": str(cfg.get("parallel", "ddp")),  # ddp, or hsdp: shard_size ranks hold one replica's shards
+        "shard_size": int(cfg.get("shard_size", 1)),
     }

@@ -40,6 +40,7 @@ from wagma.app.policies.averaging import (
 )
 from wagma.app.policies.base import AllreducePolicy, Policy
 from wagma.app.policies.eager import EagerPolicy
+from wagma.app.policies.hsdp import HSDP_POLICIES, validate_hsdp
 from wagma.app.policies.options import (
     EAGER_MODES,
     validate_allreduce,
@@ -52,9 +53,9 @@ from wagma.app.policies.options import (
 )
 
 __all__ = [
-    "AllreducePolicy", "EagerPolicy", "GossipPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "Policy",
+    "AllreducePolicy", "EagerPolicy", "GossipPolicy", "HSDP_POLICIES", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "Policy",
     "PRESET_KEYS", "WagmaPolicy", "averager_stats", "build_policy", "known_policies", "policy_options",
-    "register_policy", "validate_policy_config",
+    "register_policy", "validate_hsdp", "validate_policy_config",
 ]
 
 
@@ -138,15 +139,27 @@ def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
         validator(options, world_size)
 
 
-def build_policy(cfg: Mapping[str, Any], *, rank: int, world_size: int, device: torch.device) -> Policy:
+def build_policy(
+    cfg: Mapping[str, Any], *, rank: int, world_size: int, device: torch.device, mesh: Any = None
+) -> Policy:
     """Build the policy ``cfg["name"]`` with the config's other entries as options (validated first).
+
+    Args:
+        mesh: under ``parallel=hsdp`` the job's ``("replicate", "shard")`` mesh, set as the policy's
+            :attr:`~wagma.app.policies.base.Policy.mesh` (then ``rank`` and ``world_size`` are the replica's and
+            the number of replicas, and the policy must be one of :data:`wagma.app.policies.hsdp.HSDP_POLICIES`).
 
     Raises:
         ValueError: for an unknown name or invalid options.
     """
     validate_policy_config(cfg, world_size)
+    if mesh is not None:
+        validate_hsdp(cfg)
     options = policy_options(cfg)
-    return _POLICIES[str(cfg["name"])].build(rank=rank, world_size=world_size, device=device, **options)
+    policy = _POLICIES[str(cfg["name"])].build(rank=rank, world_size=world_size, device=device, **options)
+    if mesh is not None:
+        policy.mesh = mesh
+    return policy
 
 
 def _build_allreduce(*, rank: int, world_size: int, device: torch.device, **options: Any) -> Policy:

@@ -17,9 +17,12 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from wagma.app.parallel import shard_model
 from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
+from wagma.app.policies.hsdp import replicate_world
 from wagma.averaging import (
     ADPSGDAverager,
     AveragerStats,
@@ -31,6 +34,7 @@ from wagma.averaging import (
     WagmaAverager,
     flatten_parameters,
 )
+from wagma.averaging.tensors import local_tensor
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 
@@ -113,8 +117,17 @@ class ModelAveragingPolicy(Policy):
         """Whether averaging runs before ``optimizer.step()`` (the averager's ``order``)."""
         return getattr(self.averager, "order", "step_then_average") == "average_then_step"
 
+    @property
+    def world(self) -> Any:
+        """The averager's world: ``(mesh, "replicate")`` under ``parallel=hsdp``, else ``None`` (the whole job)."""
+        return replicate_world(self.mesh)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         self._net = model
+        if self.mesh is not None:  # HSDP: FSDP2 inside a replica; the averager averages shards across replicas
+            shard_model(model, self.mesh["shard"])
+            self.averager = self.build_averager(model)
+            return model
         # One flat storage for the parameters and buffers, in the order the averager binds them: its rounds then
         # average that memory in place instead of copying the model into a flat buffer and back.
         flatten_parameters(model)
@@ -128,8 +141,22 @@ class ModelAveragingPolicy(Policy):
         self.averager.average_parameters(self._net.named_parameters(), self._net.named_buffers())
 
     def before_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        if self.mesh is not None and step < self.hook_state.warmup_steps:
+            self._warmup_allreduce()
         if self.average_before_step:
             self._average()
+
+    @torch.no_grad()
+    def _warmup_allreduce(self) -> None:
+        """HSDP's warm-up step: average the shard gradients over the replicas (as the DDP hook's warm-up does)."""
+        assert self._net is not None and self.mesh is not None
+        group = self.mesh.get_group("replicate")
+        replicas = dist.get_world_size(group)
+        for param in self._net.parameters():
+            if param.grad is not None:
+                grad = local_tensor(param.grad)
+                dist.all_reduce(grad, group=group)
+                grad.div_(replicas)
 
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         if not self.average_before_step:
@@ -184,7 +211,7 @@ class LocalSGDPolicy(ModelAveragingPolicy):
     def build_averager(self, net: nn.Module) -> _Averager:
         return PeriodicAverager(
             self.period, self.hook_state.warmup_steps, average_buffers=self.average_buffers,
-            timeout=timeout(self.timeout_s),
+            timeout=timeout(self.timeout_s), world=self.world,
         )
 
 
@@ -228,7 +255,7 @@ class HierarchicalPolicy(ModelAveragingPolicy):
     def build_averager(self, net: nn.Module) -> _Averager:
         averager = HierarchicalAverager(
             self.local_group_size, self.local_period, self.global_period, self.hook_state.warmup_steps,
-            average_buffers=self.average_buffers, timeout=timeout(self.timeout_s),
+            average_buffers=self.average_buffers, timeout=timeout(self.timeout_s), world=self.world,
         )
         if self.momentum is None:
             return averager
@@ -306,7 +333,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
             sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
-            progress_nice=self.progress_nice, transport=self.transport,
+            progress_nice=self.progress_nice, transport=self.transport, world=self.world,
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -345,15 +372,16 @@ class GossipPolicy(ModelAveragingPolicy):
         if self.name == "dpsgd":
             return DPSGDAverager(
                 self.topology, self.hook_state.warmup_steps, average_buffers=self.average_buffers,  # type: ignore[arg-type]
-                timeout=timeout(self.timeout_s),
+                timeout=timeout(self.timeout_s), world=self.world,
             )
         if self.name == "adpsgd":
             return ADPSGDAverager(
-                self.hook_state.warmup_steps, average_buffers=self.average_buffers, timeout=timeout(self.timeout_s)
+                self.hook_state.warmup_steps, average_buffers=self.average_buffers, timeout=timeout(self.timeout_s),
+                world=self.world,
             )
         return SGPAverager(
             self.name == "osgp", self.hook_state.warmup_steps, average_buffers=self.average_buffers,
-            timeout=timeout(self.timeout_s),
+            timeout=timeout(self.timeout_s), world=self.world,
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

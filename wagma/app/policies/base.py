@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from wagma.app.parallel import shard_model
 from wagma.hooks.basic import AllreduceState, allreduce_hook
 from wagma.shm import check_transport
 
@@ -51,6 +52,11 @@ class Policy:
     """
 
     name: str = ""
+    #: Under ``parallel=hsdp``: the job's ``("replicate", "shard")`` ``DeviceMesh``, set by
+    #: :func:`wagma.app.policies.build_policy` before :meth:`wrap`; ``wrap`` then shards the model with FSDP2 and the
+    #: policy runs on the world ``(mesh, "replicate")`` (:mod:`wagma.app.policies.hsdp`). ``None``: one full
+    #: replica per rank.
+    mesh: Any = None
     #: What to try when the run-time guard (:mod:`wagma.app.guard`) finds a run of this policy not learning or
     #: staler than validated; the end of its warning line ("try ...").
     remedy: str = ""
@@ -110,6 +116,8 @@ class AllreducePolicy(Policy):
         self.hook_state: AllreduceState | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.mesh is not None:  # FSDP2's own HSDP: reduce-scatter in a replica, allreduce across replicas
+            return shard_model(model, self.mesh)
         device_ids = [self.device] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, **_DDP_OPTIONS)
         if self.transport == "shm":

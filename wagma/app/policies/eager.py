@@ -9,7 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from wagma.app.parallel import shard_model
+from wagma.app.policies.averaging import averager_stats
 from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
+from wagma.app.policies.hsdp import replicate_world
+from wagma.hooks.fsdp import FSDPPartialAllreduce
 from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
 
 __all__ = ["EagerPolicy"]
@@ -72,6 +76,14 @@ class EagerPolicy(Policy):
         self.steps_done = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.mesh is not None:  # HSDP: the root alone sharded in a replica; the FSDP hook sums across replicas
+            shard_model(model, self.mesh["shard"], per_layer=False)
+            self.hook_state = FSDPPartialAllreduce(
+                model, world=replicate_world(self.mesh), mode=self.mode, sync_period=self.sync_period,  # type: ignore[arg-type]
+                warmup_iters=self.warmup_iters, seed=self.seed, max_lead=self.max_lead, timeout=timeout(self.timeout_s),
+                progress_nice=self.progress_nice,
+            )
+            return model
         self.hook_state = PartialAllreduceState(
             list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
             seed=self.seed, max_lead=self.max_lead, overlap=self.overlap, timeout=timeout(self.timeout_s),
@@ -90,17 +102,29 @@ class EagerPolicy(Policy):
 
     def state_dict(self) -> dict[str, Any]:
         assert self.hook_state is not None, "wrap() the model first"
+        if self.mesh is not None:  # FSDPPartialAllreduce keeps no state_dict (its rounds and residuals) yet
+            return {"steps_done": self.steps_done, "hook": None}
         return {"steps_done": self.steps_done, "hook": self.hook_state.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         assert self.hook_state is not None, "wrap() the model first"
+        if self.mesh is not None or state.get("hook") is None:
+            raise ValueError(
+                f"averaging={self.name} under parallel=hsdp cannot resume: expected the FSDP hook's rounds and "
+                "residuals in the checkpoint, found none (FSDPPartialAllreduce has no state_dict yet); start afresh, "
+                "or resume with another policy and resume_policy_change=true"
+            )
         self.hook_state.load_state_dict(state["hook"])
         self.steps_done = int(state["steps_done"])
 
     def stats(self) -> dict[str, Any]:
         if self.hook_state is None:
             return {}
-        stats = dict(self.hook_state.stats_dict())
+        if self.mesh is not None:  # the FSDP hook keeps an averager's counters
+            stats = averager_stats(self.hook_state.stats) | {"rounds": self.hook_state.rounds,
+                                                                "iteration": self.hook_state.iteration}
+        else:
+            stats = dict(self.hook_state.stats_dict())
         if "wait_s" in stats:  # the loop's wait_s is the whole step's; keep the hook's apart
             stats["comm_wait_s"] = stats.pop("wait_s")
         return {"global_reductions": 0, "local_reductions": 0, "staleness": 0.0} | stats
