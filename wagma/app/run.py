@@ -202,12 +202,20 @@ def stopping_signal(code: int) -> signal.Signals | None:
     return None
 
 
+def _layout(summary: Mapping[str, Any]) -> str:
+    """`` (hsdp: R replicas x K shards)`` for a sharded run, else nothing."""
+    if summary.get("parallel", "ddp") != "hsdp":
+        return ""
+    shards = int(summary.get("shard_size", 1))
+    return f" (hsdp: {int(summary['world_size']) // shards} replicas x {shards} shards)"
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """A few lines for the terminal: policy, accuracy, throughput, waiting, reductions, staleness, time."""
     wait_ms = 1e3 * float(summary.get("mean_wait_s") or 0.0)
     step_ms = 1e3 * float(summary.get("mean_step_s") or 0.0)
     lines = [
-        f"policy        {summary['policy']} on {summary['world_size']} rank(s), {summary['steps']} steps "
+        f"policy        {summary['policy']} on {summary['world_size']} rank(s){_layout(summary)}, {summary['steps']} steps "
         f"({summary.get('dataset', '?')}, {summary.get('model', '?')}, imbalance {summary.get('imbalance', '?')})",
         f"test accuracy {100 * float(summary['test_accuracy']):.2f} %",
         f"throughput    {float(summary['samples_per_s'] or 0.0):,.0f} samples/s",
