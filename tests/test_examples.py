@@ -53,7 +53,7 @@ def test_no_library_module_imports_the_application():
 
 # The library's layers, bottom up: a module may import only from its own layer or the ones below (issue 32).
 LAYERS = [
-    {"wagma.schedule", "wagma.shm", "wagma.kernels", "wagma.telemetry"},
+    {"wagma.schedule", "wagma.shm", "wagma.kernels", "wagma.telemetry", "wagma.wire"},
     {"wagma.groups", "wagma.engine_store", "wagma.world"},
     {"wagma.engine_core"},
     {"wagma.engine"},

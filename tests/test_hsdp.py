@@ -203,7 +203,7 @@ def test_one_dcp_checkpoint_for_all_replicas_keeps_one_replicas_shards_which_is_
     assert out[0] == out[2] and out[1] == out[3], out
 
 
-def _eager_worker(rank, world_size, mode, steps, late_rank):
+def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None):
     import time
 
     from wagma import FSDPPartialAllreduce
@@ -217,7 +217,7 @@ def _eager_worker(rank, world_size, mode, steps, late_rank):
     initial = _shards(model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the parameters move by exactly what the rounds apply
     state = FSDPPartialAllreduce(model, world=(mesh, "replicate"), mode=mode, sync_period=4, warmup_iters=1,
-                                 timeout=TIMEOUT)
+                                 timeout=TIMEOUT, wire_dtype=wire_dtype)
     x = torch.full((1, 5), float(rank + 1))  # a gradient that does not depend on the parameters: known exactly
     for step in range(steps):
         if rank == late_rank and step % 3 == 1:
@@ -231,10 +231,10 @@ def _eager_worker(rank, world_size, mode, steps, late_rank):
     return initial, _shards(model), flushed, stats
 
 
-@pytest.mark.parametrize("mode", ["solo", "majority"])
-def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_replicas_identical(mode):
+@pytest.mark.parametrize("mode,wire_dtype", [("solo", None), ("majority", None), ("solo", "bf16")])
+def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_replicas_identical(mode, wire_dtype):
     steps = 9
-    out = run_workers(_eager_worker, 4, mode, steps, 2, collective_timeout_s=30, timeout_s=120)
+    out = run_workers(_eager_worker, 4, mode, steps, 2, wire_dtype, collective_timeout_s=30, timeout_s=120)
     # rank r's gradient: every weight entry r + 1, bias 1; FSDP2 averages it over its replica's two ranks (the shard
     # group {2c, 2c + 1}), so replica c's shard gradient is the mean of its two ranks' inputs
     mean_x = {0: (1 + 2) / 2, 1: (3 + 4) / 2}  # replica c: the mean of its two ranks' inputs
@@ -248,6 +248,11 @@ def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_r
         torch.testing.assert_close(applied[0], torch.full_like(applied[0], weight_grad))
         if applied[1].numel():
             torch.testing.assert_close(applied[1], torch.full_like(applied[1], bias_grad))
+    if wire_dtype is not None:  # bfloat16 on the wire (these gradients are exact in it): 2 bytes a value a round
+        stats = out[0][3]
+        rounds = stats["global_reductions"] + stats["local_reductions"] - 2  # less the warm-up and the flush
+        shard = sum(t.numel() for t in out[0][0])
+        assert stats["bytes_sent"] == 4 * shard * 2 + 2 * shard * rounds, stats
     late = out[2][3]  # the straggling replica's rank: rounds went without its fresh gradient, carried, not lost
     if mode == "solo":
         assert late["stale_contributions"] > 0 and out[2][2], late  # ... and flush() applied what was left

@@ -32,7 +32,7 @@ def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", momentum=0.0, overlap=False,
-           bucket_view=False, transport="default"):
+           bucket_view=False, transport="default", wire_dtype=None):
     """Train with DDP + the partial hook (or plain DDP when mode is None); record local gradients."""
     dev = rank_device(device, rank)
     model = _model().to(dev)
@@ -41,7 +41,7 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", mo
     if mode is not None:
         state = PartialAllreduceState(
             model.parameters(), mode=mode, sync_period=5, max_lead=max_lead, seed=seed, overlap=overlap,
-            timeout=TIMEOUT, transport=transport,
+            timeout=TIMEOUT, transport=transport, wire_dtype=wire_dtype,
         )
         assert bool(state.engine._core.shm) == (transport == "shm")
         ddp.register_comm_hook(state, partial_allreduce_hook)
@@ -122,6 +122,27 @@ def test_gradient_as_bucket_view_conserves_every_gradient(overlap):
     for rank in range(1, world):
         assert all(torch.equal(a, b) for a, b in zip(out[0][3], out[rank][3]))
     assert any(o[4]["stale_contributions"] > 0 for o in out)  # some gradient really was late and carried
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bf16_wire_conserves_every_gradient_up_to_the_sums_rounding(overlap):
+    # Issue 31.3: gradients travel in bfloat16 with error feedback: what a cast rounds off stays in the residual.
+    # Only the rounding of the round sums themselves (bfloat16, the same on every rank) is not fed back.
+    world, iters, lr = 4, 30, 0.1
+    out = run_workers(_train, world, iters, "solo", 0.03, None, 0, "cpu", 0.0, overlap, False, "default", "bf16",
+                      timeout_s=120)
+    initial, final, total_grads, _, stats = out[0]
+    rounds = stats["rounds"]
+    # Each round's sum rounds by at most a few bfloat16 steps (2^-8 relative) of the largest round sum.
+    bound = rounds * lr / world * 2.0 ** -6 * float(total_grads.abs().max())
+    err = (final - initial + lr * total_grads / world).abs().max().item()
+    assert err <= bound, (err, bound)
+    for rank in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(out[0][3], out[rank][3]))  # one result for all replicas
+    fp64_bytes = 8 * sum(p.numel() for p in _model().parameters())
+    partial_bytes = stats["bytes_sent"] - 3 * fp64_bytes  # the two warm-up allreduces and the flush send float64
+    partial_rounds = stats["global_reductions"] + stats["local_reductions"] - 3  # overlap: one fewer collected
+    assert partial_rounds >= rounds - 1 and partial_bytes == partial_rounds * fp64_bytes // 4, stats
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -47,6 +47,7 @@ from wagma.schedule import GroupSchedule
 from wagma.groups import DEFAULT_TIMEOUT
 from wagma.shm import check_transport
 from wagma.world import WorldLike, as_world
+from wagma.wire import WireDtype, as_wire_dtype, wire_nbytes
 
 __all__ = ["SYNCS", "RoundResult", "WaitAvoidingGroupAllreduce", "check_progress_nice"]
 
@@ -154,6 +155,15 @@ class WaitAvoidingGroupAllreduce:
         world: the ranks the engine averages over (:func:`wagma.world.as_world`): ``None`` for the whole job, a
             process group or a ``(DeviceMesh, dim_name)`` pair; ``schedule`` and ``rank`` are then in world ranks
             and every world of the family runs its own engine, constructed at the same time on every rank.
+        wire_dtype: the dtype the exchanges send and sum in (:mod:`wagma.wire`): ``None`` (the tensor's own),
+            ``torch.bfloat16`` or ``torch.float16`` (or their names) for a float32/float64 tensor. Results are
+            widened back: ``RoundResult.sum`` keeps the tensor's dtype. Replace mode sends each snapshot as its
+            delta from a reference every rank holds identically (world rank 0's ``initial``, broadcast at
+            construction, then the mean of each sync round) and adds the group's share of it back to the sum; accumulate mode casts the pending
+            contribution itself. Not with ``transport="shm"``, which moves no bytes over a wire.
+        error_feedback: accumulate mode with a ``wire_dtype``: keep what the cast rounds off in the pending
+            contribution, so it goes out with a later round and :meth:`take` still accounts for every value
+            (``False``: drop it, a plain cast). Ignored without a ``wire_dtype`` and in replace mode.
     """
 
     def __init__(
@@ -175,6 +185,8 @@ class WaitAvoidingGroupAllreduce:
         transport: str = "default",
         keep_contributions: bool = False,
         world: WorldLike = None,
+        wire_dtype: WireDtype = None,
+        error_feedback: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -217,6 +229,14 @@ class WaitAvoidingGroupAllreduce:
         check_transport(transport, initial.device)
         if not isinstance(keep_contributions, bool):
             raise ValueError(f"keep_contributions must be True or False, got {keep_contributions!r}")
+        narrow = as_wire_dtype(wire_dtype, initial.dtype)
+        if narrow is not None and transport == "shm":
+            raise ValueError(
+                f"wire_dtype={narrow} needs transport='default': transport 'shm' sums in shared memory, with no wire "
+                "to save bytes on"
+            )
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if keep_contributions and accumulate:
             raise ValueError(
                 "keep_contributions=True needs accumulate=False: in accumulate mode a contribution is a sum that "
@@ -240,6 +260,11 @@ class WaitAvoidingGroupAllreduce:
         self.transport = transport
         self.keep_contributions = keep_contributions
         self.shape, self.dtype, self.device = initial.shape, initial.dtype, initial.device
+        #: The dtype the exchanges send and sum in (``None``: the tensor's own).
+        self.wire_dtype: torch.dtype | None = narrow
+        self.error_feedback = error_feedback
+        #: Bytes this rank hands to one exchange (the tensor's size in ``wire_dtype``).
+        self.wire_nbytes: int = wire_nbytes(initial.numel(), initial.dtype, narrow)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = f"wagma/{resolved.key}{name if name is not None else next(_instance_ids)}/"
         # The progress thread and the finalizer see only the core, never `self`: a dropped engine is collected.

@@ -48,6 +48,8 @@ class EngineSettings(Protocol):
     seed: int
     keep_contributions: bool
     transport: str
+    wire_dtype: torch.dtype | None
+    error_feedback: bool
 
 __all__ = ["Done", "EngineCore", "EngineSettings", "initiator_of", "is_sync"]
 
@@ -133,6 +135,11 @@ class EngineCore:
         # results hold it. A pinned snapshot is never made a spare: nothing may overwrite it before it is released.
         self.keep_contributions = eng.keep_contributions
         self.pins: dict[int, int] = {}
+        # wire_dtype (wagma.wire): replace mode sends snapshot - reference, the reference being the mean of the last
+        # sync round (the same on every rank: all take part, all receive the same sum), before the first one world
+        # rank 0's initial tensor (broadcast at construction).
+        self.wire, self.error_feedback = eng.wire_dtype, eng.error_feedback
+        self.reference: torch.Tensor | None = None
         self.arrived = start - 1  # newest call the main thread has published
         self.results: dict[int, Done] = {}
         self.thread_round = start  # the round the thread works on
@@ -168,6 +175,11 @@ class EngineCore:
                 # closed by peer"). The global group is created last, so once all ranks meet on it every
                 # group is complete. Issued here, before the progress thread (its only issuer) starts.
                 dist.barrier(group=self.global_pg)
+            if self.wire is not None and not self.accumulate:
+                # The first reference: world rank 0's initial tensor, which every rank then holds bit for bit.
+                self.reference = initial.detach().clone()
+                if self.global_pg is not None:
+                    dist.broadcast(self.reference, group=self.global_pg, group_src=0)
             # transport 'shm': one shared segment per group of this rank, each built by its members alone, in
             # one order on every rank (by the groups' ranks, the global group last), so no two wait on each other.
             if eng.transport == "shm":
@@ -322,7 +334,14 @@ class EngineCore:
                 torch.cuda.current_stream(self.device).wait_event(event)
                 send.record_stream(torch.cuda.current_stream(self.device))
             source = None  # replace mode: the snapshot, until the exchange has read it
-            if not self.accumulate:  # the snapshot may be contributed again next round: reduce into another buffer
+            wire = None  # wire_dtype: what goes out, narrow
+            if self.wire is not None:
+                if self.accumulate:
+                    wire = self.encode(send, None)
+                else:  # the delta is computed in `spare`, which then receives the sum
+                    spare = torch.empty_like(send) if spare is None else spare
+                    wire, send = self.encode(send, spare), spare
+            elif not self.accumulate:  # the snapshot may be contributed again next round: reduce into another buffer
                 if self.shm:  # shared memory reads the snapshot and writes the sum elsewhere: no copy of ours
                     source, send = send, torch.empty_like(send) if spare is None else spare
                 else:
@@ -331,7 +350,11 @@ class EngineCore:
             t0 = time.perf_counter()
             pg = self.global_pg if sync else self.groups[group]
             try:
-                if pg is None:
+                if wire is not None:
+                    if pg is not None:
+                        dist.all_reduce(wire, group=pg)
+                    self.decode(wire, send, len(group), sync)
+                elif pg is None:
                     if source is not None:
                         send.copy_(source)
                 elif self.shm:
@@ -355,6 +378,41 @@ class EngineCore:
             k += 1
 
     # -------------------------------------------------------------------------------------- helpers
+    def encode(self, send: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
+        """wire_dtype: the narrow tensor to send for ``send``, the contribution taken (accumulate mode) or the
+        snapshot read (replace mode, which it hands back; ``spare`` is scratch for the delta)."""
+        assert self.wire is not None
+        if self.accumulate:
+            wire = send.to(self.wire)
+            if self.error_feedback:  # what the cast rounded off stays pending, for a later round
+                rounded_off = send.sub_(wire)  # (`send` becomes the round's sum once the exchange is done)
+                with self.cond:
+                    if self.snapshot_event is not None:
+                        torch.cuda.current_stream(self.device).wait_event(self.snapshot_event)
+                    self.snapshot.add_(rounded_off)
+                    self.pending_empty = False
+                    self.snapshot_event = self.record_event()
+            return wire
+        if self.reference is None:
+            wire = send.to(self.wire)
+        else:
+            wire = torch.sub(send, self.reference, out=spare).to(self.wire)
+        self.done_reading(send)
+        return wire
+
+    def decode(self, wire: torch.Tensor, out: torch.Tensor, size: int, sync: bool) -> None:
+        """wire_dtype: widen the exchanged sum ``wire`` of ``size`` contributions into ``out``; in replace mode add
+        back their references, and after a sync round make its mean the new reference."""
+        out.copy_(wire)
+        if self.accumulate:
+            return
+        if self.reference is not None:
+            out.add_(self.reference, alpha=size)
+        if sync:
+            if self.reference is None:
+                self.reference = torch.empty_like(out)
+            torch.div(out, size, out=self.reference)
+
     def done_reading(self, snapshot: torch.Tensor) -> None:
         """Replace mode: the thread has read ``snapshot``; keep it for reuse if a newer one superseded it."""
         with self.cond:

@@ -38,6 +38,7 @@ from wagma.groups import (
     is_timeout,
     require_initialized,
 )
+from wagma.wire import WireDtype, as_wire_dtype, narrow_for, wire_nbytes
 from wagma.world import World, WorldLike, as_world
 from wagma.averaging.guards import (
     DoubleCommunicationGuard,
@@ -220,6 +221,12 @@ class AveragerBase(ModelAverager):
         average_buffers: also average the floating-point ``buffers`` passed to :meth:`average_parameters`.
         timeout: timeout of the groups this averager creates (``timedelta`` or seconds).
         world: the ranks to average over (see above).
+        wire_dtype: the dtype reductions send and sum in (:mod:`wagma.wire`): ``None`` (the model's own),
+            ``"bf16"``/``torch.bfloat16`` or ``"fp16"``/``torch.float16``; float32/float64 tensors then travel as
+            their delta from the last global average (which every rank holds identically; before the first one,
+            world rank 0's model, broadcast at the first reduction), divided by the group size, and are widened
+            back. :meth:`synchronize` always sends the model's own dtype, so its replicas are
+            exactly the mean. ``stats.bytes_sent`` counts the narrow bytes.
     """
 
     def __init__(
@@ -229,10 +236,15 @@ class AveragerBase(ModelAverager):
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         world: WorldLike = None,
+        wire_dtype: WireDtype = None,
     ) -> None:
         if not isinstance(average_buffers, bool):
             raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
         self.timeout = as_timeout(timeout)
+        #: The dtype reductions send float32/float64 values in (``None``: their own; :mod:`wagma.wire`).
+        self.wire_dtype: torch.dtype | None = as_wire_dtype(wire_dtype)
+        # wire_dtype: per flat buffer, the mean of the last global reduction (identical on every rank), or None
+        self._wire_refs: list[torch.Tensor | None] = []
         require_initialized(type(self).__name__)
         #: The ranks this averager averages over (:func:`wagma.world.as_world`); the whole job by default.
         self.world: World = as_world(world, self.timeout)
@@ -311,7 +323,7 @@ class AveragerBase(ModelAverager):
         self._check_open()
         if self.is_member:
             tensors = self.tensors_to_average(params, buffers, where="synchronize")
-            self.allreduce_mean(tensors, self.process_group, "global")
+            self.allreduce_mean(tensors, self.process_group, "global", exact=True)
 
     # -- building blocks for subclasses ------------------------------------------------------------------
 
@@ -341,6 +353,7 @@ class AveragerBase(ModelAverager):
         self._check_open()
         self._binding = ParameterBinding(*self._collect(params, buffers))
         self._flat = None
+        self._wire_refs = []
 
     def _collect(
         self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None
@@ -356,11 +369,17 @@ class AveragerBase(ModelAverager):
         self._flat = FlatBuffers.reuse_or_build(self._flat, tensors)
         return self._flat
 
-    def allreduce_mean(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, kind: Reduction) -> None:
+    def allreduce_mean(
+        self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, kind: Reduction, *, exact: bool = False
+    ) -> None:
         """Replace ``tensors`` in place by their mean over ``group`` (blocking); count it as ``kind``.
 
         Each flat buffer is divided by the group size before the sum (as torch's averaging utility
-        does), all buffers' allreduces are issued before the first wait.
+        does), all buffers' allreduces are issued before the first wait. With a ``wire_dtype`` (and not
+        ``exact``), a float32/float64 buffer is sent as ``(buffer - reference) / size`` in the narrow type, the
+        reference being the result of the last ``"global"`` reduction (world rank 0's buffer before it), and
+        widened back; a
+        ``"global"`` reduction's result becomes the next reference.
 
         Raises:
             TimeoutError: if the collective timed out (a peer is slow, hung or gone); the group is then
@@ -369,15 +388,50 @@ class AveragerBase(ModelAverager):
         """
         flat = self.flat_buffers(tensors)
         buffers = flat.pack()
+        if len(self._wire_refs) != len(buffers) and self.wire_dtype is not None and not exact:
+            self._wire_refs = self._first_references(buffers)
         size = group.size()
         start = time.perf_counter()
+        works, narrowed, nbytes = [], [], 0
+        for i, buffer in enumerate(buffers):
+            narrow = None if exact else narrow_for(self.wire_dtype, buffer.dtype)
+            nbytes += wire_nbytes(buffer.numel(), buffer.dtype, narrow)
+            if narrow is None:
+                buffer.div_(size)
+                works.append(dist.all_reduce(buffer, group=group, async_op=True))
+                continue
+            reference = self._wire_refs[i]
+            delta = buffer if reference is None else torch.sub(buffer, reference)
+            wire = delta.div_(size).to(narrow)
+            works.append(dist.all_reduce(wire, group=group, async_op=True))
+            narrowed.append((buffer, wire, reference))
+        self.wait_collective(works, f"{kind} reduction", size)
+        for buffer, wire, reference in narrowed:
+            buffer.copy_(wire)
+            if reference is not None:
+                buffer.add_(reference)
+        if kind == "global" and self.wire_dtype is not None:
+            for i, buffer in enumerate(buffers):
+                if narrow_for(self.wire_dtype, buffer.dtype) is not None:
+                    reference = self._wire_refs[i]
+                    self._wire_refs[i] = buffer.clone() if reference is None else reference.copy_(buffer)
+        self.stats.record_reduction(kind, nbytes, time.perf_counter() - start)
+        flat.unpack()
+
+    def _first_references(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """wire_dtype: world rank 0's buffers, broadcast in full precision over the averager's group, as the
+        references of the first narrow reductions (every rank reaches its first reduction at the same step)."""
+        references: list[torch.Tensor | None] = []
         works = []
         for buffer in buffers:
-            buffer.div_(size)
-            works.append(dist.all_reduce(buffer, group=group, async_op=True))
-        self.wait_collective(works, f"{kind} reduction", size)
-        self.stats.record_reduction(kind, flat.nbytes, time.perf_counter() - start)
-        flat.unpack()
+            if narrow_for(self.wire_dtype, buffer.dtype) is None:
+                references.append(None)
+                continue
+            reference = buffer.clone()
+            works.append(dist.broadcast(reference, group=self.process_group, group_src=0, async_op=True))
+            references.append(reference)
+        self.wait_collective(works, "broadcast of the wire's first reference", self.world_size)
+        return references
 
     def wait_collective(self, works: Iterable[Any], what: str, size: int) -> None:
         """Wait for the collectives ``works`` (bounded by their group's timeout); name ``what`` on failure.
@@ -411,8 +465,12 @@ class AveragerBase(ModelAverager):
     # -- state and lifetime --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The averager's resumable state: ``{"step": int, "stats": dict}``; subclasses add keys."""
-        return {"step": self.step, "stats": self.stats.as_dict()}
+        """The averager's resumable state: ``{"step": int, "stats": dict}``; subclasses add keys. With a
+        ``wire_dtype``, also ``"wire_references"``: the references the next narrow reductions send deltas from."""
+        state: dict[str, Any] = {"step": self.step, "stats": self.stats.as_dict()}
+        if self.wire_dtype is not None:
+            state["wire_references"] = [None if t is None else t.clone() for t in self._wire_refs]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (on a freshly built averager of the same config).
@@ -428,6 +486,10 @@ class AveragerBase(ModelAverager):
             )
         self.step = check_int("state_dict['step']", state_dict["step"], 0)
         self.stats = AveragerStats.from_dict(state_dict["stats"])
+        references = state_dict.get("wire_references")
+        self._wire_refs = [] if references is None or self.wire_dtype is None else [
+            None if t is None else t.clone() for t in references
+        ]
 
     @property
     def closed(self) -> bool:

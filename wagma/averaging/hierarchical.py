@@ -17,6 +17,7 @@ from wagma.groups import (
 )
 from wagma.averaging.guards import warn_at_caller
 from wagma.schedule import check_group_fits
+from wagma.wire import WireDtype
 from wagma.world import WorldLike, as_world
 
 __all__ = ["HierarchicalAverager"]
@@ -54,6 +55,8 @@ class HierarchicalAverager(AveragerBase):
         timeout: timeout of the groups this averager creates (``timedelta`` or seconds).
         world: the ranks to average over (:func:`wagma.world.as_world`; ``None``: the whole job); local blocks
             are cut from the world's ranks.
+        wire_dtype: the dtype reductions send and sum in (:mod:`wagma.wire`; ``None``: the model's own): deltas from
+            the last global average, in ``"bf16"`` or ``"fp16"``, half the bytes.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class HierarchicalAverager(AveragerBase):
         average_buffers: bool = True,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         world: WorldLike = None,
+        wire_dtype: WireDtype = None,
     ) -> None:
         self.local_group_size = check_int("local_group_size", local_group_size, 1)
         self.local_period = check_int("local_period", local_period, 1)
@@ -93,7 +97,8 @@ class HierarchicalAverager(AveragerBase):
             raise ValueError(
                 f"local_group_size: expected a divisor of the number of ranks ({world_size}), found {local_group_size}"
             )
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=resolved)
+        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=resolved,
+                         wire_dtype=wire_dtype)
         self._global_every = local_period if local_group_size == world_size else global_period
         self._has_local = 1 < local_group_size < world_size
         self.local_group: dist.ProcessGroup | None = None

@@ -46,6 +46,7 @@ from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, c
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import check_transport
+from wagma.wire import WireDtype, narrow_for
 from wagma.world import WorldLike, as_world
 
 __all__ = ["MIXINGS", "ORDERS", "SYNCS", "WagmaAverager"]
@@ -117,6 +118,10 @@ class WagmaAverager(AveragerBase):
         world: the ranks to average over (:func:`wagma.world.as_world`): ``None`` for the whole job, a process
             group, or ``(mesh, "replicate")`` for HSDP's replicas. Groups, rounds and sync rounds stay inside the
             calling rank's world; every rank of the job builds its averager at the same time.
+        wire_dtype: the dtype rounds send and sum in (:mod:`wagma.wire`): ``None`` (the model's own), ``"bf16"`` or
+            ``"fp16"``. A float32 model then travels as its delta from a reference every rank holds identically
+            (world rank 0's model, then the mean of each sync round), half the bytes, and the sums are widened back
+            before the mixing formulas above apply. After a blocking sync round the replicas are bit for bit equal.
 
     **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
     rank i's k-th call of :meth:`average_parameters` its call k (round k); call k publishes the model
@@ -172,6 +177,7 @@ class WagmaAverager(AveragerBase):
         progress_nice: int = 0,
         transport: str = "default",
         world: WorldLike = None,
+        wire_dtype: WireDtype = None,
     ) -> None:
         check_progress_nice(progress_nice)
         check_transport(transport)
@@ -195,7 +201,7 @@ class WagmaAverager(AveragerBase):
         check_group_fits(group_size, resolved.size)
         if resolved.size % group_size:
             raise ValueError(f"group_size: expected a divisor of the world size {resolved.size}, found {group_size}")
-        super().__init__(None, average_buffers=average_buffers, timeout=timeout, world=resolved)
+        super().__init__(None, average_buffers=average_buffers, timeout=timeout, world=resolved, wire_dtype=wire_dtype)
         self.group_size = group_size
         self.sync_period = sync_period
         self.mixing: Mixing = mixing
@@ -231,9 +237,11 @@ class WagmaAverager(AveragerBase):
                 self.schedule, widened(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
                 sync=self.sync, timeout=self.timeout, start_round=start_round, progress_nice=self.progress_nice,
                 transport=self.transport, keep_contributions=self.mixing == "conserve", world=self.world,
+                wire_dtype=narrow_for(self.wire_dtype, buffer.dtype),
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]
+        self._round_nbytes = sum(engine.wire_nbytes for engine in self._engines)
         self._resources.closers[:] = list(self._engines)
 
     def _close_engines(self) -> None:
@@ -271,7 +279,7 @@ class WagmaAverager(AveragerBase):
         # One round is one reduction, however many dtype buffers carry it; all engines run the same round.
         first = results[0]
         kind: Reduction = "global" if first.is_sync else "local"
-        self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
+        self.stats.record_reduction(kind, self._round_nbytes, sum(r.wait_s for r in results))
         self.stats.record_contribution(first.staleness)
         flat.unpack()
         return kind
@@ -290,7 +298,7 @@ class WagmaAverager(AveragerBase):
                 self._give_back(engine, res)
             first = previous[0]
             kind = "global" if first.is_sync else "local"
-            self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in previous))
+            self.stats.record_reduction(kind, self._round_nbytes, sum(r.wait_s for r in previous))
             self.stats.record_contribution(first.staleness + 1)  # applied one call after its round
         k = self._engines[0].round
         if self.sync == "barrier" and self._engines[0].is_sync_round(k):
@@ -299,7 +307,7 @@ class WagmaAverager(AveragerBase):
                 wide.copy_(res.sum).div_(len(res.group))
                 self._give_back(engine, res)
             kind = "global"
-            self.stats.record_reduction(kind, flat.nbytes, sum(r.wait_s for r in results))
+            self.stats.record_reduction(kind, self._round_nbytes, sum(r.wait_s for r in results))
             self.stats.record_contribution(results[0].staleness)
         else:
             for engine, wide in zip(self._engines, wides):

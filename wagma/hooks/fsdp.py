@@ -26,6 +26,7 @@ from wagma.averaging.tensors import local_tensor
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.schedule import GroupSchedule
+from wagma.wire import WireDtype, as_wire_dtype, narrow_for
 from wagma.world import World, WorldLike, as_world
 
 __all__ = ["FSDPPartialAllreduce"]
@@ -49,6 +50,9 @@ class FSDPPartialAllreduce:
         max_lead: how many rounds the progress thread may run ahead (default ``sync_period``).
         timeout: bound of every wait.
         progress_nice: CPU: nice levels below the caller for the progress thread.
+        wire_dtype: the dtype the partial rounds send and sum float32 gradients in (:mod:`wagma.wire`; ``None``:
+            their own): ``"bf16"`` or ``"fp16"``, half the bytes. Warm-up and :meth:`flush` send the own dtype.
+        error_feedback: with a ``wire_dtype``: what the cast rounds off stays in the residual for a later round.
 
     Raises:
         ValueError: if ``module`` is not an FSDP2 module, holds nested ``fully_shard`` modules, or an argument is
@@ -67,6 +71,8 @@ class FSDPPartialAllreduce:
         max_lead: int | None = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         progress_nice: int = 0,
+        wire_dtype: WireDtype = None,
+        error_feedback: bool = True,
     ) -> None:
         if not callable(getattr(module, "set_all_reduce_hook", None)):
             raise ValueError(
@@ -88,6 +94,10 @@ class FSDPPartialAllreduce:
         self.max_lead = max_lead
         self.progress_nice = check_progress_nice(progress_nice)
         self.timeout = as_timeout(timeout)
+        self.wire_dtype: torch.dtype | None = as_wire_dtype(wire_dtype)
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback: expected True or False, found {error_feedback!r}")
+        self.error_feedback = error_feedback
         #: The replicas whose shard gradients are summed.
         self.world: World = as_world(world, self.timeout)
         if not self.world.is_member:
@@ -125,7 +135,7 @@ class FSDPPartialAllreduce:
             torch.div(res.sum, self.world_size, out=out)
             self.engine.recycle(res.sum)
             self.rounds += 1
-            self.stats.record_reduction("global" if res.is_sync else "local", out.nbytes, res.wait_s)
+            self.stats.record_reduction("global" if res.is_sync else "local", self.engine.wire_nbytes, res.wait_s)
             self.stats.record_contribution(res.staleness)
         if self._layout is None:
             engine = torch.autograd.Variable._execution_engine
@@ -138,6 +148,7 @@ class FSDPPartialAllreduce:
             schedule, torch.zeros_like(out), sync_period=self.sync_period, max_lead=self.max_lead,
             timeout=self.timeout, trigger="any" if self.mode == "solo" else "initiator", seed=self.seed,
             accumulate=True, progress_nice=self.progress_nice, world=self.world,
+            wire_dtype=narrow_for(self.wire_dtype, out.dtype), error_feedback=self.error_feedback,
         )
         self._resources.closers[:] = [self.engine]
 

@@ -32,6 +32,7 @@ from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 from wagma.shm import check_transport
+from wagma.wire import WireDtype, as_wire_dtype, narrow_for
 from wagma.world import World, WorldLike, as_world
 
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook"]
@@ -72,6 +73,12 @@ class PartialAllreduceState:
             rank on one host: :class:`wagma.shm.SharedMemoryAllreduce`). The warm-up and :meth:`flush` use gloo.
         world: the ranks whose gradients are reduced (:func:`wagma.world.as_world`; ``None``: the whole job).
             Wrap the model with ``DistributedDataParallel(..., process_group=...)`` over the same ranks.
+        wire_dtype: the dtype the partial rounds send and sum gradients in (:mod:`wagma.wire`): ``None`` (their
+            own), ``"bf16"`` or ``"fp16"`` for float32 gradients: half the bytes. The warm-up and :meth:`flush` send
+            the gradients' own dtype.
+        error_feedback: with a ``wire_dtype``: what the cast rounds off stays in this rank's residual and goes out
+            with a later round (the conservation above then holds exactly, up to the rounding of the sums
+            themselves); ``False`` drops it.
     """
 
     def __init__(
@@ -88,6 +95,8 @@ class PartialAllreduceState:
         progress_nice: int = 0,
         transport: str = "default",
         world: WorldLike = None,
+        wire_dtype: WireDtype = None,
+        error_feedback: bool = True,
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
         if mode not in ("solo", "majority"):
@@ -108,6 +117,9 @@ class PartialAllreduceState:
         # Residuals and round sums of half-precision gradients are kept in float32: a sum over P ranks (and
         # over carried rounds) would overflow float16 before the division by P.
         self.sum_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+        #: The dtype the partial rounds send gradients in (``None``: their own; :mod:`wagma.wire`).
+        self.wire_dtype: torch.dtype | None = narrow_for(as_wire_dtype(wire_dtype), self.dtype)
+        self.error_feedback = error_feedback
         self._offsets: dict[int, tuple[int, int]] = {}
         total = 0
         for p in self.params:
@@ -132,6 +144,7 @@ class PartialAllreduceState:
         self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._warmup_views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._warmup_nbytes = 0  # bytes of the warm-up iteration's buckets so far
 
     def _start_engine(self, residual: torch.Tensor) -> None:
         if self.engine is not None:
@@ -142,7 +155,7 @@ class PartialAllreduceState:
             schedule, residual, sync_period=self.sync_period, max_lead=self.max_lead, timeout=self.timeout,
             trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
             start_round=max(0, self.iteration - self.warmup_iters), progress_nice=self.progress_nice,
-            transport=self.transport, world=self.world,
+            transport=self.transport, world=self.world, wire_dtype=self.wire_dtype, error_feedback=self.error_feedback,
         )
         self._resources.closers[:] = [self.engine]
         # Where the buckets' gradients go, in parameter order. The engine takes it over at the end of the
@@ -173,12 +186,14 @@ class PartialAllreduceState:
         base = buffer.storage_offset()
         self._warmup_views += [(p, buffer[g.storage_offset() - base :][: p.numel()]) for p, g in
                                zip(bucket.parameters(), bucket.gradients())]
+        self._warmup_nbytes += buffer.nbytes  # every bucket's bytes: the iteration counts as one reduction
+        nbytes = self._warmup_nbytes
         if bucket.is_last():
             views, self._warmup_views = self._warmup_views, []
             self._after_ddp_finalize(lambda: views)
             self.iteration += 1
+            self._warmup_nbytes = 0
         stats = self.stats
-        nbytes = buffer.nbytes
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             if bucket.is_last():
@@ -220,7 +235,8 @@ class PartialAllreduceState:
         self.rounds += 1
         if res is not None:
             lag = 1 if self.overlap else 0  # overlap: applied one iteration after its round
-            self.stats.record_reduction("global" if res.is_sync else "local", total.nbytes, res.wait_s)
+            nbytes = self.engine.wire_nbytes if self.engine is not None else total.nbytes
+            self.stats.record_reduction("global" if res.is_sync else "local", nbytes, res.wait_s)
             self.stats.record_contribution(res.staleness + lag)  # 0 when this rank's fresh gradient made it in
 
     def _take_in_flight(self) -> tuple[torch.Tensor, Any]:
