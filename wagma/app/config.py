@@ -98,9 +98,10 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     auto/cpu/cuda; ``resume`` a bool), the dataset and its split
     (every rank's shard holds at least one batch), the model (built once on the CPU, it is small), the
     optimizer (built over a dummy parameter), the imbalance injector (built for rank 0 of
-    ``world_size``) and the averaging policy (:func:`wagma.app.policies.validate_policy_config`: known name,
-    group sizes dividing the world size, periods, momentum, mode/mixing/order; see
-    :mod:`wagma.app.policies.options`).
+    ``world_size``), ``parallel`` / ``shard_size`` (:func:`wagma.app.parallel.check_parallel`) and the averaging
+    policy (:func:`wagma.app.policies.validate_policy_config`: known name, group sizes dividing the world size --
+    under ``parallel=hsdp`` the number of replicas, and a policy with a sharded form --, periods, momentum,
+    mode/mixing/order; see :mod:`wagma.app.policies.options`).
 
     Raises:
         ConfigError: listing every problem, one per line.

@@ -6,8 +6,10 @@ Read top to bottom, it does:
 1. check the config (:func:`wagma.app.config.validate_config`) before any communication, so a bad config
    fails alike and at once on every rank;
 2. join or create the process group (:func:`wagma.app.launch.init_distributed`) and agree on the device;
-3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the policy
-   (:mod:`wagma.app.policies`), wrap the model with it, build the optimizer and the imbalance injector;
+3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the layout
+   (``parallel=hsdp``: a ``("replicate", "shard")`` mesh, :mod:`wagma.app.parallel`) and the policy
+   (:mod:`wagma.app.policies`; under HSDP on the replicas), wrap the model with it (under HSDP: shard it with
+   FSDP2), build the optimizer and the imbalance injector;
 4. resume from the newest complete checkpoint when ``resume=true``, or when torchrun restarted the job
    (``torchrun --max-restarts N``: ``TORCHELASTIC_RESTART_COUNT`` > 0) (:func:`wagma.app.checkpoint.resume_checkpoint`:
    verified, and refused if the world size, model, optimizer, data or averaging differ -- the averaging
