@@ -73,6 +73,24 @@ def test_a_policy_without_a_sharded_form_is_refused_naming_it_and_what_to_use():
     validate_config(_cfg(None, "parallel=hsdp", "shard_size=4", "averaging=allreduce"), 4)  # one replica: FSDP alone
 
 
+# --- evaluation: the same number of forward passes on every rank ---------------------------------------------
+
+
+def _forwards_worker(rank: int, world_size: int) -> int:
+    calls = []
+    net = torch.nn.Linear(3, 2)
+    net.register_forward_hook(lambda *_: calls.append(1))
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 0])  # rank 0 scores 3 examples, rank 1 two
+    accuracy, _ = app_train.evaluate(net, x, y, rank, world_size, batch_size=2)
+    assert 0.0 <= accuracy <= 1.0
+    return len(calls)
+
+
+def test_every_rank_runs_as_many_forward_passes_in_evaluation_as_the_rank_with_the_most_examples():
+    # a sharded model's forward all-gathers inside its replica: one rank fewer would leave the other hanging
+    assert run_workers(_forwards_worker, 2, collective_timeout_s=20) == [2, 2]
+
+
 # --- training ------------------------------------------------------------------------------------------------
 
 
@@ -159,4 +177,14 @@ def test_a_resume_with_another_layout_is_refused_with_the_checkpoints_one(tmp_pa
                                     timeout_s=180)
     assert not any(o.ok for o in outcomes)
     assert all("was written with parallel=hsdp, this run has parallel=ddp; resume with the saved parallel"
+               in o.error for o in outcomes)
+
+
+@pytest.mark.slow  # two 4-rank runs
+def test_eager_sgd_under_hsdp_refuses_a_resume_it_cannot_make_exact(tmp_path):
+    common = (*HSDP, "averaging=reference/eager_solo", "steps=6", "checkpoint_every=3")
+    run_workers(_worker, 4, _cfg(tmp_path, *common), timeout_s=180)
+    outcomes = run_workers_outcomes(_worker, 4, _cfg(tmp_path, *common, "steps=9", "resume=true"), timeout_s=180)
+    assert not any(o.ok for o in outcomes)
+    assert all("averaging=eager_solo under parallel=hsdp cannot resume: expected the FSDP hook's rounds and residuals"
                in o.error for o in outcomes)
