@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["WIRE_DTYPES", "WireDtype", "as_wire_dtype", "narrow_for", "wire_nbytes"]
+__all__ = ["WIRE_DTYPES", "WireDtype", "as_wire_dtype", "narrow_for", "wire_dtype_name", "wire_nbytes"]
 
 #: Names ``wire_dtype`` accepts (besides a ``torch.dtype``); ``None`` and ``"float32"``: no compression.
 WIRE_DTYPES: dict[str, torch.dtype | None] = {
@@ -76,3 +76,8 @@ def narrow_for(wire_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtyp
     """The wire type for values of ``dtype``: ``wire_dtype`` for float32/float64 values, ``None`` (sent as they
     are) for the rest, e.g. a model's half-precision buffers, which are narrow already."""
     return wire_dtype if wire_dtype is not None and dtype in (torch.float32, torch.float64) else None
+
+
+def wire_dtype_name(dtype: torch.dtype | None) -> str:
+    """A wire type's config name: ``"bf16"``, ``"fp16"`` or ``"float32"`` (for ``None``)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "float32") if dtype is not None else "float32"

@@ -37,6 +37,7 @@ from wagma.averaging import (
 from wagma.averaging.tensors import local_tensor
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
+from wagma.wire import as_wire_dtype, wire_dtype_name
 
 __all__ = [
     "GossipPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
@@ -95,14 +96,18 @@ class ModelAveragingPolicy(Policy):
         warmup_steps: steps of synchronous SGD (DDP gradient allreduce) before local steps begin.
         bucket_cap_mb: DDP's gradient bucket size (used by the warm-up allreduce).
         timeout_s: timeout of the averager's process groups.
+        wire_dtype: ``null`` (the model's dtype), ``bf16`` or ``fp16``: what the averager's reductions send.
     """
 
     remedy = "more frequent averaging (a smaller averaging.period, local_period or global_period) or a lower optim.lr"
 
     def __init__(
-        self, *, device: torch.device, warmup_steps: int = 0, bucket_cap_mb: float = 25.0, timeout_s: float = 300.0
+        self, *, device: torch.device, warmup_steps: int = 0, bucket_cap_mb: float = 25.0, timeout_s: float = 300.0,
+        wire_dtype: str | None = None,
     ) -> None:
         self.device = device
+        #: The dtype the averager's reductions send (``averaging.wire_dtype``; :mod:`wagma.wire`).
+        self.wire_dtype = as_wire_dtype(wire_dtype)
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.timeout_s = float(timeout_s)
         self.hook_state = PostLocalState(warmup_steps)
@@ -213,7 +218,7 @@ class LocalSGDPolicy(ModelAveragingPolicy):
     def build_averager(self, net: nn.Module) -> _Averager:
         return PeriodicAverager(
             self.period, self.hook_state.warmup_steps, average_buffers=self.average_buffers,
-            timeout=timeout(self.timeout_s), world=self.world,
+            timeout=timeout(self.timeout_s), world=self.world, wire_dtype=self.wire_dtype,
         )
 
 
@@ -258,6 +263,7 @@ class HierarchicalPolicy(ModelAveragingPolicy):
         averager = HierarchicalAverager(
             self.local_group_size, self.local_period, self.global_period, self.hook_state.warmup_steps,
             average_buffers=self.average_buffers, timeout=timeout(self.timeout_s), world=self.world,
+            wire_dtype=self.wire_dtype,
         )
         if self.momentum is None:
             return averager
@@ -335,7 +341,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
             sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
-            progress_nice=self.progress_nice, transport=self.transport, world=self.world,
+            progress_nice=self.progress_nice, transport=self.transport, world=self.world, wire_dtype=self.wire_dtype,
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -366,6 +372,12 @@ class GossipPolicy(ModelAveragingPolicy):
         if kind not in self.KINDS:
             raise ValueError(f"kind: expected one of {self.KINDS}, found {kind!r}")
         super().__init__(**kwargs)
+        if self.wire_dtype is not None:
+            raise ValueError(
+                f"averaging.wire_dtype: the gossip baseline {kind} sends its models in their own dtype; expected null, "
+                f"found {wire_dtype_name(self.wire_dtype)} (a compressed wire is for wagma, local_sgd, hierarchical, "
+                "allreduce and the eager presets)"
+            )
         self.name = kind
         self.topology = str(topology)
         self.average_buffers = bool(average_buffers)

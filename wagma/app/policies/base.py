@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from wagma.app.parallel import shard_model
 from wagma.hooks.basic import AllreduceState, allreduce_hook
 from wagma.shm import check_transport
+from wagma.wire import as_wire_dtype, narrow_for, wire_dtype_name, wire_nbytes
 
 __all__ = ["AllreducePolicy", "Policy", "ddp_without_buffer_sync", "timeout"]
 
@@ -98,7 +100,10 @@ class AllreducePolicy(Policy):
     name = "allreduce"
     remedy = "a lower optim.lr (synchronous SGD: nothing is stale)"
 
-    def __init__(self, *, device: torch.device, bucket_cap_mb: float = 25.0, transport: str = "default") -> None:
+    def __init__(
+        self, *, device: torch.device, bucket_cap_mb: float = 25.0, transport: str = "default",
+        wire_dtype: str | None = None,
+    ) -> None:
         """
         Args:
             device: where the model lives; a CUDA device is passed to DDP as its only device.
@@ -106,36 +111,61 @@ class AllreducePolicy(Policy):
             transport: ``"default"`` (DDP's own allreduce) or ``"shm"``: CPU gradients of ranks on one host are
                 averaged through shared memory (:func:`wagma.allreduce_hook` with a shared-memory
                 :class:`wagma.AllreduceState`), as the wagma and eager policies' rounds are with ``"shm"``.
+            wire_dtype: ``null``, ``bf16`` or ``fp16``: DDP's gradients travel in that dtype through torch's own
+                ``bf16_compress_hook`` / ``fp16_compress_hook`` (no error feedback).
         """
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.device = device
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.transport = check_transport(transport, device)
+        self.wire_dtype = as_wire_dtype(wire_dtype)
+        if self.wire_dtype is not None and self.transport == "shm":
+            raise ValueError(
+                f"averaging.wire_dtype={wire_dtype}: expected null with averaging.transport=shm (shared memory moves "
+                "no bytes over a wire), found both"
+            )
         self.global_reductions = 0
+        self.bytes_sent = 0
+        self._step_nbytes = 0  # set by wrap() under DDP
         self.hook_state: AllreduceState | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.mesh is not None:  # FSDP2's own HSDP: reduce-scatter in a replica, allreduce across replicas
+            if self.wire_dtype is not None:
+                raise ValueError(
+                    "averaging.wire_dtype: expected null for allreduce under parallel=hsdp (FSDP2 reduces in the "
+                    f"model's dtype here), found {wire_dtype_name(self.wire_dtype)}; a bf16 wire across replicas is "
+                    "in averaging=wagma, local_sgd, hierarchical or the eager presets"
+                )
             return shard_model(model, self.mesh)
         device_ids = [self.device] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, **_DDP_OPTIONS)
         if self.transport == "shm":
             self.hook_state = AllreduceState(transport="shm", params=list(model.parameters()))
             ddp.register_comm_hook(self.hook_state, allreduce_hook)
+        elif self.wire_dtype is not None:
+            compress = bf16_compress_hook if self.wire_dtype == torch.bfloat16 else fp16_compress_hook
+            ddp.register_comm_hook(None, compress)
+        self._step_nbytes = sum(  # what one step's gradient allreduce hands to the collectives
+            wire_nbytes(p.numel(), p.dtype, narrow_for(self.wire_dtype, p.dtype)) for p in model.parameters()
+            if p.requires_grad
+        )
         return ddp
 
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         self.global_reductions += 1  # the gradients of this step were allreduced inside backward()
+        self.bytes_sent += self._step_nbytes
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global_reductions": self.global_reductions}
+        return {"global_reductions": self.global_reductions, "bytes_sent": self.bytes_sent}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.global_reductions = int(state["global_reductions"])
+        self.bytes_sent = int(state.get("bytes_sent", 0))  # (checkpoints from before it was counted lack it)
 
     def stats(self) -> dict[str, Any]:
-        return {"global_reductions": self.global_reductions, "staleness": 0}
+        return {"global_reductions": self.global_reductions, "bytes_sent": self.bytes_sent, "staleness": 0}
 
     def close(self) -> None:
         if self.hook_state is not None and self.hook_state.shm is not None:

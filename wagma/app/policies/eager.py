@@ -15,6 +15,7 @@ from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
 from wagma.app.policies.hsdp import replicate_world
 from wagma.hooks.fsdp import FSDPPartialAllreduce
 from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
+from wagma.wire import as_wire_dtype
 
 __all__ = ["EagerPolicy"]
 
@@ -45,6 +46,8 @@ class EagerPolicy(Policy):
             communicators' threads (CPU on Linux; :class:`~wagma.PartialAllreduceState`'s ``progress_nice``).
         transport: ``"default"`` or ``"shm"`` (CPU, one host: the rounds through shared memory;
             :class:`~wagma.PartialAllreduceState`'s ``transport``).
+        wire_dtype: ``null``, ``bf16`` or ``fp16``: the dtype the partial rounds send gradients in, with error
+            feedback (:mod:`wagma.wire`).
     """
 
     remedy = ("averaging=wagma (model averaging takes stale information far better than late gradients), "
@@ -65,10 +68,12 @@ class EagerPolicy(Policy):
         timeout_s: float = 300.0,
         progress_nice: int = 0,
         transport: str = "default",
+        wire_dtype: str | None = None,
     ) -> None:
         self.name = f"eager_{mode}" + ("_overlap" if overlap else "")  # the preset's name (eager_solo_overlap)
         self.progress_nice = int(progress_nice)
         self.transport = str(transport)
+        self.wire_dtype = as_wire_dtype(wire_dtype)
         self.device, self.mode = device, mode
         self.sync_period, self.warmup_iters, self.seed = int(sync_period), int(warmup_iters), int(seed)
         self.max_lead = None if max_lead is None else int(max_lead)
@@ -83,13 +88,13 @@ class EagerPolicy(Policy):
             self.hook_state = FSDPPartialAllreduce(
                 model, world=replicate_world(self.mesh), mode=self.mode, sync_period=self.sync_period,  # type: ignore[arg-type]
                 warmup_iters=self.warmup_iters, seed=self.seed, max_lead=self.max_lead, timeout=timeout(self.timeout_s),
-                progress_nice=self.progress_nice,
+                progress_nice=self.progress_nice, wire_dtype=self.wire_dtype,
             )
             return model
         self.hook_state = PartialAllreduceState(
             list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
             seed=self.seed, max_lead=self.max_lead, overlap=self.overlap, timeout=timeout(self.timeout_s),
-            progress_nice=self.progress_nice, transport=self.transport,
+            progress_nice=self.progress_nice, transport=self.transport, wire_dtype=self.wire_dtype,
         )
         ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)

@@ -19,6 +19,7 @@ from wagma.averaging.wagma import ORDERS as WAGMA_ORDERS
 from wagma.engine import SYNCS
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import TRANSPORTS
+from wagma.wire import WIRE_DTYPES
 
 __all__ = [
     "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "WAGMA_SYNCS", "validate_allreduce", "validate_eager", "validate_gossip",
@@ -108,35 +109,51 @@ def _transport(options: Mapping[str, Any]) -> None:
         raise ValueError(f"averaging.transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
 
 
+def _wire(options: Mapping[str, Any]) -> None:
+    value = options.get("wire_dtype")
+    if value is None:
+        return
+    if not isinstance(value, str) or value.lower() not in WIRE_DTYPES:
+        raise ValueError(f"averaging.wire_dtype must be null or one of {', '.join(sorted(WIRE_DTYPES))}, got {value!r}")
+    if WIRE_DTYPES[value.lower()] is not None and options.get("transport", "default") == "shm":
+        raise ValueError(
+            f"averaging.wire_dtype={value} needs averaging.transport=default: shared memory moves no bytes over a wire"
+        )
+
+
 def _common(options: Mapping[str, Any]) -> None:
     _positive(options, "bucket_cap_mb")
     _positive(options, "timeout_s")
 
 
-_LOCAL_SGD_KEYS = ("period", "warmup_steps", "average_buffers", *_COMMON_KEYS)
+_LOCAL_SGD_KEYS = ("period", "warmup_steps", "average_buffers", "wire_dtype", *_COMMON_KEYS)
 _HIERARCHICAL_KEYS = (
-    "local_group_size", "local_period", "global_period", "warmup_steps", "average_buffers", *_COMMON_KEYS,
+    "local_group_size", "local_period", "global_period", "warmup_steps", "average_buffers", "wire_dtype", *_COMMON_KEYS,
 )
 _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
     "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
-    "progress_nice", "transport", *_COMMON_KEYS,
+    "progress_nice", "transport", "wire_dtype", *_COMMON_KEYS,
 )
 _GOSSIP_KEYS = ("warmup_steps", "average_buffers", *_COMMON_KEYS)
 _DPSGD_KEYS = ("topology", *_GOSSIP_KEYS)
 _EAGER_KEYS = (
-    "mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", "progress_nice", "transport", *_COMMON_KEYS,
+    "mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", "progress_nice", "transport", "wire_dtype",
+    *_COMMON_KEYS,
 )
 
 
 def validate_allreduce(options: Mapping[str, Any], world_size: int) -> None:
-    """Check an ``allreduce`` config: only ``bucket_cap_mb`` (> 0) and ``transport``."""
-    unknown = set(options) - {"bucket_cap_mb", "transport"}
+    """Check an ``allreduce`` config: only ``bucket_cap_mb`` (> 0), ``transport`` and ``wire_dtype``."""
+    unknown = set(options) - {"bucket_cap_mb", "transport", "wire_dtype"}
     if unknown:
-        raise ValueError(f"averaging 'allreduce' takes only bucket_cap_mb and transport, got {sorted(unknown)}")
+        raise ValueError(
+            f"averaging 'allreduce' takes only bucket_cap_mb, transport and wire_dtype, got {sorted(unknown)}"
+        )
     if float(options.get("bucket_cap_mb", 25.0)) <= 0:
         raise ValueError(f"averaging.bucket_cap_mb must be > 0, got {options['bucket_cap_mb']}")
     _transport(options)
+    _wire(options)
 
 
 def validate_local_sgd(options: Mapping[str, Any], world_size: int) -> None:
@@ -145,6 +162,7 @@ def validate_local_sgd(options: Mapping[str, Any], world_size: int) -> None:
     _int(options, "period", 1)
     _int(options, "warmup_steps", 0, required=False)
     _flag(options, "average_buffers")
+    _wire(options)
     _common(options)
 
 
@@ -167,6 +185,7 @@ def validate_hierarchical(options: Mapping[str, Any], world_size: int, *, moment
         )
     _int(options, "warmup_steps", 0, required=False)
     _flag(options, "average_buffers")
+    _wire(options)
     _common(options)
     if momentum:
         value = options.get("momentum")
@@ -200,6 +219,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _flag(options, "overlap")
     _progress_nice(options)
     _transport(options)
+    _wire(options)
     _common(options)
     schedule = options.get("schedule", "auto")
     try:
@@ -249,4 +269,5 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     _flag(options, "overlap")
     _progress_nice(options)
     _transport(options)
+    _wire(options)
     _common(options)
