@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 import wagma.app.train as app_train
 from wagma.app.checkpoint import latest_step
 from wagma.app.config import ConfigError, validate_config
+from wagma.app.metrics import read_metrics
 from wagma.app.parallel import local_state
 from wagma.app.policies import validate_hsdp
 from wagma.testing import run_workers, run_workers_outcomes
@@ -42,21 +43,22 @@ def _cfg(run_dir: Path | None, *overrides: str) -> DictConfig:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (("parallel=hsdp", "shard_size=3"), "shard_size: expected a divisor of the world size 4 with parallel=hsdp, found 3"),
+        (("parallel=hsdp", "shard_size=3"),
+         "shard_size: expected a divisor of the world size 4 with parallel=hsdp, found 3"),
         (("parallel=hsdp", "shard_size=1"), "shard_size: expected an integer >= 2 with parallel=hsdp .*, found 1"),
         (("parallel=ddp", "shard_size=2"), "shard_size: expected 1 with parallel=ddp .*, found 2; set parallel=hsdp"),
         (("parallel=fsdp",), "parallel: expected one of ddp, hsdp, found 'fsdp'"),
         ((*HSDP, "averaging=wagma", "averaging.group_size=4"),
          r"group_size=4 must be a positive divisor of the world size 2.*\(parallel=hsdp: the policy averages over the "
          r"2 replicas = 4 ranks / shard_size 2\)"),
-        ((*HSDP, "averaging=hierarchical", "averaging.local_group_size=4"), r"local_group_size 4 is larger than the world \(2 ranks\).*over the 2 replicas"),
+        ((*HSDP, "averaging=hierarchical", "averaging.local_group_size=4"),
+         r"local_group_size 4 is larger than the world \(2 ranks\).*over the 2 replicas"),
         ((*HSDP, "averaging=reference/eager_solo_overlap"),
          "averaging=eager_solo with averaging.overlap=true cannot run with parallel=hsdp .* use "
          "averaging=reference/eager_solo"),
         ((*HSDP, "averaging=allreduce", "averaging.transport=shm"),
          "averaging=allreduce with averaging.transport=shm cannot run with parallel=hsdp .* expected "
          "averaging.transport=default"),
-        ((*HSDP, "consensus_every=10"), "consensus_every: expected 0 with parallel=hsdp .*found 10"),
     ],
 )
 def test_a_layout_or_policy_that_cannot_run_sharded_is_refused_in_one_line(overrides, match):
@@ -91,6 +93,28 @@ def test_every_rank_runs_as_many_forward_passes_in_evaluation_as_the_rank_with_t
     assert run_workers(_forwards_worker, 2, collective_timeout_s=20) == [2, 2]
 
 
+def _consensus_worker(rank: int, world_size: int) -> tuple[float, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from wagma.app.consensus import ConsensusMeter
+    from wagma.app.parallel import shard_model
+    from wagma.averaging.tensors import local_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = shard_model(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)), mesh["shard"])
+    with torch.no_grad():
+        for p in net.parameters():
+            local_tensor(p).fill_(float(rank + 1))  # replica r's shard j holds 2r + j + 1
+    with ConsensusMeter(mesh=mesh) as meter:
+        return meter.measure(net.parameters()), sum(p.numel() for p in net.parameters())
+
+
+def test_the_consensus_distance_under_hsdp_is_between_the_replicas_whole_models():
+    # shard j: replica 0 holds j + 1, replica 1 j + 3, their mean j + 2: every value is 1 away from the mean
+    for distance, numel in run_workers(_consensus_worker, 4, collective_timeout_s=20):
+        assert distance == pytest.approx(numel)  # (1/R) sum_r ||w_r - mean||^2 = numel
+
+
 # --- training ------------------------------------------------------------------------------------------------
 
 
@@ -113,7 +137,8 @@ def _worker(rank: int, world_size: int, cfg: DictConfig, exit_after: int | None 
 def _replicas_identical(out: list[dict[str, Any]], shard_size: int = 2) -> bool:
     """Whether every rank holds exactly the shards of the same shard index in every other replica."""
     return all(
-        torch.equal(out[r]["shards"][k], out[r % shard_size]["shards"][k]) for r in range(len(out)) for k in out[r]["shards"]
+        torch.equal(out[r]["shards"][k], out[r % shard_size]["shards"][k])
+        for r in range(len(out)) for k in out[r]["shards"]
     )
 
 
@@ -132,10 +157,12 @@ def _check_run(out: list[dict[str, Any]], run_dir: Path, policy: str, accuracy: 
 
 
 def test_wagma_under_hsdp_trains_on_digits_and_the_replicas_end_identical(tmp_path):
-    out = run_workers(_worker, 4, _cfg(tmp_path, *HSDP, "averaging=wagma", "steps=80", "eval_every=40"),
-                      timeout_s=180)
+    out = run_workers(_worker, 4, _cfg(tmp_path, *HSDP, "averaging=wagma", "steps=80", "eval_every=40",
+                                       "consensus_every=20"), timeout_s=180)
     _check_run(out, tmp_path, "wagma", 0.9)
     assert out[0]["summary"]["local_reductions"] > 0 and out[0]["summary"]["global_reductions"] > 0
+    consensus = [r["consensus"] for r in read_metrics(tmp_path, 0) if "consensus" in r]
+    assert len(consensus) == 4 and all(0.0 <= c < 1.0 for c in consensus), consensus  # replicas close, measured
 
 
 @pytest.mark.slow  # 4-rank runs, about 10 s each

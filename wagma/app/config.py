@@ -203,9 +203,6 @@ def _check_averaging(plain: Mapping[str, Any], world_size: int, problems: list[s
         where = (f" (parallel=hsdp: the policy averages over the {replicas} replicas = {world_size} ranks / "
                  f"shard_size {plain.get('shard_size')})") if hsdp and "parallel=hsdp" not in str(exc) else ""
         problems.append(f"{exc}{where}")
-    if hsdp and plain.get("consensus_every", 0):
-        problems.append(f"consensus_every: expected 0 with parallel=hsdp (the consensus meter compares whole models, "
-                        f"not shards), found {plain.get('consensus_every')}")
 
 
 def validate_launch(cfg: DictConfig | Mapping[str, Any]) -> None:

@@ -58,7 +58,8 @@ def check_parallel(parallel: Any, shard_size: Any, world_size: int) -> list[str]
                     "set parallel=hsdp to shard the model"]
         return []
     if shard_size < 2:
-        return [f"shard_size: expected an integer >= 2 with parallel=hsdp (ranks sharing one replica), found {shard_size}"]
+        return [f"shard_size: expected an integer >= 2 with parallel=hsdp (ranks sharing one replica), "
+                f"found {shard_size}"]
     if world_size >= 1 and world_size % shard_size:
         return [f"shard_size: expected a divisor of the world size {world_size} with parallel=hsdp, found {shard_size}"]
     return []
@@ -182,7 +183,9 @@ def load_local_model_state(net: nn.Module, state: Mapping[str, torch.Tensor]) ->
     for name, tensor in own.items():
         target = local_tensor(tensor)
         if target.shape != state[name].shape:
-            raise ValueError(f"{name}: expected a shard of shape {tuple(target.shape)}, found {tuple(state[name].shape)}")
+            raise ValueError(
+                f"{name}: expected a shard of shape {tuple(target.shape)}, found {tuple(state[name].shape)}"
+            )
         target.copy_(state[name])
 
 

@@ -215,7 +215,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     wait_ms = 1e3 * float(summary.get("mean_wait_s") or 0.0)
     step_ms = 1e3 * float(summary.get("mean_step_s") or 0.0)
     lines = [
-        f"policy        {summary['policy']} on {summary['world_size']} rank(s){_layout(summary)}, {summary['steps']} steps "
+        f"policy        {summary['policy']} on {summary['world_size']} rank(s){_layout(summary)}, "
+        f"{summary['steps']} steps "
         f"({summary.get('dataset', '?')}, {summary.get('model', '?')}, imbalance {summary.get('imbalance', '?')})",
         f"test accuracy {100 * float(summary['test_accuracy']):.2f} %",
         f"throughput    {float(summary['samples_per_s'] or 0.0):,.0f} samples/s",

@@ -188,7 +188,9 @@ def _train(
         model = policy.wrap(net)
         consensus_every = int(cfg.get("consensus_every", 0))
         if consensus_every:  # its own group, created after the policy's on every rank
-            meter = ConsensusMeter(datetime.timedelta(seconds=float(cfg.get("dist_timeout_s", 300.0))))
+            meter = ConsensusMeter(
+                datetime.timedelta(seconds=float(cfg.get("dist_timeout_s", 300.0))), mesh=layout.mesh
+            )
         optimizer = build_optimizer(group_options(cfg, "optim"), net.parameters())
         imbalance = build_imbalance(group_options(cfg, "imbalance"), rank, world_size)
 
@@ -198,8 +200,9 @@ def _train(
             if writer is not None:
                 totals.elapsed_s = writer.elapsed_s
             state = {
-                "step": step, "world_size": world_size, "model": local_state(net.state_dict()),
-                "optimizer": local_state(optimizer.state_dict()), "data": batches.state_dict(), "rng": capture_rng_state(),
+                "step": step, "world_size": world_size, "model": local_state(net.state_dict()),  # shards under hsdp
+                "optimizer": local_state(optimizer.state_dict()), "data": batches.state_dict(),
+                "rng": capture_rng_state(),
                 "policy_state": policy.state_dict(), "counters": dataclasses.asdict(totals),
             }
             save_checkpoint(run_dir, step, state, fingerprint=fingerprint)
