@@ -172,3 +172,27 @@ def test_averagers_on_a_bf16_wire_keep_small_steps_and_equal_replicas(kind: str)
     if kind == "periodic":
         assert "wire_references" in narrow[0]["state_keys"] and "wire_references" not in wide[0]["state_keys"]
         assert all(o["resumed_equal"] for o in narrow)
+
+
+# --------------------------------------------------------------------------------------------- DDP's own hook
+def _ddp_worker(rank: int, world: int, wire: str | None) -> torch.Tensor:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from wagma import AllreduceState, allreduce_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)
+    ddp = DDP(model)
+    ddp.register_comm_hook(AllreduceState(wire_dtype=wire), allreduce_hook)
+    x = torch.full((4, 6), 1.0 + rank / 3)
+    ddp(x).sum().backward()
+    return model.weight.grad.detach().clone()
+
+
+def test_allreduce_hook_on_a_bf16_wire_on_gloo() -> None:
+    # torch's bf16_compress_hook needs NCCL; this one runs on gloo: the mean to bfloat16's precision.
+    narrow = run_workers(_ddp_worker, 2, "bf16")
+    wide = run_workers(_ddp_worker, 2, None)
+    assert torch.equal(narrow[0], narrow[1])
+    torch.testing.assert_close(narrow[0], wide[0], rtol=2 ** -7, atol=0)  # two roundings: the cast, the sum
+    assert not torch.equal(narrow[0], wide[0])  # it really went through bfloat16 (1 + 1/3 is not exact in it)

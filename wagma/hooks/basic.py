@@ -21,6 +21,7 @@ from wagma.averaging.base import OwnedResources, reduced_parameters
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
 from wagma.schedule import check_group_fits
 from wagma.shm import SharedMemoryAllreduce, check_transport
+from wagma.wire import WireDtype, as_wire_dtype, narrow_for
 
 __all__ = [
     "AllreduceState",
@@ -57,6 +58,9 @@ class AllreduceState:
             member of the group at the same point).
         params: with ``"shm"``, the parameters of the module DDP wraps: their gradients' dtype and total size
             (an upper bound of any bucket's) size the shared segment.
+        wire_dtype: ``None`` (the gradients' dtype), ``"bf16"`` or ``"fp16"`` (:mod:`wagma.wire`): float32/float64
+            buckets are divided, cast, summed in that dtype and widened back, as torch's ``bf16_compress_hook`` does,
+            on any backend (torch's needs NCCL); no error feedback (the eager hooks have it).
     """
 
     def __init__(
@@ -65,11 +69,15 @@ class AllreduceState:
         *,
         transport: str = "default",
         params: Iterable[torch.Tensor] | None = None,
+        wire_dtype: WireDtype = None,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group: expected a ProcessGroup or None, found {process_group!r}")
         self.process_group = process_group
         self.transport = check_transport(transport)
+        self.wire_dtype: torch.dtype | None = as_wire_dtype(wire_dtype)
+        if self.wire_dtype is not None and transport == "shm":
+            raise ValueError(f"wire_dtype={self.wire_dtype} needs transport='default': shared memory has no wire")
         self.shm: SharedMemoryAllreduce | None = None
         if transport == "shm":
             if params is None:
@@ -99,6 +107,15 @@ def allreduce_hook(state: AllreduceState | None, bucket: dist.GradBucket) -> tor
     if state is not None and state.shm is not None:
         buffer = bucket.buffer().div_(group.size())  # first, as the gloo path does
         return _completed(state.shm.all_reduce(buffer))
+    narrow = narrow_for(state.wire_dtype, bucket.buffer().dtype) if state is not None else None
+    if narrow is not None:
+        buffer = bucket.buffer()
+        wire = buffer.div_(group.size()).to(narrow)
+
+        def widen(fut: torch.futures.Future) -> torch.Tensor:
+            return buffer.copy_(fut.value()[0])
+
+        return dist.all_reduce(wire, group=group, async_op=True).get_future().then(widen)
     return _mean_future(bucket.buffer(), group)
 
 

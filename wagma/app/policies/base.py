@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from wagma.app.parallel import shard_model
@@ -111,8 +110,8 @@ class AllreducePolicy(Policy):
             transport: ``"default"`` (DDP's own allreduce) or ``"shm"``: CPU gradients of ranks on one host are
                 averaged through shared memory (:func:`wagma.allreduce_hook` with a shared-memory
                 :class:`wagma.AllreduceState`), as the wagma and eager policies' rounds are with ``"shm"``.
-            wire_dtype: ``null``, ``bf16`` or ``fp16``: DDP's gradients travel in that dtype through torch's own
-                ``bf16_compress_hook`` / ``fp16_compress_hook`` (no error feedback).
+            wire_dtype: ``null``, ``bf16`` or ``fp16``: DDP's gradients travel in that dtype
+                (:func:`wagma.allreduce_hook` with an :class:`wagma.AllreduceState`'s ``wire_dtype``; no error feedback).
         """
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -145,8 +144,8 @@ class AllreducePolicy(Policy):
             self.hook_state = AllreduceState(transport="shm", params=list(model.parameters()))
             ddp.register_comm_hook(self.hook_state, allreduce_hook)
         elif self.wire_dtype is not None:
-            compress = bf16_compress_hook if self.wire_dtype == torch.bfloat16 else fp16_compress_hook
-            ddp.register_comm_hook(None, compress)
+            self.hook_state = AllreduceState(wire_dtype=self.wire_dtype)
+            ddp.register_comm_hook(self.hook_state, allreduce_hook)
         self._step_nbytes = sum(  # what one step's gradient allreduce hands to the collectives
             wire_nbytes(p.numel(), p.dtype, narrow_for(self.wire_dtype, p.dtype)) for p in model.parameters()
             if p.requires_grad
