@@ -136,6 +136,9 @@ def _averager_worker(rank: int, world: int, kind: str, wire: str | None, steps: 
             state = averager.state_dict()
     out = {"model": model.detach().clone(), "after_global": after_global, "bytes": averager.stats.bytes_sent,
            "state_keys": sorted(state or {})}
+    if kind == "wagma":  # an exact global mean at the end (evaluation, checkpoints): the replicas become equal
+        averager.synchronize([model])
+        out["synchronized"] = model.detach().clone()
     if kind == "periodic" and wire is not None:
         # Resume: a fresh averager given the state (and the model) continues exactly like this one.
         assert state is not None and state["wire_references"][0] is not None
@@ -169,6 +172,8 @@ def test_averagers_on_a_bf16_wire_keep_small_steps_and_equal_replicas(kind: str)
     for rank in range(1, 4):
         for a, b in zip(narrow[0]["after_global"], narrow[rank]["after_global"]):
             assert torch.equal(a, b)
+    if kind == "wagma":
+        assert all(torch.equal(o["synchronized"], narrow[0]["synchronized"]) for o in narrow)
     if kind == "periodic":
         assert "wire_references" in narrow[0]["state_keys"] and "wire_references" not in wide[0]["state_keys"]
         assert all(o["resumed_equal"] for o in narrow)

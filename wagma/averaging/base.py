@@ -411,6 +411,8 @@ class AveragerBase(ModelAverager):
             if reference is not None:
                 buffer.add_(reference)
         if kind == "global" and self.wire_dtype is not None:
+            if len(self._wire_refs) != len(buffers):  # an exact reduction (synchronize) before any narrow one
+                self._wire_refs = [None] * len(buffers)
             for i, buffer in enumerate(buffers):
                 if narrow_for(self.wire_dtype, buffer.dtype) is not None:
                     reference = self._wire_refs[i]
