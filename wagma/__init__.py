@@ -49,6 +49,7 @@ from wagma.hooks.fsdp import FSDPPartialAllreduce
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
+from wagma.wire import as_wire_dtype
 from wagma.world import World, as_world
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "World",
     "__version__",
     "allreduce_hook",
+    "as_wire_dtype",
     "as_world",
     "flatten_parameters",
     "group_allreduce_hook",
