@@ -384,3 +384,23 @@ def test_hsdp_benchmark_writes_step_rates_accuracy_and_memory(tmp_path):
     assert result["summary"]["hsdp"]["x_hsdp"] == 1.0 and result["summary"]["hsdp_wagma"]["step_ms"] > 0
     assert 0.0 <= result["summary"]["hsdp_wagma"]["accuracy"] <= 1.0
     assert set(result["memory"]) >= {"ddp", "fsdp_shard_only", "hsdp_wagma"} and result["memory"]["width"] == 512
+
+
+@pytest.mark.slow
+def test_wire_benchmark_sets_bf16_beside_float32_with_half_the_bytes(tmp_path):
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "wire.py"), "--workloads", "digits:mlp", "--world", "2",
+         "--seeds", "0", "--steps", "20", "--policies", "wagma", "--out", str(tmp_path / "out"),
+         "--work", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=400, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "out" / "wire.json").read_text())["comparison"]}
+    assert set(rows) == {"allreduce", "wagma"}
+    for row in rows.values():
+        assert row["bytes_ratio"] == pytest.approx(0.5, abs=0.01)  # bf16: half of float32's bytes
+        assert 0.0 <= row["accuracy_bf16"] <= 100.0 and "gap_points" in row
+    assert "| digits:mlp | wagma |" in (tmp_path / "out" / "wire.md").read_text()
