@@ -31,6 +31,7 @@ import test_engine  # noqa: E402
 import test_gossip  # noqa: E402
 import test_partial_hook  # noqa: E402
 import test_wagma_averager  # noqa: E402
+import test_wire  # noqa: E402
 import test_worlds  # noqa: E402
 import torch  # noqa: E402
 
@@ -49,6 +50,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "dpsgd_mixing": lambda d: test_gossip.check_dpsgd_mixing(4, "ring", d),
     "osgp_push_sum": lambda d: test_gossip.check_push_sum(4, True, d),
     "two_worlds": test_worlds.check_two_worlds,
+    "wire_error_feedback": lambda d: test_wire.check_error_feedback(True, d),
+    "wire_deltas": test_wire.check_deltas,
 }
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
-from wagma.testing import run_workers
+from wagma.testing import rank_device, run_workers
 from wagma.wire import as_wire_dtype, wire_nbytes
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -37,30 +37,35 @@ def test_wire_dtype_names_and_errors() -> None:
 
 
 # --------------------------------------------------------------------------------------------- engine
-def _accumulate_worker(rank: int, world: int, rounds: int, error_feedback: bool) -> dict:
+def _accumulate_worker(rank: int, world: int, rounds: int, error_feedback: bool, device: str = "cpu") -> dict:
     # Rank 0 contributes c = 3 + 2^-8 every round, which bfloat16 cannot hold (its step at 3 is 2^-6); the others
     # contribute zeros, so every round's sum is exactly what rank 0 sent and the books can be checked bit for bit.
     c = 3.0 + 2.0 ** -8
     schedule = GroupSchedule.from_partitions([[list(range(world))]], name="global")
+    dev = rank_device(device, rank)
     engine = WaitAvoidingGroupAllreduce(
-        schedule, torch.zeros(64), sync_period=1000, timeout=TIMEOUT, accumulate=True,
+        schedule, torch.zeros(64, device=dev), sync_period=1000, timeout=TIMEOUT, accumulate=True,
         wire_dtype="bf16", error_feedback=error_feedback,
     )
     total = torch.zeros(64, dtype=torch.float64)
     for _ in range(rounds):
-        res = engine(torch.full((64,), c if rank == 0 else 0.0))
-        total += res.sum.double()
+        res = engine(torch.full((64,), c if rank == 0 else 0.0, device=dev))
+        total += res.sum.double().cpu()
         assert res.sum.dtype == torch.float32
     dist.barrier()
-    left = engine.take().double()
+    left = engine.take().double().cpu()
     engine.close()
     return {"applied": total.tolist(), "left": left.tolist(), "nbytes": engine.wire_nbytes, "c": c}
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])
 def test_accumulate_mode_error_feedback_loses_nothing(error_feedback: bool) -> None:
+    check_error_feedback(error_feedback)
+
+
+def check_error_feedback(error_feedback: bool, device: str = "cpu") -> None:
     rounds = 40
-    out = run_workers(_accumulate_worker, 2, rounds, error_feedback)
+    out = run_workers(_accumulate_worker, 2, rounds, error_feedback, device)
     assert out[0]["nbytes"] == 64 * 2  # bfloat16 on the wire: half of float32's 256 bytes
     applied = torch.tensor(out[0]["applied"])
     assert torch.equal(applied, torch.tensor(out[1]["applied"]))  # every rank applies the same sums
@@ -74,12 +79,12 @@ def test_accumulate_mode_error_feedback_loses_nothing(error_feedback: bool) -> N
         assert (computed - accounted).min().item() >= 0.1
 
 
-def _replace_worker(rank: int, world: int) -> list[list[float]]:
+def _replace_worker(rank: int, world: int, device: str = "cpu") -> list[list[float]]:
     # Models near 100, where bfloat16's step is 0.5: cast whole, the ranks' small differences would vanish. Sent as
     # deltas from a reference all ranks share (rank 0's initial tensor, then each sync round's mean), they arrive
     # with bfloat16's relative precision of the delta. The initial tensors differ: only rank 0's is the reference.
     schedule = GroupSchedule.from_partitions([[list(range(world))]], name="global")
-    model = torch.full((8,), 100.0)
+    model = torch.full((8,), 100.0, device=rank_device(device, rank))
     engine = WaitAvoidingGroupAllreduce(
         schedule, model + rank, sync_period=1, max_lead=0, timeout=TIMEOUT, wire_dtype=torch.bfloat16,
     )
@@ -92,7 +97,11 @@ def _replace_worker(rank: int, world: int) -> list[list[float]]:
 
 
 def test_replace_mode_sends_deltas_from_a_shared_reference() -> None:
-    sums = run_workers(_replace_worker, 2)
+    check_deltas()
+
+
+def check_deltas(device: str = "cpu") -> None:
+    sums = run_workers(_replace_worker, 2, device)
     assert sums[0] == sums[1]
     for k in range(4):
         exact = 200.0 + 0.03 * (k + 1)
