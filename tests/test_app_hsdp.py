@@ -168,7 +168,7 @@ def test_wagma_under_hsdp_trains_on_digits_and_the_replicas_end_identical(tmp_pa
 @pytest.mark.slow  # 4-rank runs, about 10 s each
 @pytest.mark.parametrize("policy,name", [
     ("local_sgd", "local_sgd"), ("allreduce", "allreduce"), ("hierarchical_momentum", "hierarchical_momentum"),
-    ("adpsgd", "adpsgd"), ("reference/eager_majority", "eager_majority"),
+    ("sgp", "sgp"), ("adpsgd", "adpsgd"), ("reference/eager_majority", "eager_majority"),
 ])
 def test_every_kind_of_policy_trains_under_hsdp_with_identical_replicas_at_the_end(tmp_path, policy, name):
     extra = ("averaging.local_group_size=1",) if policy == "hierarchical_momentum" else ()
