@@ -215,3 +215,29 @@ def test_eager_sgd_under_hsdp_refuses_a_resume_it_cannot_make_exact(tmp_path):
     assert not any(o.ok for o in outcomes)
     assert all("averaging=eager_solo under parallel=hsdp cannot resume: expected the FSDP hook's rounds and residuals"
                in o.error for o in outcomes)
+
+
+@pytest.mark.slow  # a whole `python train.py` with four ranks, and one refused: 20 s alone, 45 s on a loaded machine
+@pytest.mark.timeout(480)
+def test_the_issues_command_line_trains_and_a_bad_shard_size_stops_it_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"PYTHONPATH": str(root) + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+
+    def train_py(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(root / "train.py"), *args, "progress=false"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = train_py("parallel=hsdp", "shard_size=2", "averaging=wagma", "steps=40", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "policy        wagma on 4 rank(s) (hsdp: 2 replicas x 2 shards), 40 steps" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["parallel"] == "hsdp" and summary["shard_size"] == 2 and summary["test_accuracy"] > 0.5
+    bad = train_py("parallel=hsdp", "shard_size=3", f"run_dir={tmp_path / 'bad'}")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "error: invalid configuration: shard_size: expected a divisor of the world size 4 with parallel=hsdp, found 3"
+    )
