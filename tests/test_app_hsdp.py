@@ -1,7 +1,8 @@
 """The training application on a sharded model: ``train.py parallel=hsdp shard_size=K`` (issue 31, item 4).
 
-Four ranks = 2 replicas x 2 shards on digits / MLP. Config errors need no ranks; one quick run of WAGMA; the other
-policies, resume exactness and a resume with another layout run in the slow phase.
+Four ranks = 2 replicas x 2 shards on digits / MLP. Config errors need no ranks; evaluation's forward passes, the
+consensus distance and one run of WAGMA are quick; the other policies, resume exactness, the refused resumes and
+the issue's command line (``python train.py parallel=hsdp shard_size=2 averaging=wagma``) run in the slow phase.
 """
 
 from __future__ import annotations
