@@ -25,6 +25,7 @@ from wagma.averaging.base import AveragerStats, OwnedResources, check_int
 from wagma.averaging.tensors import local_tensor
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
+from wagma.hooks.partial import sum_residuals
 from wagma.schedule import GroupSchedule
 from wagma.wire import WireDtype, as_wire_dtype, narrow_for
 from wagma.world import World, WorldLike, as_world
@@ -184,13 +185,12 @@ class FSDPPartialAllreduce:
         if self.engine is None or self._layout is None:
             raise RuntimeError("FSDPPartialAllreduce.flush: no backward pass ran through the hook yet")
         residual = self.engine.take()
-        payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
         start = time.perf_counter()
-        dist.all_reduce(payload, group=self.group, async_op=True).wait(self.timeout)
+        total = sum_residuals(residual, self.group, self.timeout)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
-        if payload[-1].item() == 0:
+        if total is None:
             return False
-        mean = payload[:-1].div_(self.world_size)
+        mean = total.div_(self.world_size)
         from torch.distributed.tensor import DTensor
 
         for p in self.params:

@@ -35,7 +35,7 @@ from wagma.shm import check_transport
 from wagma.wire import WireDtype, as_wire_dtype, narrow_for
 from wagma.world import World, WorldLike, as_world
 
-__all__ = ["PartialAllreduceState", "partial_allreduce_hook"]
+__all__ = ["PartialAllreduceState", "partial_allreduce_hook", "sum_residuals"]
 
 Mode = Literal["solo", "majority"]
 
@@ -304,17 +304,13 @@ class PartialAllreduceState:
             raise RuntimeError("this PartialAllreduceState is closed; flush() needs its engine")
         in_flight, _ = self._take_in_flight() if self.overlap else (None, None)
         residual = self.engine.take()
-        # One collective carries the residual and a count of the ranks whose residual is not empty.
-        payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
         start = time.perf_counter()
-        dist.all_reduce(payload, group=self.group)
+        # overlap: the last round's sum, the same on every rank, not applied yet, goes along
+        total = sum_residuals(residual, self.group, self.timeout, in_flight)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
-        if in_flight is not None:  # overlap: the last round's sum, the same on every rank, not applied yet
-            payload[:-1].add_(in_flight)
-            payload[-1] += float(bool(in_flight.ne(0).any()))
-        if payload[-1].item() == 0:
+        if total is None:
             return False
-        residual = payload[:-1].div_(self.world_size)
+        residual = total.div_(self.world_size)
         for p in self.params:
             offset, n = self._offsets[id(p)]
             p.grad = residual[offset : offset + n].view_as(p).to(self.dtype, copy=True)
@@ -393,6 +389,24 @@ class PartialAllreduceState:
         self.__dict__.update(state)
         self._resources = OwnedResources()  # nothing to release: the engine and group were dropped
         self._finalizer = weakref.finalize(self, self._resources.release)
+
+
+def sum_residuals(
+    residual: torch.Tensor, group: dist.ProcessGroup, timeout: datetime.timedelta,
+    in_flight: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The flush of the partial hooks: every rank's ``residual`` summed over ``group`` (plus ``in_flight``, a sum
+    that is the same on every rank), or ``None`` when all of them were zero.
+
+    One collective carries the residual and a count of the ranks whose residual is not empty, so that ranks with
+    nothing left agree, without a second collective, to leave their parameters untouched.
+    """
+    payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
+    dist.all_reduce(payload, group=group, async_op=True).wait(timeout)
+    if in_flight is not None:
+        payload[:-1].add_(in_flight)
+        payload[-1] += float(bool(in_flight.ne(0).any()))
+    return None if payload[-1].item() == 0 else payload[:-1]
 
 
 def partial_allreduce_hook(
