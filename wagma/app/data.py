@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from wagma.app.epochs import EpochBatches
 from wagma.app.sequences import SequenceSpec, TokenBatchIterator, generate, trim_padding
 
 __all__ = ["BatchIterator", "DATASET_INFO", "DataInfo", "Dataset", "IMAGE_DATASETS", "KNOWN_DATASETS", "dataset_info",
@@ -192,14 +193,16 @@ def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2, **opti
     )
 
 
-class BatchIterator:
+class BatchIterator(EpochBatches):
     """Endless, seeded mini-batches over one rank's shard; its position can be saved and restored.
 
     Every epoch visits the shard in a fresh permutation drawn from a generator seeded with
-    ``(seed, rank, epoch)``, so an epoch's order depends on nothing but those three numbers and a
-    restored iterator continues exactly where the saved one was. The last partial batch of an epoch is
-    dropped, so every batch (and every rank's step) has the same size.
+    ``(seed, rank, epoch)`` (:class:`wagma.app.epochs.EpochBatches`), so an epoch's order depends on nothing but
+    those three numbers and a restored iterator continues exactly where the saved one was. The last partial batch
+    of an epoch is dropped, so every batch (and every rank's step) has the same size.
     """
+
+    settings = ("batch_size",)
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, seed: int, rank: int) -> None:
         """
@@ -215,50 +218,20 @@ class BatchIterator:
             raise ValueError(f"batch_size must be in [1, {len(x)}] (the shard size), got {batch_size}")
         self.x, self.y = x, y
         self.batch_size = batch_size
-        self.seed, self.rank = seed, rank
-        self.epoch = 0
-        self.position = 0  # index of the next batch within the epoch
-        self._order = self._permutation(0)
+        super().__init__(seed=seed, rank=rank)
 
     @property
     def batches_per_epoch(self) -> int:
         """Number of full batches in one pass over the shard."""
         return len(self.x) // self.batch_size
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        rng = np.random.Generator(np.random.PCG64([self.seed, self.rank, epoch]))
-        return torch.from_numpy(rng.permutation(len(self.x)))
+    def _plan(self, epoch: int) -> None:
+        self._order = torch.from_numpy(self.epoch_rng(epoch).permutation(len(self.x)))
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.position >= self.batches_per_epoch:
-            self.epoch += 1
-            self.position = 0
-            self._order = self._permutation(self.epoch)
-        start = self.position * self.batch_size
+    def _batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = position * self.batch_size
         idx = self._order[start : start + self.batch_size]
-        self.position += 1
         return trim_padding(self.x[idx]), self.y[idx]
-
-    def state_dict(self) -> dict[str, int]:
-        """The position: ``{"epoch", "position", "seed", "rank", "batch_size"}``."""
-        return {
-            "epoch": self.epoch, "position": self.position,
-            "seed": self.seed, "rank": self.rank, "batch_size": self.batch_size,
-        }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a position saved by :meth:`state_dict` on the same shard and settings."""
-        for key in ("seed", "rank", "batch_size"):
-            if state[key] != getattr(self, key):
-                raise ValueError(
-                    f"cannot restore a batch iterator saved with {key}={state[key]} into one with "
-                    f"{key}={getattr(self, key)}; resume with the settings of the saved run"
-                )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._permutation(self.epoch)
 
 
 def make_batches(

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+from wagma.app.epochs import EpochBatches
 
 __all__ = ["SequenceSpec", "TokenBatchIterator", "generate", "trim_padding"]
 
@@ -118,7 +120,7 @@ def trim_padding(x: torch.Tensor) -> torch.Tensor:
     return x[:, : max(1, longest)]
 
 
-class TokenBatchIterator:
+class TokenBatchIterator(EpochBatches):
     """Endless, seeded batches of whole sequences whose padded size (count x longest) fits a token budget.
 
     Per epoch, as fairseq and most sequence trainers batch: the shard in a fresh permutation seeded with
@@ -126,8 +128,11 @@ class TokenBatchIterator:
     ``(count + 1) x longest <= tokens``; one longer than the budget is a batch of its own), the batches then
     visited in an order drawn from the same generator. Short sequences come many to a batch, long ones few, with
     little padding. ``position`` is the next batch's index in the epoch, so a restored iterator continues exactly
-    where the saved one was (the interface of :class:`wagma.app.data.BatchIterator`).
+    where the saved one was (:class:`wagma.app.epochs.EpochBatches`, as :class:`wagma.app.data.BatchIterator`).
     """
+
+    settings = ("tokens",)
+    kind = "token batch iterator"
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, tokens: int, *, seed: int, rank: int) -> None:
         if len(x) != len(y) or len(x) == 0:
@@ -138,14 +143,12 @@ class TokenBatchIterator:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"data.tokens must be a positive integer, got {tokens!r}")
         self.x, self.y, self.tokens = x, y, tokens
-        self.seed, self.rank = seed, rank
         self.lengths = (x != PAD).sum(dim=1).clamp(min=1).cpu().numpy()
-        self.epoch, self.position = 0, 0
-        self._batches = self._plan(0)
+        super().__init__(seed=seed, rank=rank)
 
-    def _plan(self, epoch: int) -> list[tuple[list[int], int]]:
-        """The epoch's batches in visiting order: (indices, longest length) each."""
-        rng = np.random.Generator(np.random.PCG64([self.seed, self.rank, epoch]))
+    def _plan(self, epoch: int) -> None:
+        """Lay out the epoch's batches in visiting order: (indices, longest length) each."""
+        rng = self.epoch_rng(epoch)
         order = rng.permutation(len(self.x))
         order = order[np.argsort(self.lengths[order], kind="stable")]
         batches: list[tuple[list[int], int]] = []
@@ -159,36 +162,14 @@ class TokenBatchIterator:
             take.append(index)
             longest = wider
         batches.append((take, longest))
-        return [batches[i] for i in rng.permutation(len(batches)).tolist()]
+        self._batches = [batches[i] for i in rng.permutation(len(batches)).tolist()]
 
     @property
     def batches_per_epoch(self) -> int:
         """Number of batches in the current epoch (it depends on how the lengths fall into batches)."""
         return len(self._batches)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.position >= len(self._batches):
-            self.epoch += 1
-            self.position = 0
-            self._batches = self._plan(self.epoch)
-        take, longest = self._batches[self.position]
-        self.position += 1
+    def _batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        take, longest = self._batches[position]
         idx = torch.tensor(take, device=self.x.device)
         return self.x[idx][:, :longest], self.y[idx]
-
-    def state_dict(self) -> dict[str, int]:
-        """The position: ``{"epoch", "position", "seed", "rank", "tokens"}``."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rank": self.rank,
-                "tokens": self.tokens}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a position saved by :meth:`state_dict` on the same shard and settings."""
-        for key in ("seed", "rank", "tokens"):
-            if state.get(key) != getattr(self, key):
-                raise ValueError(f"cannot restore a token batch iterator saved with {key}={state.get(key)} into one "
-                                 f"with {key}={getattr(self, key)}; resume with the settings of the saved run")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._batches = self._plan(self.epoch)
