@@ -135,10 +135,13 @@ def test_policy_defaults_are_no_ops_and_allreduce_counts_reductions():
     policy = AllreducePolicy(device=torch.device("cpu"))
     for step in range(3):
         policy.after_step(None, step)  # type: ignore[arg-type]
-    assert policy.stats() == {"global_reductions": 3, "staleness": 0}
+    # bytes_sent counts what wrap()'s DDP model hands to allreduce per step: nothing here, none was wrapped
+    assert policy.stats() == {"global_reductions": 3, "bytes_sent": 0, "staleness": 0}
     restored = AllreducePolicy(device=torch.device("cpu"))
     restored.load_state_dict(policy.state_dict())
     assert restored.global_reductions == 3
+    restored.load_state_dict({"global_reductions": 2})  # a checkpoint from before bytes were counted
+    assert restored.global_reductions == 2 and restored.bytes_sent == 0
     with pytest.raises(ValueError, match="known policies: adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical"):
         build_policy({"name": "gossip"}, rank=0, world_size=4, device=torch.device("cpu"))
 
@@ -181,7 +184,9 @@ def test_train_end_to_end_on_three_ranks(tmp_path):
     ckpt = tmp_path / "checkpoints"
     assert latest_step(tmp_path) == 90 and sorted(p.name for p in ckpt.iterdir()) == ["step_00000080", "step_00000090"]
     states = [torch.load(ckpt / "step_00000090" / f"rank{r}.pt", weights_only=True) for r in range(3)]
-    assert all(s["step"] == 90 and s["policy_state"] == {"global_reductions": 90} for s in states)
+    assert all(s["step"] == 90 and s["policy_state"]["global_reductions"] == 90 for s in states)
+    sent = {s["policy_state"]["bytes_sent"] for s in states}  # the same gradient bytes every step, on every rank
+    assert len(sent) == 1 and min(sent) > 0 and min(sent) % 90 == 0
     for name, tensor in states[0]["model"].items():
         assert all(torch.equal(tensor, s["model"][name]) for s in states[1:])
     final = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -210,7 +215,8 @@ def test_kill_and_resume_gives_the_same_model_as_an_uninterrupted_run(tmp_path, 
     for rank in range(world_size):
         sa = torch.load(straight / "checkpoints/step_00000040" / f"rank{rank}.pt", weights_only=True)
         sb = torch.load(broken / "checkpoints/step_00000040" / f"rank{rank}.pt", weights_only=True)
-        assert sa["data"] == sb["data"] and sa["policy_state"] == sb["policy_state"] == {"global_reductions": 40}
+        assert sa["data"] == sb["data"] and sa["policy_state"] == sb["policy_state"]  # bytes_sent resumes too
+        assert sa["policy_state"]["global_reductions"] == 40
         for k, v in sa["optimizer"]["state"].items():
             assert torch.equal(v["momentum_buffer"], sb["optimizer"]["state"][k]["momentum_buffer"])
         # The steps the killed run did after its checkpoint are recorded once; the clocks go on.
