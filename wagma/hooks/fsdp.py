@@ -114,6 +114,7 @@ class FSDPPartialAllreduce:
         self._resources.groups.append(self.group)
         self._finalizer = weakref.finalize(self, self._resources.release)
         self.engine: WaitAvoidingGroupAllreduce | None = None
+        self._restored: torch.Tensor | None = None  # load_state_dict(): the residual the engine starts from
         # Where each parameter's local gradient lies in the reduce-scatter output: (offset, numel, shape), by id
         self._layout: dict[int, tuple[int, int, torch.Size]] | None = None
         module.set_all_reduce_hook(self._hook)
@@ -145,11 +146,21 @@ class FSDPPartialAllreduce:
 
     def _start_engine(self, out: torch.Tensor) -> None:
         schedule = GroupSchedule.from_partitions([[list(range(self.world_size))]], name="global")
+        initial = torch.zeros_like(out)
+        if self._restored is not None:  # a resumed run: the residual of the checkpoint is pending again
+            if self._restored.numel() != out.numel():
+                raise ValueError(
+                    f"FSDPPartialAllreduce.load_state_dict: expected a residual of the {out.numel()} elements FSDP2's "
+                    f"reduce-scatter gives this rank, found {self._restored.numel()} (another model or shard layout?)"
+                )
+            initial.copy_(self._restored.reshape(initial.shape))
+            self._restored = None
         self.engine = WaitAvoidingGroupAllreduce(
-            schedule, torch.zeros_like(out), sync_period=self.sync_period, max_lead=self.max_lead,
+            schedule, initial, sync_period=self.sync_period, max_lead=self.max_lead,
             timeout=self.timeout, trigger="any" if self.mode == "solo" else "initiator", seed=self.seed,
             accumulate=True, progress_nice=self.progress_nice, world=self.world,
             wire_dtype=narrow_for(self.wire_dtype, out.dtype), error_feedback=self.error_feedback,
+            start_round=max(0, self.iteration - self.warmup_iters),
         )
         self._resources.closers[:] = [self.engine]
 
@@ -203,6 +214,35 @@ class FSDPPartialAllreduce:
                 p.grad = value
         optimizer.step()
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"iteration", "rounds", "stats", "residual"}``: the residual (gradients no round has taken yet) is
+        copied, not taken; ``None`` before the first backward pass (and after a restore not yet resumed: then the
+        restored one)."""
+        if self.engine is not None:
+            residual: torch.Tensor | None = self.engine.pending()
+        else:
+            residual = None if self._restored is None else self._restored.clone()
+        return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` before the first backward pass of the resumed run: the engine then starts
+        at the saved round with the saved residual pending, so no gradient a rank computed is lost.
+
+        Raises:
+            ValueError: if a key is missing, or the engine already runs (load into a freshly built state).
+        """
+        missing = {"iteration", "rounds", "stats", "residual"} - set(state)
+        if missing:
+            raise ValueError(f"state: expected the keys of state_dict(), missing {sorted(missing)}")
+        if self.engine is not None:
+            raise ValueError("FSDPPartialAllreduce.load_state_dict: expected a state no backward pass ran through, "
+                             "found one whose engine runs; build a new one and load into it before training")
+        self.iteration = check_int("iteration", state["iteration"], 0)
+        self.rounds = check_int("rounds", state["rounds"], 0)
+        self.stats = AveragerStats.from_dict(state["stats"])
+        residual = state["residual"]
+        self._restored = None if residual is None else residual.detach().clone()
 
     def close(self) -> None:
         """Stop the engine and release the groups; idempotent."""

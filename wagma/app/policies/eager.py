@@ -28,7 +28,8 @@ class EagerPolicy(Policy):
     ``finalize`` is ``state.flush(optimizer)``: a blocking, fully fresh round that applies every gradient
     still in the residual buffers, after which the replicas agree. Under ``parallel=hsdp`` (:attr:`Policy.mesh` set) ``wrap`` shards the
     root alone over the ``shard`` dimension and the hook is :class:`wagma.FSDPPartialAllreduce` on the replicas (no
-    ``overlap``, no ``transport``, and a checkpoint of it cannot be resumed yet).
+    ``overlap``, no ``transport``; a resume restores its rounds and residuals, so no gradient is lost, though
+    which gradients make which round is not reproduced bit for bit).
 
     Args:
         device: where the model lives.
@@ -109,17 +110,15 @@ class EagerPolicy(Policy):
 
     def state_dict(self) -> dict[str, Any]:
         assert self.hook_state is not None, "wrap() the model first"
-        if self.mesh is not None:  # FSDPPartialAllreduce keeps no state_dict (its rounds and residuals) yet
-            return {"steps_done": self.steps_done, "hook": None}
         return {"steps_done": self.steps_done, "hook": self.hook_state.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         assert self.hook_state is not None, "wrap() the model first"
-        if self.mesh is not None or state.get("hook") is None:
+        if state.get("hook") is None:
             raise ValueError(
-                f"averaging={self.name} under parallel=hsdp cannot resume: expected the FSDP hook's rounds and "
-                "residuals in the checkpoint, found none (FSDPPartialAllreduce has no state_dict yet); start afresh, "
-                "or resume with another policy and resume_policy_change=true"
+                f"averaging={self.name} cannot resume: expected the hook's rounds and residuals in the checkpoint, "
+                "found none (a checkpoint of parallel=hsdp from before FSDPPartialAllreduce had a state_dict); start "
+                "afresh, or resume with another policy and resume_policy_change=true"
             )
         self.hook_state.load_state_dict(state["hook"])
         self.steps_done = int(state["steps_done"])
