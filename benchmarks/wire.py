@@ -76,7 +76,8 @@ def _side(args: argparse.Namespace, wire: str) -> dict[str, Any]:
     from benchmarks.results_io import load
 
     data = load(out / "accuracy.json.xz")
-    return {"records": data["records"], "runs": _run_fields(work), "commands": data.get("commands")}
+    return {"records": data["records"], "runs": _run_fields(work), "commands": data.get("commands"),
+            "machine": data.get("machine")}
 
 
 def compare(wide: dict[str, Any], narrow: dict[str, Any], wire: str) -> list[dict[str, Any]]:
@@ -119,8 +120,9 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], sides: di
     lines = [
         f"# {wire} wire beside float32: accuracy at equal samples, bytes per rank",
         "",
-        f"`python benchmarks/wire.py {' '.join(sys.argv[1:])}`".replace("  ", " "),
+        f"`{' '.join(['python benchmarks/wire.py', *(a for a in sys.argv[1:] if a != '--report-only')])}`",
         "",
+        *_machine_lines(sides),
         f"P = {args.world}, scenario {args.scenario}, {args.steps} steps, seeds {args.seeds}; medians over the seeds; "
         f"gap = float32's accuracy - {wire}'s (target <= {TARGET_POINTS} points); bytes: what each rank handed to "
         "collectives over the run (median).",
@@ -146,6 +148,21 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], sides: di
                "records": {side: data["records"] for side, data in sides.items()}}
     (args.out / "wire.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     print("\n".join(lines))
+
+
+def _machine_lines(sides: dict[str, Any]) -> list[str]:
+    """Where and at which commits the sides ran (from their accuracy.json), or nothing if unrecorded."""
+    lines = []
+    for wire, data in sides.items():
+        machine = data.get("machine") or {}
+        commits = sorted({
+            str(r["commit"])[:10] + ("+dirty" if "dirty" in str(r["commit"]) else "")
+            for r in data["records"] if r.get("commit")
+        })
+        if machine or commits:
+            lines.append(f"{wire}: {machine.get('cpu_count', '?')} CPUs ({machine.get('cpu_model', '?')}), torch "
+                         f"{machine.get('torch', '?')}, commit(s) {', '.join(commits) or '?'}.  ")
+    return [*lines, ""] if lines else []
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
