@@ -6,11 +6,12 @@
 #
 # Files written to $OUT (the device tool brings back at most 8): env.txt, pytest_gpu.txt, gpu.json, gpu_bench.txt,
 # telemetry.txt (train.py on CUDA: its log, summary and metrics records with gpu_* fields), regime_cuda.json.xz and
-# regime_cuda.txt (the compute-bound regime benchmark with the model on CUDA, 25 M parameters).
+# regime_cuda.txt (the compute-bound regime benchmark with the model on CUDA, 25 M parameters), hsdp_cuda.txt (an
+# experiment: FSDP2 on CUDA tensors over gloo, 4 ranks on one GPU, with WAGMA across its replicas).
 #
 # The machine has no package index: the project runs from the checkout (PYTHONPATH), and Python packages it lacks
 # (Hydra, OmegaConf, antlr4, SimPy) travel as wheels in .whl/ (see /work/.library/device/README.md), installed to
-# /tmp/site. Deadlines (seconds) can be changed with T_PYTEST, T_KERNELS, T_TRAIN, T_REGIME.
+# /tmp/site. Deadlines (seconds) can be changed with T_PYTEST, T_KERNELS, T_TRAIN, T_REGIME, T_HSDP.
 set -u
 OUT=${OUT:-/tmp/gpu_checklist}
 mkdir -p "$OUT"
@@ -59,4 +60,7 @@ timeout "${T_REGIME:-110}" $PY benchmarks/regime.py --device cuda --params 25e6 
     --policies allreduce wagma eager_solo --compute-ms 100 --steps 5 --warmup 2 --reps 1 --no-report \
     --out /tmp/regime_cuda 2>&1 | tee "$OUT/regime_cuda.txt"
 cp /tmp/regime_cuda/regime.json.xz "$OUT/regime_cuda.json.xz" 2>/dev/null || true
+
+echo "== 5. experiment: HSDP x WAGMA on CUDA tensors (FSDP2 over gloo, 2 replicas x 2 shards on one GPU)"
+timeout "${T_HSDP:-90}" $PY tests/gpu_worlds.py --device cuda hsdp_round0 2>&1 | tee "$OUT/hsdp_cuda.txt"
 echo "== done"

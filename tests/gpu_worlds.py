@@ -29,6 +29,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # the test modules (their check_* 
 
 import test_engine  # noqa: E402
 import test_gossip  # noqa: E402
+import test_hsdp  # noqa: E402
 import test_partial_hook  # noqa: E402
 import test_wagma_averager  # noqa: E402
 import test_wire  # noqa: E402
@@ -53,23 +54,30 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "wire_error_feedback": lambda d: test_wire.check_error_feedback(True, d),
     "wire_deltas": test_wire.check_deltas,
 }
+#: Run only when named: whether FSDP2 itself runs on CUDA tensors over gloo (one GPU standing in for an HSDP job's
+#: four ranks; NCCL would need four GPUs). Unverified so far, so kept out of the default run and its verdict.
+EXPERIMENTS: dict[str, Callable[[str], None]] = {
+    "hsdp_round0": test_hsdp.check_round0_on,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    parser.add_argument("checks", nargs="*", help=f"which checks (default: all): {', '.join(CHECKS)}")
+    parser.add_argument("checks", nargs="*", help=f"which checks (default: all of {', '.join(CHECKS)}; run only "
+                        f"when named: {', '.join(EXPERIMENTS)})")
     args = parser.parse_args(argv)
-    unknown = [c for c in args.checks if c not in CHECKS]
+    known = CHECKS | EXPERIMENTS
+    unknown = [c for c in args.checks if c not in known]
     if unknown:
-        parser.error(f"unknown check(s) {unknown}; expected some of {list(CHECKS)}")
+        parser.error(f"unknown check(s) {unknown}; expected some of {list(known)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
     failed = []
     for name in args.checks or list(CHECKS):
         t0 = time.perf_counter()
         try:
-            CHECKS[name](args.device)
+            known[name](args.device)
         except Exception as exc:  # noqa: BLE001 - report every check, then fail
             failed.append(name)
             print(f"FAIL {name} on {args.device} ({time.perf_counter() - t0:.1f} s): {type(exc).__name__}: {exc}",

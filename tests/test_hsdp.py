@@ -17,14 +17,17 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 TIMEOUT = datetime.timedelta(seconds=30)
 
 
-def _sharded(rank: int, replicas: int, shards: int, *, tagged: bool = True):
+def _sharded(rank: int, replicas: int, shards: int, *, tagged: bool = True, device: str = "cpu"):
     """A (replicas x shards) mesh and a model fully_shard-ed over the shard dimension; parameters hold rank + 1
     (``tagged``) or one initialization shared by all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    from wagma.testing import rank_device
+
+    dev = rank_device(device, rank)
+    mesh = init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).to(dev)
     fsdp.fully_shard(model, mesh=mesh["shard"])  # FSDP inside a replica; nothing crosses replicas on its own
     if tagged:
         with torch.no_grad():
@@ -48,8 +51,8 @@ def _replicas_of(mesh, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return out
 
 
-def _round0_worker(rank, world_size, replicas, shards):
-    mesh, model = _sharded(rank, replicas, shards)
+def _round0_worker(rank, world_size, replicas, shards, device="cpu"):
+    mesh, model = _sharded(rank, replicas, shards, device=device)
     assert type(next(model.parameters())).__name__ == "DTensor"
     with WagmaAverager(2, 5, params=model.parameters(), max_lead=0, world=(mesh, "replicate"), timeout=TIMEOUT) as avg:
         kind = avg.average_parameters(model.parameters())
@@ -61,7 +64,12 @@ def _round0_worker(rank, world_size, replicas, shards):
 
 @pytest.mark.parametrize("replicas,shards", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_each_shard_is_the_s_plus_one_mix_of_its_groups_same_shard(replicas, shards):
-    out = run_workers(_round0_worker, replicas * shards, replicas, shards, collective_timeout_s=30, timeout_s=120)
+    check_round0_on("cpu", replicas, shards)
+
+
+def check_round0_on(device: str, replicas: int = 2, shards: int = 2) -> None:
+    out = run_workers(_round0_worker, replicas * shards, replicas, shards, device, collective_timeout_s=30,
+                      timeout_s=120)
     for rank, (kind, group, values, sizes, full) in enumerate(out):
         assert kind == "local" and rank in group and len(group) == 2
         assert all(r % shards == rank % shards for r in group), f"rank {rank} met another shard index: {group}"
