@@ -10,8 +10,9 @@ accuracy over the seeds on the narrow wire beside float32's, and the bytes each 
 (``bytes_per_rank`` of :mod:`benchmarks.run`, the policies' ``bytes_sent``). Issue 31's target: half the bytes,
 accuracy within 0.5 points of float32 at equal samples on digits and MNIST.
 
-Outputs in ``--out``: ``wire.json`` (the settings, every run's record, the comparison) and ``wire.md``; each side's
-accuracy.py outputs in ``--out/<wire>/``; run.py's own outputs in ``--work`` (not committed).
+Outputs in ``--out``: ``wire.json.xz`` (xz-compressed JSON: the settings, every run's record, the comparison;
+:func:`benchmarks.results_io.load` reads it) and ``wire.md``; each side's accuracy.py outputs (its plot dropped) in
+``--out/<wire>/``; run.py's own outputs in ``--work`` (not committed).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing
 
 from benchmarks import accuracy  # noqa: E402
+from benchmarks.results_io import dump, load  # noqa: E402
 
 TARGET_POINTS = 0.5  # issue 31: accuracy within 0.5 points of float32 at equal samples
 
@@ -73,8 +75,7 @@ def _side(args: argparse.Namespace, wire: str) -> dict[str, Any]:
             "--set", f"averaging.wire_dtype={'null' if wire == 'float32' else wire}",
             "--out", str(out), "--work", str(work),
         ])
-    from benchmarks.results_io import load
-
+        (out / "accuracy_grid.png").unlink(missing_ok=True)  # one cell per side: wire.md says it all, in less space
     data = load(out / "accuracy.json.xz")
     return {"records": data["records"], "runs": _run_fields(work), "commands": data.get("commands"),
             "machine": data.get("machine")}
@@ -146,7 +147,7 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], sides: di
     payload = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "target_points": TARGET_POINTS, "comparison": rows,
                "records": {side: data["records"] for side, data in sides.items()}}
-    (args.out / "wire.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    dump(args.out / "wire.json.xz", json.loads(json.dumps(payload, default=str)))
     print("\n".join(lines))
 
 

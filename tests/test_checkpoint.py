@@ -220,7 +220,7 @@ def test_damaged_metadata_fails_with_one_line_naming_it(saved_run, tmp_path, con
     "overrides,world_size,message",
     [
         (("averaging=local_sgd",), 2, "was written with averaging={'bucket_cap_mb': 25, 'name': 'allreduce', "
-         "'transport': 'default'}, "
+         "'transport': 'default', 'wire_dtype': None}, "
          "this run has averaging={'average_buffers': True"),
         ((), 3, "was written by 2 ranks, this run has 3; resume with 2 ranks"),
         (("model.hidden=[32]",), 2, "was written with model={'hidden': [128], 'name': 'mlp'}, this run has model="),
