@@ -558,6 +558,7 @@ def _timeout_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # a fault test waiting out a timeout (4 s): the slow phase
 def test_a_missing_peer_raises_timeout_error_world3():
     out = run_workers(_timeout_worker, 3, collective_timeout_s=TIMEOUT_S)
     assert out[2] == "absent"

@@ -85,7 +85,8 @@ def test_checkpoint_every_step_on_four_ranks_completes_and_resumes(tmp_path, pol
         assert load_checkpoint(tmp_path, 16, rank)["step"] == 16
 
 
-@pytest.mark.parametrize("kind,victim", [("kill_shard", 1), pytest.param("kill_commit", 0, marks=pytest.mark.slow)])
+@pytest.mark.slow  # real kills: the slow phase, with the other fault tests (5.6 s each)
+@pytest.mark.parametrize("kind,victim", [("kill_shard", 1), ("kill_commit", 0)])
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_resumable(tmp_path, kind, victim):
     cfg = _cfg(tmp_path, "steps=6", "checkpoint_every=2")
     outcomes = run_workers_outcomes(_worker, 3, cfg, (kind, victim, 4), timeout_s=60)

@@ -386,6 +386,7 @@ def _absent_at_start_worker(rank, world):
     return "constructed"
 
 
+@pytest.mark.slow  # a fault test waiting out a timeout (5 s): the slow phase
 def test_a_rank_that_never_starts_its_engine_is_named_by_the_start_meeting():
     outs = run_workers(_absent_at_start_worker, 3)
     for rank in (0, 2):
@@ -873,6 +874,7 @@ def test_a_frozen_initiator_fails_its_round_at_the_timeout_not_the_backstop():
             assert waited < 1.5 * SHORT.total_seconds() + 0.5, (o.rank, waited)
 
 
+@pytest.mark.slow  # a fault test waiting out a timeout (4 s): the slow phase
 def test_frozen_store_host_makes_every_survivor_raise_within_the_timeout():
     # Rank 0 hosts the engine's store and freezes: no store call may hang a survivor.
     victim, die_at = 0, 5

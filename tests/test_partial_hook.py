@@ -124,7 +124,7 @@ def test_gradient_as_bucket_view_conserves_every_gradient(overlap):
     assert any(o[4]["stale_contributions"] > 0 for o in out)  # some gradient really was late and carried
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bf16_wire_conserves_every_gradient_up_to_the_sums_rounding(overlap):
     # Issue 31.3: gradients travel in bfloat16 with error feedback: what a cast rounds off stays in the residual.
     # Only the rounding of the round sums themselves (bfloat16, the same on every rank) is not fed back.
