@@ -122,6 +122,8 @@ class WagmaAverager(AveragerBase):
             ``"fp16"``. A float32 model then travels as its delta from a reference every rank holds identically
             (world rank 0's model, then the mean of each sync round), half the bytes, and the sums are widened back
             before the mixing formulas above apply. After a blocking sync round the replicas are bit for bit equal.
+            Under ``mixing="conserve"`` the group's sum of models is then kept up to the rounding of the deltas
+            (``w_hat`` is the snapshot as published, not as rounded).
 
     **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
     rank i's k-th call of :meth:`average_parameters` its call k (round k); call k publishes the model
