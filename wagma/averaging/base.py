@@ -225,8 +225,8 @@ class AveragerBase(ModelAverager):
             ``"bf16"``/``torch.bfloat16`` or ``"fp16"``/``torch.float16``; float32/float64 tensors then travel as
             their delta from the last global average (which every rank holds identically; before the first one,
             world rank 0's model, broadcast at the first reduction), divided by the group size, and are widened
-            back. :meth:`synchronize` always sends the model's own dtype, so its replicas are
-            exactly the mean. ``stats.bytes_sent`` counts the narrow bytes.
+            back. :meth:`synchronize` always sends the model's own dtype, so its replicas are exactly the mean.
+            ``stats.bytes_sent`` counts the narrow bytes.
     """
 
     def __init__(
@@ -378,8 +378,7 @@ class AveragerBase(ModelAverager):
         does), all buffers' allreduces are issued before the first wait. With a ``wire_dtype`` (and not
         ``exact``), a float32/float64 buffer is sent as ``(buffer - reference) / size`` in the narrow type, the
         reference being the result of the last ``"global"`` reduction (world rank 0's buffer before it), and
-        widened back; a
-        ``"global"`` reduction's result becomes the next reference.
+        widened back; a ``"global"`` reduction's result becomes the next reference.
 
         Raises:
             TimeoutError: if the collective timed out (a peer is slow, hung or gone); the group is then
@@ -392,9 +391,10 @@ class AveragerBase(ModelAverager):
             self._wire_refs = self._first_references(buffers)
         size = group.size()
         start = time.perf_counter()
+        narrows = [narrow_for(self.wire_dtype, buffer.dtype) for buffer in buffers]  # None: sent as it is
         works, narrowed, nbytes = [], [], 0
         for i, buffer in enumerate(buffers):
-            narrow = None if exact else narrow_for(self.wire_dtype, buffer.dtype)
+            narrow = None if exact else narrows[i]
             nbytes += wire_nbytes(buffer.numel(), buffer.dtype, narrow)
             if narrow is None:
                 buffer.div_(size)
@@ -414,7 +414,7 @@ class AveragerBase(ModelAverager):
             if len(self._wire_refs) != len(buffers):  # an exact reduction (synchronize) before any narrow one
                 self._wire_refs = [None] * len(buffers)
             for i, buffer in enumerate(buffers):
-                if narrow_for(self.wire_dtype, buffer.dtype) is not None:
+                if narrows[i] is not None:
                     reference = self._wire_refs[i]
                     self._wire_refs[i] = buffer.clone() if reference is None else reference.copy_(buffer)
         self.stats.record_reduction(kind, nbytes, time.perf_counter() - start)

@@ -13,7 +13,7 @@ Under HSDP a policy's :attr:`~wagma.app.policies.base.Policy.mesh` is the job's 
 ``adpsgd``
 ``eager_solo``,                the root alone ``fully_shard``-ed over the ``shard`` dimension;
 ``eager_majority``             :class:`wagma.FSDPPartialAllreduce` sums the shard gradients over the replicas
-                               (no ``overlap``, no ``transport=shm``, no resume yet).
+                               (no ``overlap``, no ``transport=shm``; resumes with its rounds and residuals).
 =============================  ===================================================================================
 """
 
