@@ -341,6 +341,7 @@ def test_find_unused_parameters_conserves_every_gradient():
     assert sum(o[3] for o in out) > 0  # some gradient really was late and carried
 
 
+@pytest.mark.slow  # 5 s: the quick suite keeps the conservation test of the same worker above
 def test_find_unused_parameters_with_the_state_group_is_not_a_barrier():
     world, iters, lr, sleep_s = 3, 20, 0.1, 0.3
     out = run_workers(_unused_worker, world, iters, sleep_s, True, timeout_s=120)

@@ -194,7 +194,7 @@ def _train(
         optimizer = build_optimizer(group_options(cfg, "optim"), net.parameters())
         imbalance = build_imbalance(group_options(cfg, "imbalance"), rank, world_size)
 
-        fingerprint = _fingerprint(cfg)
+        fingerprint = _fingerprint(cfg, layout)
 
         def save(step: int) -> None:
             if writer is not None:
@@ -302,7 +302,7 @@ def _train(
             writer.add_scalars(steps, {"test_accuracy": test_accuracy, "test_loss": test_loss})
         summary = _summary(
             cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started,
-            phases,
+            phases, layout,
         )
         summary["resumed_from"] = resume_from
         summary["restarts"] = launch.restart_count()
@@ -335,11 +335,11 @@ def _train(
             policy.close()
 
 
-def _fingerprint(cfg: DictConfig) -> dict[str, Any]:
+def _fingerprint(cfg: DictConfig, layout: Layout) -> dict[str, Any]:
     """What a checkpoint records of its run and a resume must match (``averaging`` may be allowed to change)."""
     plain = {group: group_options(cfg, group) for group in ("model", "optim", "averaging", "data")}
     plain |= {"batch_size": int(cfg.batch_size), "seed": int(cfg.seed)}
-    plain |= {"parallel": str(cfg.get("parallel", "ddp")), "shard_size": int(cfg.get("shard_size", 1))}
+    plain |= {"parallel": layout.parallel, "shard_size": layout.shard_size}
     return json.loads(json.dumps(plain, sort_keys=True))  # as meta.json gives it back: lists, sorted keys
 
 
@@ -533,7 +533,7 @@ def _samples(per_rank: list[dict[str, Any]], batch_size: int, steps_run: int) ->
 def _summary(
     cfg: DictConfig, policy: Policy, trained_stats: dict[str, Any], imbalance: Imbalance, totals: _Totals,
     world_size: int, test_accuracy: float, test_loss: float, run_dir: Path, started: float,
-    phases: tuple[float, float],
+    phases: tuple[float, float], layout: Layout,
 ) -> dict[str, Any]:
     """Rank totals gathered on every rank, reduced to the run's numbers.
 
@@ -587,6 +587,6 @@ def _summary(
         "seed": int(cfg.seed),
         "run_dir": str(run_dir),
         "rank_cpus": float(cfg.get("rank_cpus") or 0.0),  # the per-rank CPU quota the run had (0: none)
-        "parallel": str(cfg.get("parallel", "ddp")),  # ddp, or hsdp: shard_size ranks hold one replica's shards
-        "shard_size": int(cfg.get("shard_size", 1)),
+        "parallel": layout.parallel,  # ddp, or hsdp: shard_size ranks hold one replica's shards
+        "shard_size": layout.shard_size,
     }

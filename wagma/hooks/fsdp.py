@@ -25,8 +25,7 @@ from wagma.averaging.base import AveragerStats, OwnedResources, check_int
 from wagma.averaging.tensors import local_tensor
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
-from wagma.hooks.partial import sum_residuals
-from wagma.schedule import GroupSchedule
+from wagma.hooks.partial import eager_engine, sum_residuals
 from wagma.wire import WireDtype, as_wire_dtype, narrow_for
 from wagma.world import World, WorldLike, as_world
 
@@ -145,7 +144,6 @@ class FSDPPartialAllreduce:
         self.iteration += 1
 
     def _start_engine(self, out: torch.Tensor) -> None:
-        schedule = GroupSchedule.from_partitions([[list(range(self.world_size))]], name="global")
         initial = torch.zeros_like(out)
         if self._restored is not None:  # a resumed run: the residual of the checkpoint is pending again
             if self._restored.numel() != out.numel():
@@ -155,12 +153,11 @@ class FSDPPartialAllreduce:
                 )
             initial.copy_(self._restored.reshape(initial.shape))
             self._restored = None
-        self.engine = WaitAvoidingGroupAllreduce(
-            schedule, initial, sync_period=self.sync_period, max_lead=self.max_lead,
-            timeout=self.timeout, trigger="any" if self.mode == "solo" else "initiator", seed=self.seed,
-            accumulate=True, progress_nice=self.progress_nice, world=self.world,
-            wire_dtype=narrow_for(self.wire_dtype, out.dtype), error_feedback=self.error_feedback,
-            start_round=max(0, self.iteration - self.warmup_iters),
+        self.engine = eager_engine(
+            initial, self.world, mode=self.mode, sync_period=self.sync_period, max_lead=self.max_lead,
+            timeout=self.timeout, seed=self.seed, start_round=max(0, self.iteration - self.warmup_iters),
+            progress_nice=self.progress_nice, wire_dtype=narrow_for(self.wire_dtype, out.dtype),
+            error_feedback=self.error_feedback,
         )
         self._resources.closers[:] = [self.engine]
 

@@ -150,12 +150,11 @@ class PartialAllreduceState:
         if self.engine is not None:
             self.engine.close()
         self._pending = None
-        schedule = GroupSchedule.from_partitions([[list(range(self.world_size))]], name="global")
-        self.engine = WaitAvoidingGroupAllreduce(
-            schedule, residual, sync_period=self.sync_period, max_lead=self.max_lead, timeout=self.timeout,
-            trigger="any" if self.mode == "solo" else "initiator", seed=self.seed, accumulate=True,
-            start_round=max(0, self.iteration - self.warmup_iters), progress_nice=self.progress_nice,
-            transport=self.transport, world=self.world, wire_dtype=self.wire_dtype, error_feedback=self.error_feedback,
+        self.engine = eager_engine(
+            residual, self.world, mode=self.mode, sync_period=self.sync_period, max_lead=self.max_lead,
+            timeout=self.timeout, seed=self.seed, start_round=max(0, self.iteration - self.warmup_iters),
+            progress_nice=self.progress_nice, wire_dtype=self.wire_dtype, error_feedback=self.error_feedback,
+            transport=self.transport,
         )
         self._resources.closers[:] = [self.engine]
         # Where the buckets' gradients go, in parameter order. The engine takes it over at the end of the
@@ -389,6 +388,23 @@ class PartialAllreduceState:
         self.__dict__.update(state)
         self._resources = OwnedResources()  # nothing to release: the engine and group were dropped
         self._finalizer = weakref.finalize(self, self._resources.release)
+
+
+def eager_engine(
+    residual: torch.Tensor, world: World, *, mode: str, sync_period: int, max_lead: int,
+    timeout: datetime.timedelta, seed: int, start_round: int, progress_nice: int,
+    wire_dtype: torch.dtype | None, error_feedback: bool, transport: str = "default",
+) -> WaitAvoidingGroupAllreduce:
+    """The engine behind both partial hooks (DDP's and FSDP2's): one group of every rank of ``world``, accumulating
+    (a contribution that misses a round stays in ``residual`` for the next), triggered by any rank (``"solo"``) or
+    by the round's initiator (``"majority"``), starting at ``start_round`` (after the warm-up; a resumed run's)."""
+    schedule = GroupSchedule.from_partitions([[list(range(world.size))]], name="global")
+    return WaitAvoidingGroupAllreduce(
+        schedule, residual, sync_period=sync_period, max_lead=max_lead, timeout=timeout,
+        trigger="any" if mode == "solo" else "initiator", seed=seed, accumulate=True, start_round=start_round,
+        progress_nice=progress_nice, transport=transport, world=world, wire_dtype=wire_dtype,
+        error_feedback=error_feedback,
+    )
 
 
 def sum_residuals(
