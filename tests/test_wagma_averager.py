@@ -630,7 +630,7 @@ def _relaxed_overlap_worker(rank, world, rounds, sleeps, sync_period, max_lead):
 
 
 def test_wait_avoiding_sync_with_overlap_bounds_staleness_by_max_lead_plus_one():
-    """Both relaxations together (the wagma_relaxed_overlap preset): every round, sync rounds included, is
+    """Both relaxations together (averaging=reference/wagma_relaxed_overlap): every round, sync rounds included, is
     submitted and applied one call later, so a call waits only where a staleness bound holds it; a persistently
     slow rank falls behind until its contributions are L rounds old, applied one call later: L + 1 (docstring,
     point 1), never more (from then on the fast ranks' lead bound holds them, as it must). Each call k >= 1 applies

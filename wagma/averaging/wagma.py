@@ -153,7 +153,7 @@ class WagmaAverager(AveragerBase):
        snapshots went in. Once every rank has applied rounds 0..k, the sum of all models is therefore the
        initial sum plus every local step taken, the same as under DDP.
 
-    **With** ``overlap=True`` **as well** (preset ``wagma_relaxed_overlap``), every round, sync rounds
+    **With** ``overlap=True`` **as well** (``averaging=reference/wagma_relaxed_overlap``), every round, sync rounds
     included, is submitted and applied by the next call, so a call waits only where a bound holds it. 1. holds
     as stated for what enters each round (the engine is the same); applied one call later, a contribution is at
     most L + 1 calls old when it meets the model, which is what ``stats.staleness_hist`` counts (largest key

@@ -53,7 +53,7 @@ def validate_hsdp(cfg: Mapping[str, Any]) -> None:
     if str(name).startswith("eager_") and cfg.get("overlap", False):
         raise ValueError(
             f"averaging={name} with averaging.overlap=true cannot run with parallel=hsdp (FSDPPartialAllreduce has "
-            f"no overlap yet): use averaging=reference/{name} (overlap=false), or wagma_relaxed_overlap"
+            f"no overlap yet): use averaging=reference/{name} (overlap=false), or averaging=wagma_relaxed"
         )
 
 
