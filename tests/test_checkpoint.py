@@ -287,3 +287,15 @@ def test_saving_a_step_again_replaces_it_and_keeps_the_older_one(tmp_path):
     assert [load_checkpoint(tmp_path, 5, r) for r in range(2)] == [{"version": 3, "rank": 0}, {"version": 3, "rank": 1}]
     assert load_checkpoint(tmp_path, 3, 1) == {"version": 1, "rank": 1}
     assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == ["step_00000003", "step_00000005"]
+
+
+def test_counters_of_a_checkpoint_from_before_samples_were_counted_count_its_batches():
+    """Older checkpoints lack ``samples``: their steps held ``batch_size`` examples each, and samples/s must
+    count them (counting only the steps after the resume would understate throughput)."""
+    from wagma.app.data import BatchIterator
+    from wagma.app.train import _restored_totals
+
+    batches = BatchIterator(torch.zeros(40, 2), torch.zeros(40, dtype=torch.long), 8, seed=0, rank=0)
+    old = {"steps": 5, "train_s": 1.0, "compute_s": 0.5, "wait_s": 0.2, "imbalance_s": 0.0, "elapsed_s": 2.0}
+    assert _restored_totals(old, batches).samples == 40
+    assert _restored_totals(old | {"samples": 33}, batches).samples == 33  # a counted total is kept as it is

@@ -374,7 +374,19 @@ def _restore(
     else:
         policy.load_state_dict(state["policy_state"])
     restore_rng_state(state["rng"])
-    return _Totals(**state["counters"]), int(state["step"])
+    return _restored_totals(state["counters"], batches), int(state["step"])
+
+
+def _restored_totals(counters: dict[str, Any], batches: BatchIterator | TokenBatchIterator) -> _Totals:
+    """A checkpoint's counters as :class:`_Totals`. Checkpoints from before samples were counted (they lack
+    ``samples``) could only batch by sample count, so their steps carried ``batch_size`` examples each."""
+    counters = dict(counters)
+    if "samples" not in counters:
+        if not isinstance(batches, BatchIterator):
+            raise CheckpointError("the checkpoint predates counted samples and so cannot have batched by tokens; "
+                                  "resume it with data.batching=samples")
+        counters["samples"] = int(counters["steps"]) * batches.batch_size
+    return _Totals(**counters)
 
 
 def _rebuild_ddp_buckets(model: nn.Module, example: torch.Tensor) -> None:
@@ -523,13 +535,6 @@ def _policy_fields(policy: Policy) -> dict[str, Any]:
     return {"reductions": stats.pop("global_reductions", 0), "staleness": stats.pop("staleness", 0), **stats}
 
 
-def _samples(per_rank: list[dict[str, Any]], batch_size: int, steps_run: int) -> float:
-    """Examples all ranks trained on: counted, or ``batch_size`` per step for a checkpoint from before counting."""
-    if all(t.get("samples") for t in per_rank):
-        return float(sum(t["samples"] for t in per_rank))
-    return float(len(per_rank) * batch_size * steps_run)
-
-
 def _summary(
     cfg: DictConfig, policy: Policy, trained_stats: dict[str, Any], imbalance: Imbalance, totals: _Totals,
     world_size: int, test_accuracy: float, test_loss: float, run_dir: Path, started: float,
@@ -561,7 +566,7 @@ def _summary(
         "steps": int(cfg.steps),
         "test_accuracy": test_accuracy,
         "test_loss": test_loss,
-        "samples_per_s": _samples(per_rank, int(cfg.batch_size), steps_run) / slowest_s if slowest_s > 0 else None,
+        "samples_per_s": sum(t["samples"] for t in per_rank) / slowest_s if slowest_s > 0 else None,
         "mean_wait_s": sum(t["wait_s"] for t in per_rank) / (world_size * steps_run),
         "mean_step_s": sum(t["train_s"] for t in per_rank) / (world_size * steps_run),
         "mean_compute_s": mean_compute_s,
