@@ -79,8 +79,11 @@ def check_round0_on(device: str, replicas: int = 2, shards: int = 2) -> None:
         assert values == pytest.approx([expected] * len(values))
 
 
-def _train_worker(rank, world_size, replicas, shards, policy):
-    mesh, model = _sharded(rank, replicas, shards, tagged=False)
+def _train_worker(rank, world_size, replicas, shards, policy, device="cpu"):
+    from wagma.testing import rank_device
+
+    mesh, model = _sharded(rank, replicas, shards, tagged=False, device=device)
+    dev = rank_device(device, rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if policy == "wagma":
         avg = WagmaAverager(2, 3, params=model.parameters(), world=(mesh, "replicate"), timeout=TIMEOUT)
@@ -89,7 +92,7 @@ def _train_worker(rank, world_size, replicas, shards, policy):
     gen = torch.Generator().manual_seed(rank)  # every replica its own data
 
     def batch(g, n=16):
-        x = torch.randn(n, 4, generator=g)
+        x = torch.randn(n, 4, generator=g).to(dev)
         return x, x[:, :2] * 2 - x[:, 2:]  # a linear target the model can learn
 
     def loss_on(data):
@@ -115,7 +118,11 @@ def _train_worker(rank, world_size, replicas, shards, policy):
 
 @pytest.mark.parametrize("policy", ["wagma", "periodic"])
 def test_after_a_sync_every_replica_holds_the_same_shards_and_the_model_trains(policy):
-    out = run_workers(_train_worker, 4, 2, 2, policy, collective_timeout_s=30, timeout_s=120)
+    check_sync_trains_on("cpu", policy)
+
+
+def check_sync_trains_on(device: str, policy: str = "wagma") -> None:
+    out = run_workers(_train_worker, 4, 2, 2, policy, device, collective_timeout_s=30, timeout_s=120)
     for rank, (same, first, last) in enumerate(out):
         assert same, f"rank {rank}: replicas differ after synchronize()"
         assert last < 0.5 * first, (rank, first, last)  # the held-out loss at least halves
@@ -211,22 +218,24 @@ def test_one_dcp_checkpoint_for_all_replicas_keeps_one_replicas_shards_which_is_
     assert out[0] == out[2] and out[1] == out[3], out
 
 
-def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None):
+def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None, device="cpu"):
     import time
-
-    from wagma import FSDPPartialAllreduce
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    from wagma import FSDPPartialAllreduce
+    from wagma.testing import rank_device
+
+    dev = rank_device(device, rank)
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = nn.Linear(5, 3, bias=True)
+    model = nn.Linear(5, 3, bias=True).to(dev)
     fsdp.fully_shard(model, mesh=mesh["shard"])
     initial = _shards(model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the parameters move by exactly what the rounds apply
     state = FSDPPartialAllreduce(model, world=(mesh, "replicate"), mode=mode, sync_period=4, warmup_iters=1,
                                  timeout=TIMEOUT, wire_dtype=wire_dtype)
-    x = torch.full((1, 5), float(rank + 1))  # a gradient that does not depend on the parameters: known exactly
+    x = torch.full((1, 5), float(rank + 1), device=dev)  # a gradient independent of the parameters: known exactly
     for step in range(steps):
         if rank == late_rank and step % 3 == 1:
             time.sleep(0.3)  # a straggling replica: the others' rounds go without its fresh gradient
@@ -236,13 +245,17 @@ def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None):
     flushed = state.flush(opt)
     stats = state.stats.as_dict()
     state.close()
-    return initial, _shards(model), flushed, stats
+    return [t.cpu() for t in initial], [t.cpu() for t in _shards(model)], flushed, stats  # CPU: picklable anywhere
 
 
 @pytest.mark.parametrize("mode,wire_dtype", [("solo", None), ("majority", None), ("solo", "bf16")])
 def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_replicas_identical(mode, wire_dtype):
+    check_eager_conserves_on("cpu", mode, wire_dtype)
+
+
+def check_eager_conserves_on(device: str, mode: str = "solo", wire_dtype: str | None = None) -> None:
     steps = 9
-    out = run_workers(_eager_worker, 4, mode, steps, 2, wire_dtype, collective_timeout_s=30, timeout_s=120)
+    out = run_workers(_eager_worker, 4, mode, steps, 2, wire_dtype, device, collective_timeout_s=30, timeout_s=120)
     # rank r's gradient: every weight entry r + 1, bias 1; FSDP2 averages it over its replica's two ranks (the shard
     # group {2c, 2c + 1}), so replica c's shard gradient is the mean of its two ranks' inputs
     mean_x = {0: (1 + 2) / 2, 1: (3 + 4) / 2}  # replica c: the mean of its two ranks' inputs
@@ -284,8 +297,10 @@ def _eager_resume_worker(rank, world_size, steps_before, steps_after):
 
     def train(model, opt, steps, first):
         for step in range(first, first + steps):
-            if rank == 2 and step % 3 == 1:
-                time.sleep(0.3)  # a straggling replica: its gradients are carried in the residual
+            if rank == 2 and (step % 3 == 1 or step == steps_before - 1):
+                # a straggling replica: its gradients are carried in the residual, and (late at the last step
+                # before the checkpoint) one is pending when the state is saved, whatever the timing before it
+                time.sleep(0.3)
             opt.zero_grad()
             model(x).sum().backward()
             opt.step()
