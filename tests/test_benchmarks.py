@@ -126,6 +126,7 @@ def test_consensus_plot_only_when_recorded_and_with_exact_zeros(tmp_path):
 # --- the quick mode, tiny ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 5-6 s: a subprocess
 def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
     out = tmp_path / "results"
     result = run.main([

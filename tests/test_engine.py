@@ -119,7 +119,7 @@ def _check_records(records_by_rank, world, group, sync_period, max_lead, exact):
 
 
 @pytest.mark.parametrize("world,group", [
-    (2, 2), (3, 3), (4, 2), (6, 2), (6, 3),
+    (2, 2), pytest.param(3, 3, marks=pytest.mark.slow), (4, 2), pytest.param(6, 2, marks=pytest.mark.slow), (6, 3),
     pytest.param(8, 2, marks=pytest.mark.slow), pytest.param(8, 4, marks=pytest.mark.slow),  # 6.6 s each
 ])
 def test_sums_match_closed_form_without_delays(world, group):
@@ -227,7 +227,7 @@ def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger, d
 
 
 @pytest.mark.parametrize("trigger", ["any", "initiator"])
-@pytest.mark.parametrize("world,group", [(4, 2), (6, 3)])
+@pytest.mark.parametrize("world,group", [(4, 2), pytest.param(6, 3, marks=pytest.mark.slow)])
 def test_accumulate_counts_every_value_exactly_once(world, group, trigger):
     check_accumulate(world, group, trigger)
 
@@ -325,7 +325,7 @@ def _keys_worker(rank, world, rounds, sync_period):
     return counts, left, watcher.is_alive()
 
 
-@pytest.mark.parametrize("sync_period", [4, 1000])
+@pytest.mark.parametrize("sync_period", [pytest.param(4, marks=pytest.mark.slow), 1000])
 def test_store_keys_stay_bounded_and_none_is_left_after_close(sync_period):
     # 300 rounds: with sync_period=1000 no sync round comes; the old engine kept every round's key until one.
     world, rounds = 4, 300
@@ -843,14 +843,14 @@ def _check_survivors(outs, victim, die_at, store_frozen=False):
             assert f"rank {victim} last seen in round {die_at - 1}" in msg, (o.rank, msg)
 
 
-@pytest.mark.parametrize("how", ["stop", "kill"])
+@pytest.mark.parametrize("how", [pytest.param("stop", marks=pytest.mark.slow), "kill"])  # quick: kill here, stop below
 def test_frozen_or_dead_rank_is_named_by_every_survivor(how):
     victim, die_at = 3, 5
     outs = run_workers_outcomes(_freeze_worker, 4, how, victim, die_at, False, timeout_s=60)
     _check_survivors(outs, victim, die_at)
 
 
-@pytest.mark.parametrize("how", ["stop", "kill"])
+@pytest.mark.parametrize("how", ["stop", pytest.param("kill", marks=pytest.mark.slow)])
 def test_with_shared_memory_a_frozen_or_dead_rank_is_named_by_every_survivor(how):
     # transport 'shm': the exchange's barriers are gloo collectives with the engine's timeout, so a member that
     # stopped or died fails the round as gloo's own allreduce would, and is named the same way.

@@ -121,7 +121,7 @@ def _sgp_reference(world: int, steps: int, overlap: bool) -> tuple[torch.Tensor,
 # -- D-PSGD on real worlds ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world,topology", [(2, "ring"), (5, "ring"), (8, "exponential")])
+@pytest.mark.parametrize("world,topology", [(2, "ring"), (5, "ring"), pytest.param(8, "exponential", marks=pytest.mark.slow)])
 def test_dpsgd_is_its_mixing_matrix_and_keeps_the_mean(world, topology):
     check_dpsgd_mixing(world, topology)
 
@@ -194,7 +194,10 @@ def test_dpsgd_without_local_steps_contracts_the_consensus_distance_as_its_matri
 # -- SGP / OSGP on real worlds -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world,overlap", [(2, True), (3, False), (4, False), (4, True), (8, True)])
+@pytest.mark.parametrize("world,overlap", [  # the quick suite keeps two; the slow phase runs every one
+    pytest.param(2, True, marks=pytest.mark.slow), (3, False), pytest.param(4, False, marks=pytest.mark.slow), (4, True),
+    pytest.param(8, True, marks=pytest.mark.slow),
+])
 def test_push_sum_matches_the_protocol_and_conserves_numerators_and_weights(world, overlap):
     check_push_sum(world, overlap)
 
@@ -248,7 +251,7 @@ def test_osgp_weights_settle_at_three_fifths():
     assert weights == pytest.approx([0.6] * 4, rel=1e-4)  # w_t - 3/5 shrinks by 2/3 per round
 
 
-@pytest.mark.parametrize("kind", ["dpsgd", "sgp"])
+@pytest.mark.parametrize("kind", [pytest.param("dpsgd", marks=pytest.mark.slow), "sgp"])
 def test_resume_from_state_dict_is_bitwise(kind):
     steps, cut = 8, 5
 

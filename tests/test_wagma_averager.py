@@ -69,7 +69,7 @@ def _sync_worker(rank, world, steps):
     return snapshots
 
 
-@pytest.mark.parametrize("world", [4, 6])
+@pytest.mark.parametrize("world", [4, pytest.param(6, marks=pytest.mark.slow)])
 def test_sync_rounds_are_global_means(world):
     out = run_workers(_sync_worker, world, 6)
     for rank, snaps in enumerate(out):
@@ -439,7 +439,7 @@ def _persistent(slow: int, delay_s: float):
     return lambda rank, step: delay_s if rank == slow else 0.0
 
 
-@pytest.mark.parametrize("world", [4, 6])
+@pytest.mark.parametrize("world", [4, pytest.param(6, marks=pytest.mark.slow)])
 def test_wait_avoiding_sync_bounds_staleness_with_a_persistently_slow_rank(world):
     """Rank P-1 sleeps before every step, so it falls behind as far as the protocol lets it: its
     contributions reach, and never pass, the staleness bound L = max_lead (docstring, point 1); sync rounds
