@@ -63,27 +63,23 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "hsdp_eager_conserves_solo": lambda d: test_hsdp.check_eager_conserves_on(d, "solo"),
     "hsdp_eager_conserves_bf16": lambda d: test_hsdp.check_eager_conserves_on(d, "solo", "bf16"),
 }
-#: Run only when named: checks not yet seen to pass on a GPU, kept out of the default run and its verdict (none now).
-EXPERIMENTS: dict[str, Callable[[str], None]] = {}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    parser.add_argument("checks", nargs="*", help=f"which checks (default: all of {', '.join(CHECKS)}; run only "
-                        f"when named: {', '.join(EXPERIMENTS) or 'none'})")
+    parser.add_argument("checks", nargs="*", help=f"which checks (default: all of {', '.join(CHECKS)})")
     args = parser.parse_args(argv)
-    known = CHECKS | EXPERIMENTS
-    unknown = [c for c in args.checks if c not in known]
+    unknown = [c for c in args.checks if c not in CHECKS]
     if unknown:
-        parser.error(f"unknown check(s) {unknown}; expected some of {list(known)}")
+        parser.error(f"unknown check(s) {unknown}; expected some of {list(CHECKS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
     failed = []
     for name in args.checks or list(CHECKS):
         t0 = time.perf_counter()
         try:
-            known[name](args.device)
+            CHECKS[name](args.device)
         except Exception as exc:  # noqa: BLE001 - report every check, then fail
             failed.append(name)
             print(f"FAIL {name} on {args.device} ({time.perf_counter() - t0:.1f} s): {type(exc).__name__}: {exc}",

@@ -11,7 +11,7 @@ from torch import nn
 
 from wagma.averaging import PeriodicAverager, WagmaAverager
 from wagma.averaging.tensors import local_tensor
-from wagma.testing import run_workers, run_workers_outcomes
+from wagma.testing import rank_device, run_workers, run_workers_outcomes
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -22,7 +22,6 @@ def _sharded(rank: int, replicas: int, shards: int, *, tagged: bool = True, devi
     (``tagged``) or one initialization shared by all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from wagma.testing import rank_device
 
     dev = rank_device(device, rank)
     mesh = init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate", "shard"))
@@ -80,7 +79,6 @@ def check_round0_on(device: str, replicas: int = 2, shards: int = 2) -> None:
 
 
 def _train_worker(rank, world_size, replicas, shards, policy, device="cpu"):
-    from wagma.testing import rank_device
 
     mesh, model = _sharded(rank, replicas, shards, tagged=False, device=device)
     dev = rank_device(device, rank)
@@ -224,7 +222,6 @@ def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None, dev
     from torch.distributed.device_mesh import init_device_mesh
 
     from wagma import FSDPPartialAllreduce
-    from wagma.testing import rank_device
 
     dev = rank_device(device, rank)
     mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))

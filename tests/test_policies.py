@@ -290,9 +290,10 @@ EXPECTED_REDUCTIONS = {
 
 
 # The presets (another policy with some keys set) and the references train in the slow phase: 6-7 s each, and their
-# policy trains here; of the gossip baselines (one policy class), sgp trains here and the others in the slow phase.
-# local_sgd (K-step averaging) is hierarchical's global level, so it trains in the slow phase too.
-SLOW_TRAINING = {*PRESETS, "dpsgd", "osgp", "adpsgd", "local_sgd", "sgp", "hierarchical_momentum"}  # quick: 3 of them
+# policy trains here. The gossip baselines (one policy class) all train in the slow phase; local_sgd (K-step averaging)
+# is hierarchical's global level and hierarchical_momentum is hierarchical plus momentum, so those train there too:
+# the quick suite trains allreduce, hierarchical and wagma.
+SLOW_TRAINING = {*PRESETS, "dpsgd", "sgp", "osgp", "adpsgd", "local_sgd", "hierarchical_momentum"}
 
 
 @pytest.mark.parametrize(
