@@ -90,7 +90,7 @@ from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
 from wagma.app.models import MLP  # noqa: E402
 from wagma.app.policies import build_policy  # noqa: E402
-from wagma.app.quota import RankQuota, check_rank_cpus, remove_job_cgroups  # noqa: E402
+from wagma.app.quota import RankQuota, check_rank_cpus, quota_job  # noqa: E402
 from wagma.shm import SharedMemoryAllreduce  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 
@@ -272,11 +272,8 @@ def run_reps(cfg: Any, args: argparse.Namespace, world: int, params: int) -> lis
     ideal, bound and simulated ms/step."""
     spec = _spec(cfg, args, params)
     timeout_s = 120.0 + args.reps * (args.warmup + args.steps) * (4 * 5 * args.compute_ms / 1e3 + 2.0)
-    try:
+    with quota_job(spec["quota_job"], enabled=bool(args.rank_cpus)):  # nothing left of the ranks' cgroups
         per_rank = run_workers(_rank, world, spec, timeout_s=timeout_s, collective_timeout_s=120.0)
-    finally:
-        if args.rank_cpus:  # what a killed rank left of its cgroup (each rank removes its own)
-            remove_job_cgroups(spec["quota_job"])
     return [_analyse([reps[i] for reps in per_rank], spec, args, world) for i in range(args.reps)]
 
 

@@ -50,7 +50,7 @@ from benchmarks.machine import load_average, machine_info  # noqa: E402
 from wagma.app.config import group_options  # noqa: E402
 from wagma.app.data import load_dataset  # noqa: E402
 from wagma.app.metrics import read_metrics  # noqa: E402
-from wagma.app.quota import job_name, remove_job_cgroups  # noqa: E402
+from wagma.app.quota import job_name, quota_job  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 from wagma.app.train import train  # noqa: E402
 
@@ -170,11 +170,8 @@ def _train(cfg: DictConfig, run_dir: Path, world: int, timeout_s: float, consens
     cfg.run_dir = str(run_dir)
     if "consensus_every" in cfg:
         cfg.consensus_every = consensus_every
-    try:
+    with quota_job(job_name(run_dir), enabled=bool(cfg.get("rank_cpus"))):  # nothing left of the ranks' cgroups
         run_workers(_train_rank, world, cfg, timeout_s=timeout_s, collective_timeout_s=120.0)
-    finally:
-        if cfg.get("rank_cpus"):  # what killed ranks left of their CPU quotas (each rank removes its own)
-            remove_job_cgroups(job_name(run_dir))
 
 
 def _steady_means(run_dir: Path, world: int) -> tuple[float, float]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +18,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from wagma.app.config import ConfigError, validate_config
-from wagma.app.quota import RankQuota, check_rank_cpus, cgroup_root, job_name, remove_job_cgroups
+from wagma.app.quota import (
+    RankQuota, check_rank_cpus, cgroup_root, job_name, quota_job, remove_job_cgroups, remove_stale_cgroups,
+)
 from wagma.app.train import train
 from wagma.testing import run_workers
 
@@ -114,3 +120,68 @@ def test_train_runs_each_rank_in_its_own_quota_and_records_it(tmp_path):
     assert [o["seen"] for o in out] == [[f"/wagma/{job}/rank0"], [f"/wagma/{job}/rank1"]]
     assert json.loads((tmp_path / "summary.json").read_text())["rank_cpus"] == 0.5
     assert not (cgroup_root() / "wagma" / job).exists()  # removed when train() ended
+
+
+@needs_cgroups
+def test_only_empty_and_old_job_cgroups_are_swept_as_stale():
+    jobs = {name: cgroup_root() / "wagma" / f"test-{uuid.uuid4().hex[:8]}" for name in ("old", "young", "busy")}
+    for folder in jobs.values():
+        (folder / "rank0").mkdir(parents=True)
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_join_and_wait, args=(jobs["busy"].name, ready))
+    child.start()
+    try:
+        assert ready.wait(30)
+        for name in ("old", "busy"):
+            os.utime(jobs[name], (time.time() - 600, time.time() - 600))
+        removed = remove_stale_cgroups(min_age_s=60)
+        assert jobs["old"] in removed and not jobs["old"].exists()
+        assert jobs["young"].exists() and jobs["busy"].exists()  # starting now / a rank still in it
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        for folder in jobs.values():
+            remove_job_cgroups(folder.name)
+
+
+_LAUNCHER = textwrap.dedent("""
+    import sys, time
+    from wagma.app.quota import RankQuota, quota_job
+    from wagma.testing import run_workers
+
+    def rank(r, world, job):
+        RankQuota(0.25, job=job, rank=r)
+        time.sleep(120)
+
+    with quota_job(sys.argv[1]):
+        run_workers(rank, 2, sys.argv[1], timeout_s=150)
+""")
+
+
+@needs_cgroups
+def test_a_launcher_stopped_by_sigterm_stops_its_ranks_and_removes_their_cgroups():
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    folder = cgroup_root() / "wagma" / job
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, job])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                (folder / f"rank{r}" / "cgroup.procs").is_file() and (folder / f"rank{r}" / "cgroup.procs").read_text()
+                for r in range(2)):
+            time.sleep(0.2)
+        pids = [int(p) for r in range(2) for p in (folder / f"rank{r}" / "cgroup.procs").read_text().split()]
+        assert len(pids) == 2, pids
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+        assert not folder.exists()  # without quota_job the launcher vanished and the ranks' cgroups stayed
+        for pid in pids:  # and its ranks were stopped, not orphaned
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        for pid in [launcher.pid, *pids]:  # on a failure, leave no orphaned rank sleeping
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait(10)
+        remove_job_cgroups(job)

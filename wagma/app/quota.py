@@ -16,11 +16,19 @@ Writing these files needs root (or a delegated hierarchy). cgroup v2-only hosts 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PERIOD_US", "QuotaError", "RankQuota", "check_rank_cpus", "cgroup_root", "job_name", "remove_job_cgroups"]
+__all__ = [
+    "PERIOD_US", "QuotaError", "RankQuota", "check_rank_cpus", "cgroup_root", "job_name", "remove_job_cgroups",
+    "remove_stale_cgroups", "quota_job",
+]
 
 #: The CFS period every quota is expressed in (100 ms, the kernel's default).
 PERIOD_US = 100_000
@@ -161,3 +169,66 @@ def remove_job_cgroups(job: str, root: Path | None = None) -> list[Path]:
     except OSError:
         pass
     return removed
+
+
+def _empty(job_folder: Path) -> bool:
+    """Whether no process is left in ``job_folder`` or any of its rank cgroups (unreadable counts as not empty)."""
+    try:
+        return all(not (sub / "cgroup.procs").read_text().split()
+                   for sub in [job_folder, *(p for p in job_folder.iterdir() if p.is_dir())])
+    except OSError:
+        return False
+
+
+def remove_stale_cgroups(min_age_s: float = 60.0, root: Path | None = None) -> list[Path]:
+    """Remove the job cgroups that no process is in any more and that are older than ``min_age_s`` seconds.
+
+    A launcher killed outright (SIGKILL, a lost terminal) cannot run its cleanup; the empty cgroups its ranks left
+    are removed by the next quota'd job on the host, which calls this before it starts. A job that is starting has
+    its ranks join their cgroups as they create them, so a cgroup both empty and a minute old belongs to no one.
+    Returns the folders removed (never raises).
+    """
+    root = cgroup_root() if root is None else root
+    base = root / "wagma"
+    removed: list[Path] = []
+    try:
+        jobs = [p for p in base.iterdir() if p.is_dir()]
+    except OSError:
+        return removed
+    now = time.time()
+    for folder in jobs:
+        try:
+            young = now - folder.stat().st_mtime < min_age_s
+        except OSError:
+            continue
+        if not young and _empty(folder):
+            removed += remove_job_cgroups(folder.name, root)
+    return removed
+
+
+@contextlib.contextmanager
+def quota_job(job: str, enabled: bool = True) -> Iterator[None]:
+    """Wrap a launcher's start of a quota'd job (``job`` as its ranks name it): nothing is left behind.
+
+    Before: removes the empty cgroups of jobs whose launcher was killed outright (:func:`remove_stale_cgroups`).
+    During: a SIGTERM to this process (when it arrives with the default handler in place, on the main thread)
+    raises ``SystemExit(143)``, so that the launcher's own cleanup (stopping the ranks) and this one run instead of
+    the process vanishing. After, however the job ended: removes what is left of ``job``'s cgroups.
+    ``enabled=False`` (the job runs without quotas) does nothing.
+    """
+    if not enabled:
+        yield
+        return
+    remove_stale_cgroups()
+    previous = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        def _stop(signum: int, _frame: object) -> None:
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        remove_job_cgroups(job)

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, validate_config, validate_launch
 from wagma.app.deps import missing_dependency, require
-from wagma.app.quota import job_name, remove_job_cgroups
+from wagma.app.quota import job_name, quota_job
 from wagma.app.sweep import JOB_FILE
 
 __all__ = [
@@ -179,16 +179,15 @@ def launch_local(
     job.run_dir = str(directory)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks, without its warning
     try:
-        with _quiet_elastic_logs(), _signal_handlers_restored():
+        # quota_job: no cgroup left behind by the ranks, by this job's end or by an earlier job's killed launcher
+        with quota_job(job_name(directory), enabled=bool(cfg.get("rank_cpus"))), _quiet_elastic_logs(), \
+                _signal_handlers_restored():
             elastic_launch(_launch_config(int(cfg.nproc), int(cfg.max_restarts)), rank_main)(job, logging_config)
     except SignalException as exc:
         return LocalRun(128 + int(exc.sigval), None, directory, f"stopped by {signal.Signals(exc.sigval).name}")
     except ChildFailedError as exc:
         code, message = _root_cause(exc, directory)
         return LocalRun(code, None, directory, message)
-    finally:
-        if cfg.get("rank_cpus"):  # what killed ranks left of their CPU quotas (each rank removes its own)
-            remove_job_cgroups(job_name(directory))
     summary_path = directory / "summary.json"
     if not summary_path.is_file():
         return LocalRun(1, None, directory, f"the ranks ended without writing {summary_path}")
