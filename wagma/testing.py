@@ -134,9 +134,10 @@ _world_ids = itertools.count()
 _last_world_end = float("-inf")
 
 
-def _host_store(conn: Any) -> None:
+def _host_store(conn: Any, parent_end: Any) -> None:
     import torch.distributed as dist
 
+    parent_end.close()  # fork copied the parent's end: holding it here, the parent's death would never read as EOF
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     conn.send(server.port)
     conn.recv()  # blocks until the parent goes away (EOF) or says stop
@@ -153,7 +154,7 @@ def _store_port() -> int:
     if _server is None or not _server[0].is_alive():
         ctx = mp.get_context("fork")
         parent_end, child_end = ctx.Pipe()
-        proc = ctx.Process(target=_host_store, args=(child_end,), name="wagma-test-store", daemon=True)
+        proc = ctx.Process(target=_host_store, args=(child_end, parent_end), name="wagma-test-store", daemon=True)
         proc.start()
         _server = (proc, parent_end.recv(), parent_end)
     return _server[1]
