@@ -22,7 +22,6 @@ def _sharded(rank: int, replicas: int, shards: int, *, tagged: bool = True, devi
     (``tagged``) or one initialization shared by all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-
     dev = rank_device(device, rank)
     mesh = init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -79,7 +78,6 @@ def check_round0_on(device: str, replicas: int = 2, shards: int = 2) -> None:
 
 
 def _train_worker(rank, world_size, replicas, shards, policy, device="cpu"):
-
     mesh, model = _sharded(rank, replicas, shards, tagged=False, device=device)
     dev = rank_device(device, rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

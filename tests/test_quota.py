@@ -165,13 +165,15 @@ def test_a_launcher_stopped_by_sigterm_stops_its_ranks_and_removes_their_cgroups
     folder = cgroup_root() / "wagma" / job
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, job])
     pids: list[int] = []
+
+    def ranks_in_cgroups() -> list[int]:
+        files = [folder / f"rank{r}" / "cgroup.procs" for r in range(2)]
+        return [int(pid) for f in files if f.is_file() for pid in f.read_text().split()]
+
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(
-                (folder / f"rank{r}" / "cgroup.procs").is_file() and (folder / f"rank{r}" / "cgroup.procs").read_text()
-                for r in range(2)):
+        while time.monotonic() < deadline and len(pids := ranks_in_cgroups()) < 2:
             time.sleep(0.2)
-        pids = [int(p) for r in range(2) for p in (folder / f"rank{r}" / "cgroup.procs").read_text().split()]
         assert len(pids) == 2, pids
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
@@ -184,4 +186,8 @@ def test_a_launcher_stopped_by_sigterm_stops_its_ranks_and_removes_their_cgroups
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait(10)
+        deadline = time.monotonic() + 10  # killed orphans are zombies in their cgroups until init reaps them
         remove_job_cgroups(job)
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            remove_job_cgroups(job)
