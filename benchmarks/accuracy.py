@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 from benchmarks import results_io, run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
+from benchmarks.scenarios import BASELINE, SCENARIOS, averaging_option  # noqa: E402
 
 __all__ = ["cell_key", "main", "parse_args", "pivot", "summarize", "summarize_cells", "validated_staleness"]
 
@@ -402,8 +402,9 @@ def plot(cells: list[dict[str, Any]], tolerance: float, path: Path) -> bool:
         pts = [(c["median_ddp_ratio"], c["gap_points"]) for c in cells
                if c["policy"] == policy and c["median_ddp_ratio"] is not None and c["gap_points"] is not None]
         if pts:
-            shipped = (ROOT / "configs" / "averaging" / f"{policy}.yaml").exists()  # else a reference preset
-            ax.scatter(*zip(*pts), label=policy if shipped else f"{policy} (reference, not shipped)",
+            option = averaging_option(policy, ROOT / "configs")  # reference/ or candidate/: not shipped
+            shipped = "/" not in option
+            ax.scatter(*zip(*pts), label=policy if shipped else f"{policy} ({option.split('/')[0]}, not shipped)",
                        marker="o" if shipped else "x", color=f"C{i % 10}", s=28)
     ax.axhline(tolerance, color="grey", linestyle="--", linewidth=1)
     ax.text(ax.get_xlim()[0], tolerance, f" shipping bound: {tolerance:g} point below allreduce", va="bottom",

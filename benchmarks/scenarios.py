@@ -10,9 +10,10 @@ without injected delay), so the same scenario means the same thing on a fast and
 - ``persistent``: rank P-1 sleeps ``d`` before every step, so its steps take about 2T (2x slower).
 - ``heavy_tail``: every rank sleeps a lognormal draw each step (median ``d / 4``, sigma 1, capped at ``4 d``).
 
-A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``), or in
+A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``), in
 ``configs/averaging/reference/`` for the published algorithms that are not shipped presets
-(``eager_solo`` is ``averaging=reference/eager_solo``: :func:`averaging_option`). :func:`resolve_policy`
+(``eager_solo`` is ``averaging=reference/eager_solo``: :func:`averaging_option`), or in
+``configs/averaging/candidate/`` for variants not yet measured on the accuracy grid a preset needs. :func:`resolve_policy`
 says whether it can run now: the config must exist and its ``name`` must be registered with
 :func:`wagma.app.policies.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
 and picks it up without changes once it is registered.
@@ -100,12 +101,19 @@ def expected_delays(cfg: DictConfig, world_size: int, compute_s: float) -> tuple
     return injector.expected_mean_delay_s(compute_s), injector.expected_max_delay_s(compute_s)
 
 
+#: Folders of ``configs/averaging/`` whose configs are not shipped presets: the published algorithms that lost
+#: accuracy (``reference``) and variants not yet through the accuracy grid (``candidate``).
+UNSHIPPED = ("reference", "candidate")
+
+
 def averaging_option(policy: str, configs_dir: Path) -> str:
-    """The ``averaging=`` option of the benchmark name ``policy``: ``policy`` itself, or ``reference/<policy>`` when
-    only ``configs/averaging/reference/`` has it (a published algorithm that is not a shipped preset)."""
-    if not (configs_dir / "averaging" / f"{policy}.yaml").exists() and (
-            configs_dir / "averaging" / "reference" / f"{policy}.yaml").exists():
-        return f"reference/{policy}"
+    """The ``averaging=`` option of the benchmark name ``policy``: ``policy`` itself, or ``<folder>/<policy>`` when
+    only one of the :data:`UNSHIPPED` folders of ``configs/averaging/`` has it."""
+    averaging = configs_dir / "averaging"
+    if not (averaging / f"{policy}.yaml").exists():
+        for folder in UNSHIPPED:
+            if (averaging / folder / f"{policy}.yaml").exists():
+                return f"{folder}/{policy}"
     return policy
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import random
 import time
+import warnings
 
 import pytest
 import torch
@@ -285,6 +286,9 @@ def _bad_args_worker(rank, world):
         "lead": dict(group_size=2, sync_period=2, max_lead=3),
         "schedule": dict(group_size=2, sync_period=2, schedule="ring"),
         "sync": dict(group_size=2, sync_period=2, sync="lazy"),
+        "publish order": dict(group_size=2, sync_period=2, publish_after_step=True, order="step_then_average"),
+        "publish overlap": dict(group_size=2, sync_period=2, publish_after_step=True, overlap=True),
+        "publish flag": dict(group_size=2, sync_period=2, publish_after_step=1),
     }
     return error_messages({
         name: lambda kw=kwargs: WagmaAverager(params=model.parameters(), timeout=TIMEOUT, **kw).close()
@@ -301,6 +305,10 @@ def test_bad_arguments_raise_value_errors():
     assert "max_lead" in errors["lead"]
     assert "schedule" in errors["schedule"]
     assert "'barrier', 'wait_avoiding'" in errors["sync"] and "'lazy'" in errors["sync"]
+    for case in ("publish order", "publish overlap"):
+        assert "order='average_then_step' and overlap=False" in errors[case], errors[case]
+    assert "order='step_then_average'" in errors["publish order"] and "overlap=True" in errors["publish overlap"]
+    assert "expected True or False, found 1" in errors["publish flag"]
 
 
 # -- issue 12: parameters bound by identity, fp16 sums, one reduction per round --------------------------------
@@ -754,3 +762,72 @@ def check_conserve_sum(overlap: bool, device: str = "cpu") -> None:
         sums[mixing] = (final - (initial + steps)).abs().max().item(), steps.abs().max().item()
     assert sums["conserve"][0] < 1e-4 * (1 + sums["conserve"][1]), sums
     assert sums["reference"][0] > 0.1, sums  # a real loss, far above rounding
+
+
+# -- publish_after_step: a late rank contributes the model after its step, not its previous call's ------------------
+
+
+def _publish_ahead_worker(rank, world, ahead):
+    """Call 0 together; then rank 1 'computes' (sleeps) longer before call 1, so rank 0 starts round 1 without it.
+
+    The gradients are set by hand so each SGD step (lr 1) adds 10 (rank 0) or 20 (rank 1) to every parameter.
+    Returns the model after each call and the staleness of each of this rank's contributions.
+    """
+    model = _tagged(rank)
+    avg = WagmaAverager(2, 5, params=model.parameters(), max_lead=1, publish_after_step=ahead, timeout=TIMEOUT)
+    opt = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), avg)
+    after, staleness = [], []
+    for call in range(2):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, -10.0 * (rank + 1))
+        if call == 1:  # rank 0 waits for rank 1 to be done with its step (and publish), not with its next gradient
+            time.sleep(0.4 if rank == 0 else 1.2)
+        before = dict(avg.stats.as_dict()["staleness_hist"])
+        opt.step()  # round `call` (average, then step; with `ahead`, then publish)
+        hist = avg.stats.as_dict()["staleness_hist"]
+        staleness.append(next(int(k) for k in hist if hist[k] != before.get(k, 0)))
+        after.append([p.detach().clone() for p in model.parameters()])
+    avg.synchronize(model.parameters())  # both ranks done with round 1 before either closes
+    avg.close()
+    return after, staleness
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_publish_after_step_makes_a_late_rank_contribute_its_stepped_model(ahead):
+    """Round 0 mixes the tagged models t0, t1 (both ranks at their first call): a_r = (w_r + t0 + t1) / 3; the
+    steps make w0 = a0 + 10 and w1 = a1 + 20. Rank 0 starts round 1 while rank 1 sleeps: rank 1's thread sends
+    its stepped model w1 under publish_after_step (fresh, staleness 0), else the model of its call 0, t1 (one
+    step and one round old, staleness 1). Either way rank 1 then mixes its fresh model once with the sum."""
+    (after0, stale0), (after1, stale1) = run_workers(_publish_ahead_worker, 2, ahead)
+    assert stale0[1] == 0 and stale1[1] == (0 if ahead else 1), (stale0, stale1)
+    for i in range(2):
+        t0, t1 = 1.0 * (i + 1), 2.0 * (i + 1)
+        a0, a1 = (2 * t0 + t1) / 3, (t0 + 2 * t1) / 3
+        torch.testing.assert_close(after0[0][i], torch.full_like(after0[0][i], a0 + 10.0))
+        torch.testing.assert_close(after1[0][i], torch.full_like(after1[0][i], a1 + 20.0))
+        w0, w1 = a0 + 10.0, a1 + 20.0
+        sent1 = w1 if ahead else t1
+        torch.testing.assert_close(after0[1][i], torch.full_like(after0[1][i], (2 * w0 + sent1) / 3 + 10.0))
+        torch.testing.assert_close(after1[1][i], torch.full_like(after1[1][i], (w1 + w0 + sent1) / 3 + 20.0))
+
+
+def _publish_misuse_worker(rank, world):
+    model = nn.Linear(2, 2)
+    with WagmaAverager(2, 5, params=model.parameters(), max_lead=0, timeout=TIMEOUT) as plain:
+        errors = error_messages({"not enabled": lambda: plain.publish(model.parameters())}, (RuntimeError,))
+        plain.average_parameters(model.parameters())
+    with WagmaAverager(2, 5, params=model.parameters(), max_lead=0, publish_after_step=True, timeout=TIMEOUT) as avg:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            avg.average_parameters(model.parameters())  # the first call: nothing to publish before it
+            first = len(caught)
+            avg.average_parameters(model.parameters())  # a step went by with no publish(): warned once
+            avg.average_parameters(model.parameters())
+    return errors, first, [str(w.message) for w in caught]
+
+
+def test_publish_needs_the_option_and_a_missing_publish_is_warned_once():
+    errors, first, messages = run_workers(_publish_misuse_worker, 2)[0]
+    assert errors["not enabled"].startswith("RuntimeError: publish() needs publish_after_step=True")
+    assert first == 0 and len(messages) == 1, messages
+    assert "publish() was not called after the optimizer step before round 1" in messages[0]

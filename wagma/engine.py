@@ -313,13 +313,7 @@ class WaitAvoidingGroupAllreduce:
         round k + 1 before collecting round k lets round k's exchange overlap the caller's next step.
         """
         self._check_usable()
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.shape != self.shape or tensor.dtype != self.dtype or tensor.device != self.device:
-            raise ValueError(
-                f"expected a tensor of shape {tuple(self.shape)}, dtype {self.dtype} on {self.device} "
-                f"(fixed by `initial`), got shape {tuple(tensor.shape)}, dtype {tensor.dtype} on {tensor.device}"
-            )
+        self._check_tensor(tensor)
         k = self._calls
         self._calls += 1
         core = self._core
@@ -327,6 +321,34 @@ class WaitAvoidingGroupAllreduce:
         core.publish(tensor, k)
         self._uncollected[k] = self._maybe_trigger(k)
         return k
+
+    def publish_ahead(self, tensor: torch.Tensor) -> None:
+        """Replace mode: publish ``tensor`` now as this rank's contribution to the round its next call runs, without
+        running that round or triggering it.
+
+        For a caller whose next call will submit this very tensor unchanged, known before the work that precedes
+        the call (WAGMA's ``average_then_step`` order: the model after ``optimizer.step()`` is the one the next
+        step's gradient is computed at and the next call publishes). A round that starts before that call then
+        takes this snapshot, counted fresh (``RoundResult.fresh``, staleness 0, ``version`` the next call), instead
+        of the previous call's. The next call still publishes its own tensor (it replaces this snapshot if its
+        round has not started yet), and nothing else changes: the lead bound and blocking sync rounds still wait
+        for that call.
+        """
+        self._check_usable()
+        if self.accumulate:
+            raise RuntimeError("publish_ahead() needs accumulate=False: in accumulate mode a call adds to what is "
+                               "pending, and nothing can be added ahead of it")
+        self._check_tensor(tensor)
+        self._core.publish(tensor, self._calls, arrive=False)
+
+    def _check_tensor(self, tensor: object) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.shape != self.shape or tensor.dtype != self.dtype or tensor.device != self.device:
+            raise ValueError(
+                f"expected a tensor of shape {tuple(self.shape)}, dtype {self.dtype} on {self.device} "
+                f"(fixed by `initial`), got shape {tuple(tensor.shape)}, dtype {tensor.dtype} on {tensor.device}"
+            )
 
     def staging_buffer(self) -> torch.Tensor:
         """Accumulate mode: a zeroed buffer of the engine's shape to write this rank's next contribution into.

@@ -203,7 +203,9 @@ class EngineCore:
         return self.blocking_sync and is_sync(k, self.sync_period)
 
     # ------------------------------------------------------------------------------------ main side
-    def publish(self, tensor: torch.Tensor, k: int) -> None:
+    def publish(self, tensor: torch.Tensor, k: int, *, arrive: bool = True) -> None:
+        """Make ``tensor`` this rank's contribution, as of call ``k``. ``arrive=False`` (replace mode: a snapshot
+        published ahead of call ``k``) leaves ``arrived``, which the lead bound and blocking rounds wait on, as it is."""
         if self.accumulate:
             staged = tensor is self.staging
             with self.cond:
@@ -235,7 +237,8 @@ class EngineCore:
                 self.snapshot, self.snapshot_version, self.snapshot_event = snap, k, event
                 if old is not self.reading:  # else the thread hands it back once its copy is done
                     self.give_spare(old)
-                self.arrived = k
+                if arrive:
+                    self.arrived = k
                 self.cond.notify_all()
 
     def shutdown(self) -> None:

@@ -61,7 +61,8 @@ class AveragingOptimizer(torch.optim.Optimizer):
         """One local optimizer step and one averager step, in the averager's ``order``.
 
         Averagers with ``order == "average_then_step"`` (WAGMA's reference) average first, so the step
-        applies the gradient computed at the local model to the average; all others step, then average.
+        applies the gradient computed at the local model to the average; all others step, then average. An
+        averager with ``publish_after_step`` then publishes the stepped model at once (``averager.publish``).
         Returns the closure's loss, if any.
         """
         average_first = getattr(self.averager, "order", "step_then_average") == "average_then_step"
@@ -70,6 +71,10 @@ class AveragingOptimizer(torch.optim.Optimizer):
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if not average_first:
             self._average()
+        elif getattr(self.averager, "publish_after_step", False):
+            # The model after the step is the one the next call submits: publish it now (WagmaAverager.publish).
+            buffers = self.module.buffers() if self.module is not None else None
+            self.averager.publish(self.param_groups, buffers)  # type: ignore[attr-defined]
         return loss
 
     def _average(self) -> None:

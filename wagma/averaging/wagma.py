@@ -34,6 +34,7 @@ progress thread contributes (never zeros).
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -124,6 +125,13 @@ class WagmaAverager(AveragerBase):
             before the mixing formulas above apply. After a blocking sync round the replicas are bit for bit equal.
             Under ``mixing="conserve"`` the group's sum of models is then kept up to the rounding of the deltas
             (``w_hat`` is the snapshot as published, not as rounded).
+        publish_after_step: ``False`` (the reference): a rank publishes its model at each call, so a round that
+            starts while it is still computing takes the model of its previous call. ``True``: the caller also
+            calls :meth:`publish` right after ``optimizer.step()`` (:class:`~wagma.averaging.AveragingOptimizer`
+            and the training application do), publishing the model the next call will submit; a rank late for a
+            round then contributes its current model (fresh, staleness 0) instead of one a local step and a round
+            older, and only a rank still inside an earlier call or step contributes a stale one. The mixing
+            formulas are unchanged. Needs ``order="average_then_step"`` and ``overlap=False``.
 
     **Staleness under** ``sync="wait_avoiding"``. Let L = ``max_lead`` (<= τ = ``sync_period``), and call
     rank i's k-th call of :meth:`average_parameters` its call k (round k); call k publishes the model
@@ -180,6 +188,7 @@ class WagmaAverager(AveragerBase):
         transport: str = "default",
         world: WorldLike = None,
         wire_dtype: WireDtype = None,
+        publish_after_step: bool = False,
     ) -> None:
         check_progress_nice(progress_nice)
         check_transport(transport)
@@ -193,6 +202,13 @@ class WagmaAverager(AveragerBase):
             raise ValueError(f"order: expected one of {ORDERS}, found {order!r}")
         if sync not in SYNCS:
             raise ValueError(f"sync: expected one of {SYNCS}, found {sync!r}")
+        if not isinstance(publish_after_step, bool):
+            raise ValueError(f"publish_after_step: expected True or False, found {publish_after_step!r}")
+        if publish_after_step and (order != "average_then_step" or overlap):
+            raise ValueError(
+                "publish_after_step=True: expected order='average_then_step' and overlap=False (only then is the model "
+                f"after the optimizer step the one the next call submits), found order={order!r}, overlap={overlap}"
+            )
         if max_lead is not None:
             max_lead = check_int("max_lead", max_lead, 0)
             if max_lead > sync_period:
@@ -211,6 +227,10 @@ class WagmaAverager(AveragerBase):
         self.max_lead = max_lead
         self.sync: Sync = sync
         self.overlap = overlap
+        self.publish_after_step = publish_after_step
+        self._ahead = 0  # publish(): calls since the last average_parameters (publish_after_step)
+        self._engines_fresh = True  # no average_parameters call since the engines (re)started
+        self._warned_ahead = False
         self.progress_nice = progress_nice
         self.transport = transport
         self._pending: int | None = None  # overlap: the round submitted and not yet applied
@@ -232,6 +252,7 @@ class WagmaAverager(AveragerBase):
         would overflow float16 (or lose bfloat16's few bits) before the division.
         """
         self._close_engines()
+        self._engines_fresh = True
         self._pending = None
         self._submitted = []
         self._engines[:] = [
@@ -261,6 +282,8 @@ class WagmaAverager(AveragerBase):
             )
         if self.overlap:
             return self._overlapped_step(flat)
+        if self.publish_after_step:
+            self._check_published_ahead()
         results = []
         for buffer, engine in zip(flat.pack(), self._engines):
             wide = widened(buffer)
@@ -323,6 +346,44 @@ class WagmaAverager(AveragerBase):
                 buffer.copy_(wide)
         flat.unpack()
         return kind
+
+    def publish(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+        """``publish_after_step=True``: publish the model as it is now, right after ``optimizer.step()``, as this
+        rank's contribution to its next round.
+
+        The next :meth:`average_parameters` call submits this same model (in ``average_then_step`` order nothing
+        changes the parameters in between: the forward and backward passes only read them), so a round that a
+        faster rank starts while this one still computes its gradient takes it rather than the model of the
+        previous call, one local step and one round older. Such a contribution counts as fresh (staleness 0).
+        Floating-point buffers that the forward pass changes (BatchNorm's running statistics) enter as they were
+        after the step. Does nothing before a blocking sync round, which waits for the call's own model anyway.
+
+        Args:
+            params: as in :meth:`average_parameters` (the same bound tensors).
+            buffers: as in :meth:`average_parameters`.
+        """
+        self._check_open()
+        if not self.publish_after_step:
+            raise RuntimeError("publish() needs publish_after_step=True (construct the averager with it)")
+        self._ahead += 1
+        if not self.is_member or (self.sync == "barrier" and self._engines[0].is_sync_round(self._engines[0].round)):
+            return
+        tensors = self.tensors_to_average(params, buffers, where="publish")
+        for buffer, engine in zip(self.flat_buffers(tensors).pack(), self._engines):
+            engine.publish_ahead(widened(buffer))
+
+    def _check_published_ahead(self) -> None:
+        """Warn once when a caller of a ``publish_after_step`` averager did not call :meth:`publish` after its last
+        step: the option then changes nothing."""
+        if self._ahead == 0 and not self._engines_fresh and not self._warned_ahead:
+            self._warned_ahead = True
+            warnings.warn(
+                "WagmaAverager(publish_after_step=True): publish() was not called after the optimizer step before "
+                f"round {self._engines[0].round}; call averager.publish(params, buffers) after optimizer.step(), or "
+                "use wagma.averaging.AveragingOptimizer, which does",
+                RuntimeWarning, stacklevel=4,
+            )
+        self._ahead, self._engines_fresh = 0, False
 
     def _give_back(self, engine: WaitAvoidingGroupAllreduce, res: RoundResult) -> None:
         """Hand a result read for the last time back to its engine: its sum (and, under conserve mixing, the

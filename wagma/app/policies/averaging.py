@@ -168,6 +168,9 @@ class ModelAveragingPolicy(Policy):
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         if not self.average_before_step:
             self._average()
+        elif getattr(self.averager, "publish_after_step", False):  # WagmaAverager.publish: the stepped model
+            assert self.averager is not None and self._net is not None
+            self.averager.publish(self._net.named_parameters(), self._net.named_buffers())  # type: ignore[attr-defined]
         self.steps_done = step + 1
         self.hook_state.step = self.steps_done
 
@@ -298,6 +301,8 @@ class WagmaPolicy(ModelAveragingPolicy):
             threads (CPU on Linux; :class:`~wagma.averaging.WagmaAverager`'s ``progress_nice``).
         transport: ``"default"`` or ``"shm"`` (CPU, one host: the group rounds through shared memory;
             :class:`~wagma.averaging.WagmaAverager`'s ``transport``).
+        publish_after_step: publish the model right after each optimizer step, so a rank late for a round takes
+            part with its current model (:class:`~wagma.averaging.WagmaAverager`'s ``publish_after_step``).
         **kwargs: ``device``, ``bucket_cap_mb``, ``timeout_s`` (see :class:`ModelAveragingPolicy`).
     """
 
@@ -319,6 +324,7 @@ class WagmaPolicy(ModelAveragingPolicy):
         overlap: bool = False,
         progress_nice: int = 0,
         transport: str = "default",
+        publish_after_step: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(warmup_steps=0, **kwargs)
@@ -328,9 +334,12 @@ class WagmaPolicy(ModelAveragingPolicy):
         self.average_buffers, self.max_lead = bool(average_buffers), max_lead
         self.sync = sync
         self.overlap = bool(overlap)
+        self.publish_after_step = bool(publish_after_step)
         self.progress_nice = int(progress_nice)
-        # The preset's name: wagma, wagma_relaxed, wagma_overlap, wagma_relaxed_overlap.
-        self.name = "wagma" + ("_relaxed" if sync == "wait_avoiding" else "") + ("_overlap" if self.overlap else "")
+        # The preset's name: wagma, wagma_relaxed, wagma_overlap, wagma_relaxed_overlap, wagma_ahead_conserve (and,
+        # with publish_after_step set by hand, wagma_ahead, wagma_relaxed_ahead, ...).
+        ahead = "_ahead" + ("_conserve" if mixing == "conserve" else "") if self.publish_after_step else ""
+        self.name = "wagma" + ("_relaxed" if sync == "wait_avoiding" else "") + ("_overlap" if self.overlap else "") + ahead
 
     def build_averager(self, net: nn.Module) -> _Averager:
         schedule: str | GroupSchedule = (
@@ -342,6 +351,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
             sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
             progress_nice=self.progress_nice, transport=self.transport, world=self.world, wire_dtype=self.wire_dtype,
+            publish_after_step=self.publish_after_step,
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

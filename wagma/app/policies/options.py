@@ -133,7 +133,7 @@ _HIERARCHICAL_KEYS = (
 _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
     "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
-    "progress_nice", "transport", "wire_dtype", *_COMMON_KEYS,
+    "progress_nice", "transport", "wire_dtype", "publish_after_step", *_COMMON_KEYS,
 )
 _GOSSIP_KEYS = ("warmup_steps", "average_buffers", *_COMMON_KEYS)
 _DPSGD_KEYS = ("topology", *_GOSSIP_KEYS)
@@ -217,6 +217,14 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _choice(options, "sync", WAGMA_SYNCS, "barrier")
     _flag(options, "average_buffers")
     _flag(options, "overlap")
+    _flag(options, "publish_after_step")
+    if options.get("publish_after_step") and (
+        options.get("order", "average_then_step") != "average_then_step" or options.get("overlap")
+    ):
+        raise ValueError(
+            "averaging.publish_after_step=true needs averaging.order=average_then_step and averaging.overlap=false, "
+            f"got order={options.get('order', 'average_then_step')!r}, overlap={options.get('overlap', False)!r}"
+        )
     _progress_nice(options)
     _transport(options)
     _wire(options)
