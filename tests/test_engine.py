@@ -517,6 +517,7 @@ def _bad_use_worker(rank, world):
             "dtype": lambda: eng(torch.zeros(2, dtype=torch.float64)),
             "take in replace mode": eng.take,
             "collect unsubmitted": lambda: eng.collect(0),
+            "publish ahead shape": lambda: eng.publish_ahead(torch.zeros(3)),
         }, raised)
         eng(torch.zeros(2))  # still usable after rejected calls
         # submit/collect: rounds collected in any order, each once.
@@ -531,6 +532,8 @@ def _bad_use_worker(rank, world):
             "recycle a view": lambda: eng.recycle(torch.zeros(4)[:2]),
             "recycle another shape": lambda: eng.recycle(torch.zeros(3)),
         }, raised)
+    with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, accumulate=True, timeout=TIMEOUT) as acc:
+        errors |= error_messages({"publish ahead, accumulate": lambda: acc.publish_ahead(torch.zeros(2))}, raised)
     return errors
 
 
@@ -548,6 +551,8 @@ def test_bad_use_is_rejected_with_clear_messages():
     assert "ValueError" in errors["recycle twice"] and "still in use" in errors["recycle twice"]
     assert "ValueError" in errors["recycle a view"] and "its own contiguous storage" in errors["recycle a view"]
     assert "ValueError" in errors["recycle another shape"] and "shape (3,)" in errors["recycle another shape"]
+    assert "ValueError" in errors["publish ahead shape"] and "(3,)" in errors["publish ahead shape"]
+    assert "RuntimeError: publish_ahead() needs accumulate=False" in errors["publish ahead, accumulate"]
 
 
 def _nice_of_threads() -> dict[int, tuple[str, int]]:
