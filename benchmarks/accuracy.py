@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 from benchmarks import results_io, run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.scenarios import BASELINE, SCENARIOS, averaging_option  # noqa: E402
+from benchmarks.presets import averaging_option  # noqa: E402
+from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
 
 __all__ = ["cell_key", "main", "parse_args", "pivot", "summarize", "summarize_cells", "validated_staleness"]
 

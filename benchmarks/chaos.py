@@ -51,6 +51,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing
+
+from benchmarks.presets import averaging_option  # noqa: E402  (no Hydra: chaos only launches train.py)
+
 POLICIES = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority",
             "dpsgd", "sgp", "osgp", "adpsgd")
 # Whose resumed model must equal the uninterrupted one bit for bit: the blocking ones (D-PSGD and SGP exchange
@@ -100,19 +104,10 @@ def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tup
     return specs
 
 
-def _averaging_option(policy: str) -> str:
-    """``policy``, or ``reference/<policy>`` for a published algorithm that is not a shipped preset (as
-    ``benchmarks.scenarios.averaging_option``, without importing the application here)."""
-    averaging = REPO / "configs" / "averaging"
-    if not (averaging / f"{policy}.yaml").exists() and (averaging / "reference" / f"{policy}.yaml").exists():
-        return f"reference/{policy}"
-    return policy
-
-
 def overrides(spec: Spec, timeout_s: float) -> list[str]:
     """The Hydra overrides of a run: tiny model, short timeouts, frequent checkpoints, a record every step."""
     out = [
-        f"averaging={_averaging_option(spec.policy)}", f"steps={spec.steps}", f"checkpoint_every={spec.checkpoint_every}",
+        f"averaging={averaging_option(spec.policy, REPO / 'configs')}", f"steps={spec.steps}", f"checkpoint_every={spec.checkpoint_every}",
         f"dist_timeout_s={timeout_s}", "progress=false", "log_every=1", f"seed={spec.seed}", "batch_size=16",
         # A straggler every step (the papers' imbalance) keeps each step >= 50 ms, so the fault lands mid-run.
         "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.05",

@@ -45,7 +45,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from benchmarks import results_io  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.scenarios import averaging_option  # noqa: E402
+from benchmarks.presets import averaging_option  # noqa: E402
 from benchmarks.simulate import Network, simulate  # noqa: E402
 from wagma.app.imbalance import RandomK  # noqa: E402
 

@@ -12,7 +12,7 @@ without injected delay), so the same scenario means the same thing on a fast and
 
 A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``), in
 ``configs/averaging/reference/`` for the published algorithms that are not shipped presets
-(``eager_solo`` is ``averaging=reference/eager_solo``: :func:`averaging_option`), or in
+(``eager_solo`` is ``averaging=reference/eager_solo``: :func:`benchmarks.presets.averaging_option`), or in
 ``configs/averaging/candidate/`` for variants not yet measured on the accuracy grid a preset needs. :func:`resolve_policy`
 says whether it can run now: the config must exist and its ``name`` must be registered with
 :func:`wagma.app.policies.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
@@ -33,8 +33,10 @@ from wagma.app.config import ConfigError, group_options, validate_config
 from wagma.app.imbalance import build_imbalance
 from wagma.app.policies import known_policies
 
+from benchmarks.presets import averaging_option
+
 __all__ = [
-    "BASELINE", "averaging_option", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
+    "BASELINE", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
     "resolve_policy",
 ]
 
@@ -99,22 +101,6 @@ def expected_delays(cfg: DictConfig, world_size: int, compute_s: float) -> tuple
     """
     injector = build_imbalance(group_options(cfg, "imbalance"), 0, world_size)
     return injector.expected_mean_delay_s(compute_s), injector.expected_max_delay_s(compute_s)
-
-
-#: Folders of ``configs/averaging/`` whose configs are not shipped presets: the published algorithms that lost
-#: accuracy (``reference``) and variants not yet through the accuracy grid (``candidate``).
-UNSHIPPED = ("reference", "candidate")
-
-
-def averaging_option(policy: str, configs_dir: Path) -> str:
-    """The ``averaging=`` option of the benchmark name ``policy``: ``policy`` itself, or ``<folder>/<policy>`` when
-    only one of the :data:`UNSHIPPED` folders of ``configs/averaging/`` has it."""
-    averaging = configs_dir / "averaging"
-    if not (averaging / f"{policy}.yaml").exists():
-        for folder in UNSHIPPED:
-            if (averaging / folder / f"{policy}.yaml").exists():
-                return f"{folder}/{policy}"
-    return policy
 
 
 def resolve_policy(

@@ -407,3 +407,18 @@ def test_wire_benchmark_sets_bf16_beside_float32_with_half_the_bytes(tmp_path):
         assert row["bytes_ratio"] == pytest.approx(0.5, abs=0.01)  # bf16: half of float32's bytes
         assert 0.0 <= row["accuracy_bf16"] <= 100.0 and "gap_points" in row
     assert "| digits:mlp | wagma |" in (tmp_path / "out" / "wire.md").read_text()
+
+
+def test_a_policy_name_finds_its_config_in_the_shipped_reference_or_candidate_folder(tmp_path):
+    from benchmarks.presets import averaging_option
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert averaging_option("wagma", configs) == "wagma"
+    assert averaging_option("eager_solo", configs) == "reference/eager_solo"
+    assert averaging_option("wagma_ahead_conserve", configs) == "candidate/wagma_ahead_conserve"
+    assert averaging_option("no_such_policy", configs) == "no_such_policy"  # resolve_policy reports it as skipped
+    for folder in ("reference", "candidate"):
+        (tmp_path / "averaging" / folder).mkdir(parents=True)
+        (tmp_path / "averaging" / folder / "twice.yaml").write_text("name: wagma\n")
+    with pytest.raises(ValueError, match=r"policy 'twice' is ambiguous: .* found it in reference, candidate"):
+        averaging_option("twice", tmp_path)

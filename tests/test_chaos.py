@@ -109,3 +109,10 @@ def test_campaigns_run_side_by_side_merge_into_one_record_list_and_summary(tmp_p
     summary = (tmp_path / "all.md").read_text()
     assert "| every survivor ends within 2 x timeout | 2 of 3 runs |" in summary
     assert "| faulty rank named, SIGSTOP runs | 1 of 2 |" in summary
+
+
+def test_a_campaign_finds_reference_and_candidate_configs_as_the_other_benchmarks_do():
+    spec = chaos.plan(1, 0)[0]
+    for policy, option in (("allreduce", "allreduce"), ("eager_solo", "reference/eager_solo"),
+                           ("wagma_ahead_conserve", "candidate/wagma_ahead_conserve")):
+        assert f"averaging={option}" in chaos.overrides(dataclasses.replace(spec, policy=policy), 5.0)

@@ -228,7 +228,7 @@ class WagmaAverager(AveragerBase):
         self.sync: Sync = sync
         self.overlap = overlap
         self.publish_after_step = publish_after_step
-        self._ahead = 0  # publish(): calls since the last average_parameters (publish_after_step)
+        self._published = False  # publish() was called since the last average_parameters (publish_after_step)
         self._engines_fresh = True  # no average_parameters call since the engines (re)started
         self._warned_ahead = False
         self.progress_nice = progress_nice
@@ -365,7 +365,7 @@ class WagmaAverager(AveragerBase):
         self._check_open()
         if not self.publish_after_step:
             raise RuntimeError("publish() needs publish_after_step=True (construct the averager with it)")
-        self._ahead += 1
+        self._published = True
         if not self.is_member or (self.sync == "barrier" and self._engines[0].is_sync_round(self._engines[0].round)):
             return
         tensors = self.tensors_to_average(params, buffers, where="publish")
@@ -375,7 +375,7 @@ class WagmaAverager(AveragerBase):
     def _check_published_ahead(self) -> None:
         """Warn once when a caller of a ``publish_after_step`` averager did not call :meth:`publish` after its last
         step: the option then changes nothing."""
-        if self._ahead == 0 and not self._engines_fresh and not self._warned_ahead:
+        if not self._published and not self._engines_fresh and not self._warned_ahead:
             self._warned_ahead = True
             warnings.warn(
                 "WagmaAverager(publish_after_step=True): publish() was not called after the optimizer step before "
@@ -383,7 +383,7 @@ class WagmaAverager(AveragerBase):
                 "use wagma.averaging.AveragingOptimizer, which does",
                 RuntimeWarning, stacklevel=4,
             )
-        self._ahead, self._engines_fresh = 0, False
+        self._published, self._engines_fresh = False, False
 
     def _give_back(self, engine: WaitAvoidingGroupAllreduce, res: RoundResult) -> None:
         """Hand a result read for the last time back to its engine: its sum (and, under conserve mixing, the
