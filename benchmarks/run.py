@@ -50,11 +50,11 @@ from benchmarks.machine import load_average, machine_info  # noqa: E402
 from wagma.app.config import group_options  # noqa: E402
 from wagma.app.data import load_dataset  # noqa: E402
 from wagma.app.metrics import read_metrics  # noqa: E402
-from wagma.app.quota import job_name, quota_job  # noqa: E402
+from wagma.app.quota import PERIOD_US, job_name, quota_job  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 from wagma.app.train import train  # noqa: E402
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "run_timeout_s"]
 
 CONFIGS = ROOT / "configs"
 WARMUP_STEPS = 5  # steps left out of the step-time calibration (DDP rebuilds its buckets after the first)
@@ -264,6 +264,19 @@ def _calibration_run(args: argparse.Namespace, compose_fn: Callable[[list[str]],
             "source": f"allreduce, no imbalance, {args.calibration_steps}-step calibration run"}
 
 
+def run_timeout_s(steps: int, step_s: float, max_delay_s: float, rank_cpus: float = 0.0) -> float:
+    """How long one training run may take before it is killed as hung: 4x its expected steps plus start-up.
+
+    Under a per-rank CPU quota a rank that has spent its share of a CFS period is frozen until the next period,
+    and a collective waits for it: every step may cost up to a period more (allreduce at P = 16 with
+    ``rank_cpus=0.125`` ran past the quota-blind budget in all three seeds of a grid cell), with the same 4x slack.
+    """
+    per_step = 4 * (step_s + 2 * max_delay_s) + 0.02
+    if rank_cpus:
+        per_step += 4 * PERIOD_US / 1e6
+    return 120.0 + steps * per_step
+
+
 def _run_one(
     cfg: DictConfig, scenario: str, policy: str, args: argparse.Namespace, max_delay_s: float, step_s: float
 ) -> dict[str, Any]:
@@ -271,7 +284,7 @@ def _run_one(
     rec: dict[str, Any] = {"scenario": scenario, "policy": policy, "status": "ok", "reason": None}
     rec.update(dict.fromkeys(_EMPTY_FIELDS))
     run_dir = args.out / "runs" / scenario / policy
-    timeout_s = 120.0 + args.steps * (4 * (step_s + 2 * max_delay_s) + 0.02)
+    timeout_s = run_timeout_s(args.steps, step_s, max_delay_s, float(cfg.get("rank_cpus") or 0.0))
     t0 = time.perf_counter()
     try:
         _train(cfg, run_dir, args.world, timeout_s, args.consensus_every)

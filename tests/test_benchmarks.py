@@ -422,3 +422,11 @@ def test_a_policy_name_finds_its_config_in_the_shipped_reference_or_candidate_fo
         (tmp_path / "averaging" / folder / "twice.yaml").write_text("name: wagma\n")
     with pytest.raises(ValueError, match=r"policy 'twice' is ambiguous: .* found it in reference, candidate"):
         averaging_option("twice", tmp_path)
+
+
+def test_a_capped_run_gets_a_cfs_period_a_step_more_before_it_is_killed_as_hung():
+    # The grid's settings: 400 steps, d = T = 20 ms, random_k1 (max delay d). Without a quota: 224 s, which
+    # allreduce at P = 16 with rank_cpus=0.125 overran in all three seeds of a cell.
+    assert run.run_timeout_s(400, 0.02, 0.02) == pytest.approx(224.0)
+    assert run.run_timeout_s(400, 0.02, 0.02, rank_cpus=0.125) == pytest.approx(224.0 + 400 * 0.4)
+    assert run.run_timeout_s(400, 0.02, 0.02, rank_cpus=0.0) == run.run_timeout_s(400, 0.02, 0.02)
