@@ -14,7 +14,8 @@ Usage::
         --steps 60 --out /tmp/acc                    # a quick look
 
 The grid is long (hours): ``accuracy.json`` is rewritten after every run.py invocation, and ``--resume``
-skips the (cell, seed) invocations it already holds, so an interrupted grid continues where it stopped.
+skips the (cell, seed) invocations it already holds, so an interrupted grid continues where it stopped;
+with ``--retry-failed`` it runs those in which DDP or a policy failed again.
 Outputs in ``--out``: ``accuracy.json.xz`` (xz-compressed JSON, :func:`benchmarks.results_io.load` reads it; an
 older plain ``accuracy.json`` is read and converted) (``records``: one per cell, seed and policy with its final accuracy,
 the gap to DDP of that seed, throughput, staleness and fresh fraction; ``cells``: per cell and policy the
@@ -80,6 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
                    help="extra Hydra override for every run (repeatable)")
     p.add_argument("--resume", action="store_true", help="keep the records in --out's accuracy.json, run the rest")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume: run again every (cell, seed) invocation in which DDP or a policy failed "
+                        "(its records are replaced)")
     p.add_argument("--report-only", action="store_true", help="rewrite accuracy.json/md from its records, run nothing")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/accuracy")
     p.add_argument("--work", type=Path, default=Path("/tmp/wagma-accuracy"), help="run.py's outputs (not committed)")
@@ -88,6 +92,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             or args.eval_every < 0 or min(args.rank_cpus) < 0 or not (args.target is None or 0 < args.target <= 1)):
         p.error("need --steps >= 1, --batch-size >= 1, --worlds >= 2, --delay-s >= 0, --tolerance >= 0, "
                 "--eval-every >= 0, --rank-cpus >= 0, --target in (0, 1]")
+    if args.retry_failed and not args.resume:
+        p.error("--retry-failed: expected it with --resume (it reruns the failed invocations of the saved grid)")
     workloads = []
     for w in args.workloads:
         dataset, sep, model = w.partition(":")
@@ -372,6 +378,14 @@ def staleness_distribution(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _failed(record: dict[str, Any]) -> bool:
+    """Whether ``record``'s run failed (not skipped): its status says so, or, in records written before they kept
+    a status, it is DDP's without an accuracy (DDP is never skipped)."""
+    if "status" in record:
+        return record["status"] == "failed"
+    return record["policy"] == BASELINE and record["final_accuracy"] is None
+
+
 def _record(result: dict[str, Any], policy: str, scenario: str) -> dict[str, Any] | None:
     return next((r for r in result["records"] if r["scenario"] == scenario and r["policy"] == policy), None)
 
@@ -417,7 +431,8 @@ def plot(cells: list[dict[str, Any]], tolerance: float, path: Path) -> bool:
     ax.set_ylabel("points below allreduce (median of seeds)")
     ax.set_title(f"Accuracy grid: {len(dict.fromkeys(c['cell'] for c in cells))} cells, each point one policy in one cell",
                  fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if ax.get_legend_handles_labels()[0]:  # none while every gap is missing (DDP failed in every seed so far)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -477,6 +492,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         commands = old.get("commands", [old["command"]] if "command" in old else [])
     if not args.report_only and command not in commands:
         commands.append(command)
+    if args.retry_failed and not args.report_only:
+        failed = {(cell_key(r), r["seed"]) for r in records if _failed(r)}
+        records = [r for r in records if (cell_key(r), r["seed"]) not in failed]
+        for key, seed in sorted(failed):
+            print(f"== retrying {_cell_name(key)}, seed {seed}: a run of it failed", flush=True)
     done = {(cell_key(r), r["seed"]) for r in records}
     settings = {"steps": args.steps, "batch_size": args.batch_size, "delay_s": args.delay_s,
                 "eval_every": args.eval_every, "tolerance": args.tolerance, "policies": args.policies,
@@ -540,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "accuracy_curve": (rec or {}).get("accuracy_curve"),
                 "compute_max_over_median": (rec or {}).get("compute_max_over_median"),
                 "compute_cv": (rec or {}).get("compute_cv"),
-                "reason": (rec or {}).get("reason"),
+                "reason": (rec or {}).get("reason"), "status": (rec or {}).get("status", "missing"),
             })
         out = write()
     if not out:

@@ -430,3 +430,34 @@ def test_a_capped_run_gets_a_cfs_period_a_step_more_before_it_is_killed_as_hung(
     assert run.run_timeout_s(400, 0.02, 0.02) == pytest.approx(224.0)
     assert run.run_timeout_s(400, 0.02, 0.02, rank_cpus=0.125) == pytest.approx(224.0 + 400 * 0.4)
     assert run.run_timeout_s(400, 0.02, 0.02, rank_cpus=0.0) == run.run_timeout_s(400, 0.02, 0.02)
+
+
+def test_a_resumed_grid_retries_the_invocations_in_which_a_run_failed(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(argv):  # DDP fails in seed 0's first invocation only
+        seed = int(argv[argv.index("--seed") + 1])
+        ddp_failed = seed == 0 and not any(c == 0 for c in calls)
+        calls.append(seed)
+        ddp = ({"scenario": "random_k1", "policy": "allreduce", "status": "failed", "reason": "WorkerError: killed"}
+               if ddp_failed else {"scenario": "random_k1", "policy": "allreduce", "status": "ok", "final_accuracy": 0.9,
+                                "samples_per_s": 100.0, "ddp_ratio": 1.0})
+        mine = {"scenario": "random_k1", "policy": "wagma", "status": "ok", "final_accuracy": 0.8,
+                "samples_per_s": 120.0, "ddp_ratio": 1.2}
+        return {"records": [ddp, mine]}
+
+    monkeypatch.setattr(accuracy.run, "main", fake_run)
+    argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0", "1",
+            "--policies", "wagma", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")]
+    first = accuracy.main(argv)
+    assert [r["status"] for r in first["records"] if r["seed"] == 0] == ["failed", "ok"]
+    assert accuracy.main([*argv, "--resume"])["records"] == first["records"] and calls == [0, 1]  # nothing reruns
+    again = accuracy.main([*argv, "--resume", "--retry-failed"])
+    assert calls == [0, 1, 0]  # only the invocation with the failure
+    assert sorted((r["seed"], r["policy"], r["status"]) for r in again["records"]) == [
+        (0, "allreduce", "ok"), (0, "wagma", "ok"), (1, "allreduce", "ok"), (1, "wagma", "ok")]
+    assert next(r for r in again["records"] if r["seed"] == 0 and r["policy"] == "wagma")["gap_points"] == pytest.approx(10)
+    del first["records"][0]["status"]  # records written before they kept a status: DDP without accuracy failed
+    assert accuracy._failed(first["records"][0]) and not accuracy._failed(first["records"][1])
+    with pytest.raises(SystemExit):
+        accuracy.parse_args([*argv, "--retry-failed"])  # without --resume there is nothing to retry
