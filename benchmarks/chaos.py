@@ -107,7 +107,8 @@ def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tup
 def overrides(spec: Spec, timeout_s: float) -> list[str]:
     """The Hydra overrides of a run: tiny model, short timeouts, frequent checkpoints, a record every step."""
     out = [
-        f"averaging={averaging_option(spec.policy, REPO / 'configs')}", f"steps={spec.steps}", f"checkpoint_every={spec.checkpoint_every}",
+        f"averaging={averaging_option(spec.policy, REPO / 'configs')}", f"steps={spec.steps}",
+        f"checkpoint_every={spec.checkpoint_every}",
         f"dist_timeout_s={timeout_s}", "progress=false", "log_every=1", f"seed={spec.seed}", "batch_size=16",
         # A straggler every step (the papers' imbalance) keeps each step >= 50 ms, so the fault lands mid-run.
         "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.05",
