@@ -488,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     old: dict[str, Any] = {}
     if (args.resume or args.report_only) and found.exists():
         old = results_io.load(found)
-        records, invocations, earlier_s = old["records"], old["invocations"], float(old.get("duration_s", 0.0))
+        records, earlier_s = old["records"], float(old.get("duration_s", 0.0))
+        invocations = list(dict.fromkeys(old["invocations"]))  # a retried invocation once (grids of before 5d0e4af)
         commands = old.get("commands", [old["command"]] if "command" in old else [])
     if not args.report_only and command not in commands:
         commands.append(command)
@@ -540,7 +541,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "--consensus-every", "0", *[a for o in extra for a in ("--set", o)],
             "--out", str(args.work / f"{dataset}_{model}_P{world}_{scenario}_q{cpus:g}_seed{seed}"),
         ]
-        invocations.append("python benchmarks/run.py " + shlex.join(run_argv))
+        invocation = "python benchmarks/run.py " + shlex.join(run_argv)
+        if invocation not in invocations:  # a retried one is the same command
+            invocations.append(invocation)
         print(f"== [{n}/{len(grid)}] {_cell_name(key)}, seed {seed}", flush=True)
         commit = machine_info(ROOT).get("git_commit")  # the code this invocation runs (a long grid spans commits)
         result = run.main(run_argv)

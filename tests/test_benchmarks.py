@@ -466,6 +466,7 @@ def test_a_resumed_grid_retries_the_invocations_in_which_a_run_failed(tmp_path, 
     assert accuracy.main([*argv, "--resume"])["records"] == first["records"] and calls == [0, 1]  # nothing reruns
     again = accuracy.main([*argv, "--resume", "--retry-failed"])
     assert calls == [0, 1, 0]  # only the invocation with the failure
+    assert len(again["invocations"]) == 2  # the retried one is listed once
     assert sorted((r["seed"], r["policy"], r["status"]) for r in again["records"]) == [
         (0, "allreduce", "ok"), (0, "wagma", "ok"), (1, "allreduce", "ok"), (1, "wagma", "ok")]
     assert next(r for r in again["records"] if r["seed"] == 0 and r["policy"] == "wagma")["gap_points"] == pytest.approx(10)
