@@ -157,6 +157,7 @@ def _check_run(out: list[dict[str, Any]], run_dir: Path, policy: str, accuracy: 
     assert all(not any(type(t).__name__ == "DTensor" for t in s["model"].values()) for s in states)
 
 
+@pytest.mark.slow  # a 4-rank training, 6 s
 def test_wagma_under_hsdp_trains_on_digits_and_the_replicas_end_identical(tmp_path):
     out = run_workers(_worker, 4, _cfg(tmp_path, *HSDP, "averaging=wagma", "steps=80", "eval_every=40",
                                        "consensus_every=20"), timeout_s=180)

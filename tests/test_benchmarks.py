@@ -273,6 +273,7 @@ def test_every_shipped_preset_held_its_accuracy_in_the_committed_grid_and_carrie
         assert declared == summary[preset]["validated_staleness"], (preset, declared, summary[preset])
 
 
+@pytest.mark.slow  # real 2-rank trainings, 7.5 s
 def test_accuracy_grid_sets_each_policy_beside_ddp_at_equal_samples_and_resumes(tmp_path, test_policy):
     argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0", "--steps", "12",
             "--delay-s", "0.005", "--eval-every", "0", "--policies", test_policy, "no_such_policy",

@@ -131,7 +131,9 @@ def test_model_averaging_policies_average_the_flattened_model_in_place():
         assert aliased == {option: [True] for option in options}
 
 
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
+# The MNIST experiments load MNIST (5-6 s each): in the slow phase, their digits counterparts in the quick suite.
+@pytest.mark.parametrize(
+    "experiment", [pytest.param(e, marks=pytest.mark.slow) if "mnist" in e else e for e in EXPERIMENTS])
 def test_every_experiment_preset_composes_validates_and_builds(experiment):
     cfg = _compose(f"experiment={experiment}")
     plain = _compose()

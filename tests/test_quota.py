@@ -159,6 +159,7 @@ _LAUNCHER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 14 s: the quick suite's longest test (its 10-minute budget)
 @needs_cgroups
 def test_a_launcher_stopped_by_sigterm_stops_its_ranks_and_removes_their_cgroups():
     job = f"test-{uuid.uuid4().hex[:8]}"
