@@ -61,7 +61,10 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
 
 
 # Every averaging option and experiment preset is composed, validated and built in tests/test_policies.py.
-@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g) if g != "averaging"])
+# data=mnist loads MNIST (5 s): in the slow phase.
+@pytest.mark.parametrize("group,option", [
+    pytest.param(g, o, marks=pytest.mark.slow) if (g, o) == ("data", "mnist") else (g, o)
+    for g in GROUPS for o in _options(g) if g != "averaging"])
 def test_every_config_option_composes_validates_and_builds(group, option):
     # Token data and the Transformer come as a pair (each alone is refused: test_data_and_model_must_match).
     pair = {"sequences": "model=transformer", "transformer": "data=sequences"}.get(option)

@@ -111,6 +111,7 @@ def test_token_batches_fit_the_budget_cover_each_epoch_once_and_resume_exactly()
         TokenBatchIterator(torch.randn(10, 1, 8, 8), torch.zeros(10), 512, seed=0, rank=0)
 
 
+@pytest.mark.slow  # a training, 5-6 s (the quick suite's 10-minute budget)
 def test_the_transformer_ignores_padding_and_learns():
     torch.manual_seed(0)
     net = Transformer((64,), 4, vocab_size=32, d_model=32, heads=2, layers=2, ff=64)
