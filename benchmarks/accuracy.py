@@ -488,8 +488,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     old: dict[str, Any] = {}
     if (args.resume or args.report_only) and found.exists():
         old = results_io.load(found)
-        records, earlier_s = old["records"], float(old.get("duration_s", 0.0))
-        invocations = list(dict.fromkeys(old["invocations"]))  # a retried invocation once (grids of before 5d0e4af)
+        records, invocations, earlier_s = old["records"], old["invocations"], float(old.get("duration_s", 0.0))
         commands = old.get("commands", [old["command"]] if "command" in old else [])
     if not args.report_only and command not in commands:
         commands.append(command)
@@ -510,7 +509,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         cells = summarize_cells(records, settings.get("target"), settings["batch_size"])
         out = {
-            "commands": commands, "machine": machine, "settings": settings, "invocations": invocations,
+            "commands": commands, "machine": machine, "settings": settings,
+            "invocations": list(dict.fromkeys(invocations)),  # a retried invocation is the same command: once
             "records": records, "cells": cells, "summary": summarize(cells, args.tolerance),
             "duration_s": earlier_s + (0.0 if args.report_only else time.perf_counter() - started),
         }
@@ -541,9 +541,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "--consensus-every", "0", *[a for o in extra for a in ("--set", o)],
             "--out", str(args.work / f"{dataset}_{model}_P{world}_{scenario}_q{cpus:g}_seed{seed}"),
         ]
-        invocation = "python benchmarks/run.py " + shlex.join(run_argv)
-        if invocation not in invocations:  # a retried one is the same command
-            invocations.append(invocation)
+        invocations.append("python benchmarks/run.py " + shlex.join(run_argv))
         print(f"== [{n}/{len(grid)}] {_cell_name(key)}, seed {seed}", flush=True)
         commit = machine_info(ROOT).get("git_commit")  # the code this invocation runs (a long grid spans commits)
         result = run.main(run_argv)
