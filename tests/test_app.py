@@ -54,7 +54,7 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
     assert set(_options("optim")) == {"sgd", "adam"}
     assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo (issue 28)
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-        "dpsgd", "sgp", "osgp", "adpsgd",
+        "wagma_ahead_conserve", "dpsgd", "sgp", "osgp", "adpsgd",
     }
     assert cfg.consensus_every == 0 and cfg.telemetry_interval_s > 0
     assert cfg.eval_every > 0 and cfg.progress and cfg.progress_every is None  # periodic evaluation by default

@@ -428,10 +428,12 @@ def test_a_policy_name_finds_its_config_in_the_shipped_reference_or_candidate_fo
     configs = Path(__file__).resolve().parents[1] / "configs"
     assert averaging_option("wagma", configs) == "wagma"
     assert averaging_option("eager_solo", configs) == "reference/eager_solo"
-    assert averaging_option("wagma_ahead_conserve", configs) == "candidate/wagma_ahead_conserve"
     assert averaging_option("no_such_policy", configs) == "no_such_policy"  # resolve_policy reports it as skipped
+    (tmp_path / "averaging" / "candidate").mkdir(parents=True)
+    (tmp_path / "averaging" / "candidate" / "trial.yaml").write_text("name: wagma\n")
+    assert averaging_option("trial", tmp_path) == "candidate/trial"
+    (tmp_path / "averaging" / "reference").mkdir(parents=True)
     for folder in ("reference", "candidate"):
-        (tmp_path / "averaging" / folder).mkdir(parents=True)
         (tmp_path / "averaging" / folder / "twice.yaml").write_text("name: wagma\n")
     with pytest.raises(ValueError, match=r"policy 'twice' is ambiguous: .* found it in reference, candidate"):
         averaging_option("twice", tmp_path)

@@ -111,8 +111,8 @@ def test_campaigns_run_side_by_side_merge_into_one_record_list_and_summary(tmp_p
     assert "| faulty rank named, SIGSTOP runs | 1 of 2 |" in summary
 
 
-def test_a_campaign_finds_reference_and_candidate_configs_as_the_other_benchmarks_do():
-    spec = chaos.plan(1, 0)[0]
+def test_a_campaign_finds_reference_configs_as_the_other_benchmarks_do():
+    spec = chaos.plan(1, 0)[0]  # benchmarks.presets.averaging_option, tested in test_benchmarks with candidates too
     for policy, option in (("allreduce", "allreduce"), ("eager_solo", "reference/eager_solo"),
-                           ("wagma_ahead_conserve", "candidate/wagma_ahead_conserve")):
+                           ("wagma_ahead_conserve", "wagma_ahead_conserve")):
         assert f"averaging={option}" in chaos.overrides(dataclasses.replace(spec, policy=policy), 5.0)
