@@ -85,6 +85,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="with --resume: run again every (cell, seed) invocation in which DDP or a policy failed "
                         "(its records are replaced)")
     p.add_argument("--report-only", action="store_true", help="rewrite accuracy.json/md from its records, run nothing")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="run from a tree whose code differs from its commit (records then name COMMIT+dirty); "
+                        "without it the grid refuses to start, so that every result names the code that produced it")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/accuracy")
     p.add_argument("--work", type=Path, default=Path("/tmp/wagma-accuracy"), help="run.py's outputs (not committed)")
     args = p.parse_args(argv)
@@ -198,6 +201,7 @@ def summarize_cells(records: list[dict[str, Any]], target: float | None = None,
                 "median_samples_per_s": med("samples_per_s"), "median_ddp_ratio": med("ddp_ratio"),
                 "median_staleness": med("staleness"),
                 "max_run_staleness": max((r["staleness"] for r in runs if r.get("staleness") is not None), default=None),
+                "min_run_staleness": min((r["staleness"] for r in runs if r.get("staleness") is not None), default=None),
                 "max_staleness": max(
                     (r["staleness_max"] for r in runs if r.get("staleness_max") is not None), default=None),
                 "median_fresh_fraction": med("fresh_fraction"),
@@ -223,30 +227,51 @@ def _points(difference: float) -> float:
 
 
 def validated_staleness(cells: list[dict[str, Any]], tolerance: float) -> float | None:
-    """The ``validated_staleness`` a preset's config should carry from these cells of its: 1.1 x the largest run-mean
-    staleness among the cells where it held its accuracy (gap <= ``tolerance``), rounded up to 0.05; None when it
-    has no staleness (or no such cell)."""
+    """The ``validated_staleness`` a preset's config should carry from these cells of its own.
+
+    1.1 x the largest run-mean staleness among the cells where it held its accuracy (gap <= ``tolerance``), rounded
+    up to 0.05, but never at or above the lowest run-mean staleness of a run in a cell where it lost it: a preset is
+    not validated at a staleness it lost accuracy at (the bound then stays below that run's, rounded down to 0.05,
+    and held cells at or above it do not count). 0.0 when it lost accuracy and held it at no lower staleness: no
+    staleness is validated, and the guard warns on every stale run. None when it reports no staleness.
+    """
+    lost = [c.get("min_run_staleness", c.get("max_run_staleness")) for c in cells
+            if c["gap_points"] is not None and c["gap_points"] > tolerance]
+    lost = [s for s in lost if s is not None]
     held = [c["max_run_staleness"] for c in cells
             if c["gap_points"] is not None and c["gap_points"] <= tolerance and c.get("max_run_staleness")]
-    return math.ceil(1.1 * max(held) / 0.05 - 1e-9) * 0.05 if held else None
+    if not lost:
+        return math.ceil(1.1 * max(held) / 0.05 - 1e-9) * 0.05 if held else None
+    below = min(lost)
+    held = [h for h in held if h < below]
+    cap = max(0.0, math.ceil(below / 0.05 - 1e-9) * 0.05 - 0.05)  # the largest multiple of 0.05 below it
+    return min(cap, math.ceil(1.1 * max(held) / 0.05 - 1e-9) * 0.05) if held else 0.0
 
 
 def summarize(cells: list[dict[str, Any]], tolerance: float) -> dict[str, dict[str, Any]]:
     """Per policy: the largest median gap to DDP over the cells (positive: DDP was better), where, whether every
-    cell is within ``tolerance``, and the :func:`validated_staleness` its preset should carry. A policy with a
-    failed run is reported as such, never as within tolerance."""
+    cell is within ``tolerance``, and the :func:`validated_staleness` its preset should carry.
+
+    The grid is every cell DDP ran, with DDP's seeds. A policy is within tolerance only where it has a gap in every
+    one of them, for every seed: a failed run, a seed it did not run (``missing``) or a cell it never ran
+    (``absent``) is reported as such, never as within tolerance.
+    """
+    grid = {c["cell"]: c["seeds"] for c in cells if c["policy"] == BASELINE}
     out: dict[str, dict[str, Any]] = {}
     for policy in dict.fromkeys(c["policy"] for c in cells if c["policy"] != BASELINE):
         mine = [c for c in cells if c["policy"] == policy]
         missing = [f"{c['cell']}/seed {s}" for c in mine for s in c["missing"]]
+        missing += [f"{c['cell']}/seed {s} (not run)" for c in mine for s in grid.get(c["cell"], [])
+                    if s not in c["seeds"]]
         gaps = [c for c in mine if c["gap_points"] is not None]
         missing += [c["cell"] for c in mine if c["gap_points"] is None and not c["missing"]]
+        absent = [cell for cell in grid if cell not in {c["cell"] for c in mine}]
         worst = max(gaps, key=lambda c: c["gap_points"], default=None)
         out[policy] = {
-            "cells": len(mine), "missing": missing,
+            "cells": len(mine), "grid_cells": len(grid), "missing": missing, "absent": absent,
             "max_gap_points": None if worst is None else worst["gap_points"],
             "where": None if worst is None else worst["cell"],
-            "within_tolerance": not missing and worst is not None and len(gaps) == len(mine)
+            "within_tolerance": not missing and not absent and worst is not None and len(gaps) == len(mine)
             and worst["gap_points"] <= tolerance,
             "validated_staleness": (None if (v := validated_staleness(mine, tolerance)) is None else round(v, 2)),
         }
@@ -327,6 +352,8 @@ def _markdown(result: dict[str, Any]) -> str:
             continue
         verdict = "within" if v["within_tolerance"] else "NOT within"
         missing = f"; failed or incomplete: {', '.join(v['missing'])}" if v["missing"] else ""
+        if v.get("absent"):
+            missing += f"; never ran {len(v['absent'])} of the grid's {v['grid_cells']} cells: {', '.join(v['absent'])}"
         bound = "" if v.get("validated_staleness") is None else f"; validated_staleness {v['validated_staleness']:g}"
         lines.append(f"- {policy}: {v['max_gap_points']:+.2f} ({v['where']}), {verdict} tolerance{missing}{bound}")
     return "\n".join(lines) + "\n"
@@ -502,6 +529,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "eval_every": args.eval_every, "tolerance": args.tolerance, "policies": args.policies,
                 "extra_overrides": args.extra, "target": args.target}
     machine = machine_info(ROOT)
+    commit = machine.get("git_commit")
+    if not args.report_only and not args.allow_dirty and (commit is None or commit.endswith("+dirty")):
+        raise SystemExit(
+            f"benchmarks/accuracy.py: expected a checkout whose code is committed, found "
+            f"{'no git commit' if commit is None else commit} (git status names the changes; results may differ): "
+            "commit first, or pass --allow-dirty to record it as is")
     if args.report_only and old:
         settings = old["settings"] | ({"target": args.target} if args.target is not None else {})  # the grid's own
         machine = old.get("machine", machine)  # the machine that ran the records, not the one redrawing the report

@@ -14,17 +14,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["git_commit", "load_average", "machine_info", "scheduler_slice_s", "usable_cores"]
+__all__ = ["RESULTS", "git_commit", "load_average", "machine_info", "scheduler_slice_s", "usable_cores"]
+
+
+#: Where the benchmarks write what they measure: a change there is a result, not a change of the code that ran.
+RESULTS = "benchmarks/results"
 
 
 def git_commit(repo: Path) -> str | None:
-    """HEAD of the checkout at ``repo``, with ``+dirty`` when tracked files differ from it; None outside git."""
+    """HEAD of the checkout at ``repo``, with ``+dirty`` when tracked files other than the results
+    (:data:`RESULTS`, which a benchmark writing into them changes as it runs) differ from it; None outside git."""
     try:
         head = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "--", ".",
+             f":(exclude){RESULTS}"],
             capture_output=True, text=True, check=True, timeout=10,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):

@@ -211,9 +211,10 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
     assert table[0] == "| policy | mnist/cnn P=8 random_k1 | mnist/cnn P=16 random_k1 |"
     assert table[2] == "| allreduce | 96.00 % | 90.00 % |" and table[3] == "| a | +0.50 / 1.00x | +3.00 / 1.00x |"
     # The guard's bound: 1.1 x the largest run-mean staleness where the policy held its accuracy, up to 0.05.
-    assert a8["max_run_staleness"] == 0.5 and summary["a"]["validated_staleness"] == pytest.approx(0.55)
+    # "a" lost its accuracy at P = 16 with runs as stale as where it held it: no staleness is validated.
+    assert a8["max_run_staleness"] == 0.5 and summary["a"]["validated_staleness"] == 0.0
     assert accuracy.validated_staleness([{"gap_points": 0.2, "max_run_staleness": 1.24}], 1.0) == pytest.approx(1.4)
-    assert accuracy.validated_staleness([{"gap_points": 1.5, "max_run_staleness": 1.24}], 1.0) is None
+    assert accuracy.validated_staleness([{"gap_points": 1.5, "max_run_staleness": 1.24}], 1.0) == 0.0
 
 
 def test_accuracy_at_equal_wall_time_is_each_run_at_the_first_finisher_s_training_time():
@@ -239,9 +240,51 @@ def test_accuracy_at_equal_wall_time_is_each_run_at_the_first_finisher_s_trainin
     assert by["fast"]["median_accuracy"] == pytest.approx(0.935)  # the final accuracies are untouched
 
 
-def test_every_shipped_preset_held_its_accuracy_in_the_committed_grid_and_carries_its_bound():
-    # Issue 28: a preset ships only with the evidence. Every configs/averaging/*.yaml (not reference/, not a
-    # `baseline: true` one) is in the committed grid, within tolerance of allreduce in every cell, and its
+#: The only cells of the committed grid a shipped preset may leave out, and who may. These presets average with
+#: blocking collectives only, so their model sequence does not depend on when ranks arrive: in a cell that differs
+#: from another only in its delays or quota they train the same model, only slower or faster (shown bit for bit by
+#: tests/test_averaging.py's test_blocking_averagers_train_the_same_model_whatever_the_delays_world4). Their gap
+#: there is the gap of the same workload, world and seed in a cell they ran. The check below also holds the claim
+#: against the records: one code (commit) gives one accuracy per workload, world and seed, whatever the scenario.
+DELAY_INDEPENDENT = ("local_sgd", "hierarchical", "hierarchical_momentum")
+SKIPPED_CELLS = ("mnist/cnn P=16 persistent quota 0.125", "mnist/cnn P=16 random_k2 quota 0.125")
+
+
+def _grid(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    saved = results_io.load(path)
+    cells = accuracy.summarize_cells(saved["records"])
+    return saved, cells, accuracy.summarize(cells, saved["settings"]["tolerance"])
+
+
+def _absent_cells_allowed(preset: str, absent: list[str], records: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with ``preset`` leaving ``absent`` out of the grid ([] when nothing is)."""
+    if not absent:
+        return []
+    if preset not in DELAY_INDEPENDENT:
+        return [f"{preset} never ran {absent}, and only {DELAY_INDEPENDENT} may skip cells"]
+    errors = [f"{preset} skipped {cell}, not one of {SKIPPED_CELLS}" for cell in absent if cell not in SKIPPED_CELLS]
+    mine = [r for r in records if r["policy"] == preset]
+    by_run = {(r["dataset"], r["model"], r["world_size"], r["seed"]) for r in mine}
+    by_code: dict[tuple[Any, ...], set[Any]] = {}
+    for r in mine:
+        if r.get("commit"):  # a record without its commit cannot say which code it ran
+            key = (r["dataset"], r["model"], r["world_size"], r["seed"], r["commit"])
+            by_code.setdefault(key, set()).add(r["final_accuracy"])
+    errors += [f"{preset} is not delay-independent: {key} gave {sorted(accs)} across scenarios"
+               for key, accs in by_code.items() if len(accs) != 1]
+    for cell in absent:
+        ddp = [r for r in records
+               if r["policy"] == accuracy.BASELINE and accuracy._cell_name(accuracy.cell_key(r)) == cell]
+        for r in ddp:  # the same workload, world and seed must have run elsewhere, so the cell's gap is known
+            if (r["dataset"], r["model"], r["world_size"], r["seed"]) not in by_run:
+                errors.append(f"{preset} skipped {cell} seed {r['seed']} and ran its workload and world nowhere else")
+    return errors
+
+
+def test_every_shipped_preset_held_its_accuracy_in_every_cell_of_the_committed_grid_and_carries_its_bound():
+    # A preset ships only with the evidence. Every configs/averaging/*.yaml (not reference/, not a
+    # `baseline: true` one) ran every cell of the committed grid with every seed DDP ran there, within tolerance of
+    # allreduce in each (a delay-independent preset may skip the cells named above, nothing else), and its
     # validated_staleness (the guard's bound) is the one the grid gives; a preset without staleness has none.
     # A preset validated after the grid was run has its own grid, benchmarks/results/accuracy/<preset>/, with DDP
     # in each of its invocations; it must cover every cell of the committed grid.
@@ -249,35 +292,88 @@ def test_every_shipped_preset_held_its_accuracy_in_the_committed_grid_and_carrie
 
     root = Path(__file__).resolve().parents[1]
     results = root / "benchmarks/results/accuracy"
-
-    def grid(path: Path) -> tuple[set[str], dict[str, Any]]:
-        saved = results_io.load(path)
-        cells = accuracy.summarize_cells(saved["records"])
-        return {c["cell"] for c in cells}, accuracy.summarize(cells, saved["settings"]["tolerance"])
-
-    grid_cells, grid_summary = grid(results / "accuracy.json.xz")
+    saved, cells, grid_summary = _grid(results / "accuracy.json.xz")
+    grid_cells = {c["cell"] for c in cells if c["policy"] == accuracy.BASELINE}
+    shipped = []
     for path in sorted((root / "configs/averaging").glob("*.yaml")):
         preset = path.stem
         if preset == "allreduce" or "\nbaseline: true" in path.read_text():
-            continue  # the gossip baselines ship to be compared against, as published (issue 29)
-        summary = grid_summary
+            continue  # the gossip baselines ship to be compared against, as published
+        shipped.append(preset)
+        summary, records = grid_summary, saved["records"]
         if preset not in grid_summary:
             own = results / preset / "accuracy.json.xz"
             assert own.is_file(), f"{preset} is shipped but in neither the committed grid nor {own}"
-            cells, summary = grid(own)
-            assert grid_cells <= cells, f"{preset}'s grid lacks cells of the committed one: {grid_cells - cells}"
+            own_saved, own_cells, summary = _grid(own)
+            records = own_saved["records"]
+            ran = {c["cell"] for c in own_cells if c["policy"] == accuracy.BASELINE}
+            assert grid_cells <= ran, f"{preset}'s grid lacks cells of the committed one: {grid_cells - ran}"
             assert preset in summary, f"{preset} is not in its own grid {own}"
-        assert summary[preset]["within_tolerance"], (preset, summary[preset])
+        v = summary[preset]
+        assert not v["missing"], f"{preset}: failed or seeds not run: {v['missing']}"
+        wrong = _absent_cells_allowed(preset, v["absent"], records)
+        assert not wrong, wrong
+        assert v["max_gap_points"] is not None and v["max_gap_points"] <= saved["settings"]["tolerance"], (preset, v)
         with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
             declared = compose("config", overrides=[f"averaging={preset}"]).averaging.get("validated_staleness")
-        assert declared == summary[preset]["validated_staleness"], (preset, declared, summary[preset])
+        assert declared == v["validated_staleness"], (preset, declared, v)
+    assert set(DELAY_INDEPENDENT) <= set(shipped), "a preset allowed to skip cells is no longer shipped"
+
+
+def test_every_reference_preset_carries_the_staleness_bound_of_its_own_grid():
+    # A reference preset's validated_staleness (the guard's bound) comes from the grid that measured it: the
+    # committed grid, or for a preset only the earlier grid at the same settings ran, that one. Never borrowed.
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "benchmarks/results/accuracy"
+    grids = [_grid(results / "accuracy.json.xz")[2], _grid(results / "before_issue28/accuracy.json.xz")[2]]
+    presets = sorted((root / "configs/averaging/reference").glob("*.yaml"))
+    assert presets
+    for path in presets:
+        summary = next((g[path.stem] for g in grids if path.stem in g), None)
+        assert summary is not None, f"reference/{path.stem} is in no grid of {results}"
+        with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
+            averaging = compose("config", overrides=[f"averaging=reference/{path.stem}"]).averaging
+        assert averaging.get("validated_staleness") == summary["validated_staleness"], (path.stem, summary)
+
+
+def test_the_staleness_bound_stays_below_any_staleness_a_preset_lost_accuracy_at():
+    def cell(gap: float, lo: float, hi: float) -> dict[str, float]:
+        return {"gap_points": gap, "min_run_staleness": lo, "max_run_staleness": hi}
+
+    assert accuracy.validated_staleness([cell(0.2, 1.0, 1.24)], 1.0) == pytest.approx(1.4)  # held only: 1.1 x, up
+    assert accuracy.validated_staleness([cell(1.7, 2.18, 2.32)], 1.0) == 0.0  # lost only: nothing validated
+    assert accuracy.validated_staleness([cell(0.5, 1.0, 1.8), cell(1.5, 1.93, 1.95)], 1.0) == pytest.approx(1.9)
+    assert accuracy.validated_staleness([cell(0.5, 1.0, 1.2), cell(1.5, 2.5, 3.0)], 1.0) == pytest.approx(1.35)
+    assert accuracy.validated_staleness([cell(0.5, 1.0, 1.2), cell(1.5, 0.8, 0.9)], 1.0) == 0.0
+    assert accuracy.validated_staleness([{"gap_points": 0.1, "max_run_staleness": None}], 1.0) is None
+
+
+def test_the_grid_check_refuses_a_skipped_cell_a_missing_seed_and_a_delay_dependent_skipper():
+    def rec(scenario: str, seed: int, policy: str, acc: float) -> dict[str, Any]:
+        return {"dataset": "mnist", "model": "cnn", "world_size": 16, "scenario": scenario, "rank_cpus": 0.125,
+                "seed": seed, "policy": policy, "final_accuracy": acc, "samples_per_s": 1.0, "ddp_ratio": 1.0,
+                "staleness": None, "staleness_max": None, "fresh_fraction": None}
+
+    ddp = [rec(s, seed, "allreduce", 0.96) for s in ("random_k1", "persistent") for seed in (0, 1)]
+    same = [rec("random_k1", seed, "local_sgd", 0.955) for seed in (0, 1)]
+    summary = accuracy.summarize(accuracy.summarize_cells(ddp + same), 1.0)["local_sgd"]
+    assert summary["absent"] == ["mnist/cnn P=16 persistent quota 0.125"] and not summary["within_tolerance"]
+    assert _absent_cells_allowed("local_sgd", summary["absent"], ddp + same) == []  # declared, and it holds
+    assert _absent_cells_allowed("wagma", summary["absent"], ddp + same)  # wagma's rounds depend on the delays
+    differs = [dict(r, commit="abc") for r in same + [rec("heavy_tail", 0, "local_sgd", 0.94)]]
+    assert any("not delay-independent" in e for e in _absent_cells_allowed("local_sgd", summary["absent"], differs))
+    one_seed = accuracy.summarize(accuracy.summarize_cells(ddp + same[:1]), 1.0)["local_sgd"]
+    assert one_seed["missing"] == ["mnist/cnn P=16 random_k1 quota 0.125/seed 1 (not run)"]
+    assert not one_seed["within_tolerance"]
 
 
 @pytest.mark.slow  # real 2-rank trainings, 7.5 s
 def test_accuracy_grid_sets_each_policy_beside_ddp_at_equal_samples_and_resumes(tmp_path, test_policy):
     argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0", "--steps", "12",
             "--delay-s", "0.005", "--eval-every", "0", "--policies", test_policy, "no_such_policy",
-            "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")]
+            "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work"), "--allow-dirty"]
     out = accuracy.main(argv)
     saved = results_io.load(tmp_path / "acc" / "accuracy.json.xz")
     assert saved["records"] == json.loads(json.dumps(out["records"]))
@@ -463,7 +559,7 @@ def test_a_resumed_grid_retries_the_invocations_in_which_a_run_failed(tmp_path, 
 
     monkeypatch.setattr(accuracy.run, "main", fake_run)
     argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0", "1",
-            "--policies", "wagma", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")]
+            "--policies", "wagma", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work"), "--allow-dirty"]
     first = accuracy.main(argv)
     assert [r["status"] for r in first["records"] if r["seed"] == 0] == ["failed", "ok"]
     assert accuracy.main([*argv, "--resume"])["records"] == first["records"] and calls == [0, 1]  # nothing reruns
@@ -477,3 +573,41 @@ def test_a_resumed_grid_retries_the_invocations_in_which_a_run_failed(tmp_path, 
     assert accuracy._failed(first["records"][0]) and not accuracy._failed(first["records"][1])
     with pytest.raises(SystemExit):
         accuracy.parse_args([*argv, "--retry-failed"])  # without --resume there is nothing to retry
+
+
+def test_the_grid_refuses_uncommitted_code_and_its_records_name_their_commit(tmp_path, monkeypatch):
+    calls: list[list[str]] = []
+    monkeypatch.setattr(accuracy.run, "main", lambda argv: calls.append(argv) or {"records": [
+        {"scenario": "random_k1", "policy": "allreduce", "status": "ok", "final_accuracy": 0.9}]})
+    argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0",
+            "--policies", "allreduce", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")]
+    monkeypatch.setattr(accuracy, "machine_info", lambda root: {"git_commit": "abc123+dirty"})
+    with pytest.raises(SystemExit, match=r"expected a checkout whose code is committed, found abc123\+dirty"):
+        accuracy.main(argv)
+    assert calls == []  # refused before any run
+    assert accuracy.main([*argv, "--allow-dirty"])["records"][0]["commit"] == "abc123+dirty"  # said, if allowed
+    monkeypatch.setattr(accuracy, "machine_info", lambda root: {"git_commit": "abc123"})
+    assert accuracy.main(argv)["records"][0]["commit"] == "abc123"
+    assert accuracy.main(["--report-only", "--out", str(tmp_path / "acc")])  # a report runs nothing: always allowed
+
+
+def test_results_written_into_the_tree_do_not_make_its_code_dirty(tmp_path):
+    import subprocess
+
+    from benchmarks.machine import RESULTS, git_commit
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / RESULTS).mkdir(parents=True)
+    (tmp_path / RESULTS / "grid.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    clean = git_commit(tmp_path)
+    assert clean and not clean.endswith("+dirty")
+    (tmp_path / RESULTS / "grid.json").write_text('{"records": []}')  # a benchmark wrote its results
+    assert git_commit(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")  # the code changed
+    assert git_commit(tmp_path) == clean + "+dirty"
