@@ -17,8 +17,8 @@ and what to try:
   loss that explodes at first and then sits at chance level has made no progress;
 - **too stale**: the policy's mean staleness (rounds, as the policy reports it; this rank's running mean once
   ``patience`` steps are in, the mean over all ranks at the end) exceeds ``validated_staleness``, set from the
-  committed grid (``benchmarks/results/accuracy/``): 1.1 x the largest run-mean staleness at which the preset held
-  its accuracy.
+  preset's grid (``benchmarks/results/accuracy/``): 1.1 x the largest run-mean staleness at which the preset held
+  its accuracy, kept below any staleness at which it lost it (0.0: none validated, every stale run is flagged).
 
 Each symptom is reported once (a ``logging`` warning on the rank that observes it; the training loop feeds rank
 0 while it runs) and all of them end up in ``summary.json`` as ``guard`` (``{"ok": bool, "warnings": [...]}``).
