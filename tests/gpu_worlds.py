@@ -46,11 +46,19 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "wagma_flattened_in_place": test_wagma_averager.check_flattened_bits,
     "wagma_late_rank": test_wagma_averager.check_late_rank_not_waited_for,
     "wagma_conserve_sum": lambda d: test_wagma_averager.check_conserve_sum(True, d),
+    # Added after the H200 runs of 2026-11-27 (torch 2.11): publishing after the step (the shipped
+    # wagma_ahead_conserve: publish_after_step with conserve mixing), blocking-round conserve, SGP without overlap
+    # and AD-PSGD's communication thread on CUDA tensors.
+    "wagma_conserve_sum_blocking": lambda d: test_wagma_averager.check_conserve_sum(False, d),
+    "wagma_publish_after_step": lambda d: test_wagma_averager.check_publish_after_step(True, d),
+    "wagma_ahead_conserve_sum": lambda d: test_wagma_averager.check_conserve_sum(False, d, publish=True),
     "partial_equals_allreduce": test_partial_hook.check_equals_plain_allreduce,
     "partial_carries_late_solo": lambda d: test_partial_hook.check_late_gradients_carried("solo", d),
     "partial_carries_late_majority": lambda d: test_partial_hook.check_late_gradients_carried("majority", d),
     "dpsgd_mixing": lambda d: test_gossip.check_dpsgd_mixing(4, "ring", d),
     "osgp_push_sum": lambda d: test_gossip.check_push_sum(4, True, d),
+    "sgp_push_sum": lambda d: test_gossip.check_push_sum(4, False, d),
+    "adpsgd_mean_untorn": lambda d: test_gossip.check_adpsgd_mean_untorn_unwaited(4, d),
     "two_worlds": test_worlds.check_two_worlds,
     "wire_error_feedback": lambda d: test_wire.check_error_feedback(True, d),
     "wire_deltas": test_wire.check_deltas,

@@ -372,34 +372,39 @@ def _constant_params(rank: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_adpsgd_keeps_the_mean_never_tears_a_model_and_the_loop_never_waits_for_a_straggler(world):
+    check_adpsgd_mean_untorn_unwaited(world)
+
+
+def _adpsgd_straggler_worker(rank: int, world_size: int, steps: int, device: str) -> tuple:
+    params = [p.to(rank_device(device, rank)) for p in _constant_params(rank)]
+    averager = ADPSGDAverager(timeout=TIMEOUT_S)
+    torn, longest, first = False, 0.0, True
+    for step in range(steps):
+        for p in params:
+            p.add_(0.01 * (rank + 1))  # the local step: a constant, so every model stays a constant vector
+        if rank == 1 and step in (4, 12):
+            time.sleep(1.5)  # a straggler: its partners' threads wait for it, nobody's training loop does
+        start = time.perf_counter()
+        kind = averager.average_parameters(params)
+        if rank != 1 and not (first and kind):  # the first reduction runs the one-time DDP guard rail (a gc scan)
+            longest = max(longest, time.perf_counter() - start)
+        first = first and not kind
+        values = torch.cat(params)
+        torn |= bool((values != values[0]).any())  # half of an exchange would leave two values
+        time.sleep(0.01)
+    before = float(sum(p.sum() for p in params))
+    averager.synchronize(params)
+    after = _flat(params).cpu()
+    exchanges = averager.exchanges
+    stats = averager.stats
+    averager.close()
+    return torn, longest, before, after, exchanges, stats.local_reductions, stats.global_reductions
+
+
+def check_adpsgd_mean_untorn_unwaited(world: int, device: str = "cpu") -> None:
     steps = 24
-
-    def worker(rank, world_size):
-        params = _constant_params(rank)
-        averager = ADPSGDAverager(timeout=TIMEOUT_S)
-        torn, longest, first = False, 0.0, True
-        for step in range(steps):
-            for p in params:
-                p.add_(0.01 * (rank + 1))  # the local step: a constant, so every model stays a constant vector
-            if rank == 1 and step in (4, 12):
-                time.sleep(1.5)  # a straggler: its partners' threads wait for it, nobody's training loop does
-            start = time.perf_counter()
-            kind = averager.average_parameters(params)
-            if rank != 1 and not (first and kind):  # the first reduction runs the one-time DDP guard rail (a gc scan)
-                longest = max(longest, time.perf_counter() - start)
-            first = first and not kind
-            values = torch.cat(params)
-            torn |= bool((values != values[0]).any())  # half of an exchange would leave two values
-            time.sleep(0.01)
-        before = float(sum(p.sum() for p in params))
-        averager.synchronize(params)
-        after = _flat(params)
-        exchanges = averager.exchanges
-        stats = averager.stats
-        averager.close()
-        return torn, longest, before, after, exchanges, stats.local_reductions, stats.global_reductions
-
-    results = run_workers(worker, world, timeout_s=90, collective_timeout_s=TIMEOUT_S)
+    results = run_workers(_adpsgd_straggler_worker, world, steps, device, timeout_s=90,
+                          collective_timeout_s=TIMEOUT_S)
     assert not any(r[0] for r in results)
     assert max(r[1] for r in results) < 1.0  # the straggler sleeps 1.5 s twice; the others' calls never wait for it
     total = sum(7 * (r + 1) * (1 + 0.01 * steps) for r in range(world))  # Σ initial + Σ local steps

@@ -715,13 +715,14 @@ def test_conserve_keeps_a_late_ranks_progress_whole(overlap):
         torch.testing.assert_close(p0 + p1, torch.full_like(p0, t0 + t1 + steps))
 
 
-def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_lead, device="cpu"):
-    """Random local steps and sleeps; returns the model before and after, the steps' total and the staleness."""
+def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_lead, device="cpu", publish=False):
+    """Random local steps and sleeps; returns the model before and after, the steps' total and the staleness.
+    ``publish``: publish_after_step, the model published right after each local step."""
     model = _tagged(rank).to(rank_device(device, rank))
     initial, steps = _flat(model), torch.zeros_like(_flat(model))
     gen = torch.Generator().manual_seed(1000 + rank)
     with WagmaAverager(2, sync_period, params=model.parameters(), max_lead=max_lead, sync="wait_avoiding",
-                       mixing=mixing, overlap=overlap, timeout=TIMEOUT) as avg:
+                       mixing=mixing, overlap=overlap, publish_after_step=publish, timeout=TIMEOUT) as avg:
         for step in range(rounds):
             time.sleep(sleeps(rank, step))
             offset = 0
@@ -731,6 +732,8 @@ def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_l
                     p.add_(delta)
                     steps[offset:offset + p.numel()] += delta.reshape(-1)
                     offset += p.numel()
+            if publish and step:  # after the step that followed the previous round (none before the first)
+                avg.publish(model.parameters())
             avg.average_parameters(model.parameters())
         final = _flat(model)  # with overlap, the last round is still in flight: applied by no rank, it changes no sum
         hist = {int(k): v for k, v in avg.stats.as_dict()["staleness_hist"].items()}
@@ -747,12 +750,19 @@ def test_conserve_keeps_the_sum_of_all_models_whatever_the_staleness(overlap):
     check_conserve_sum(overlap)
 
 
-def check_conserve_sum(overlap: bool, device: str = "cpu") -> None:
+@pytest.mark.slow  # 6 s
+def test_conserve_keeps_the_sum_when_ranks_publish_after_the_step():
+    """wagma_ahead_conserve's pair: a late rank's thread sends the model published after its step, and the round
+    replaces only what was sent, so the sum of all models is still the initial sum plus every local step."""
+    check_conserve_sum(False, publish=True)
+
+
+def check_conserve_sum(overlap: bool, device: str = "cpu", publish: bool = False) -> None:
     world, rounds, sync_period, lead, delay = 4, 16, 3, 2, 0.06
     sums = {}
     for mixing in ("conserve", "reference"):
         out = run_workers(_sum_worker, world, rounds, _persistent(world - 1, delay), mixing, overlap, sync_period,
-                          lead, device, timeout_s=90)
+                          lead, device, publish, timeout_s=90)
         initial = sum(o[0] for o in out)
         steps = sum(o[1] for o in out)
         final = sum(o[2] for o in out)
@@ -767,13 +777,13 @@ def check_conserve_sum(overlap: bool, device: str = "cpu") -> None:
 # -- publish_after_step: a late rank contributes the model after its step, not its previous call's ------------------
 
 
-def _publish_ahead_worker(rank, world, ahead):
+def _publish_ahead_worker(rank, world, ahead, device="cpu"):
     """Call 0 together; then rank 1 'computes' (sleeps) longer before call 1, so rank 0 starts round 1 without it.
 
     The gradients are set by hand so each SGD step (lr 1) adds 10 (rank 0) or 20 (rank 1) to every parameter.
     Returns the model after each call and the staleness of each of this rank's contributions.
     """
-    model = _tagged(rank)
+    model = _tagged(rank).to(rank_device(device, rank))
     avg = WagmaAverager(2, 5, params=model.parameters(), max_lead=1, publish_after_step=ahead, timeout=TIMEOUT)
     opt = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), avg)
     after, staleness = [], []
@@ -786,7 +796,7 @@ def _publish_ahead_worker(rank, world, ahead):
         opt.step()  # round `call` (average, then step; with `ahead`, then publish)
         hist = avg.stats.as_dict()["staleness_hist"]
         staleness.append(next(int(k) for k in hist if hist[k] != before.get(k, 0)))
-        after.append([p.detach().clone() for p in model.parameters()])
+        after.append([p.detach().cpu().clone() for p in model.parameters()])
     avg.synchronize(model.parameters())  # both ranks done with round 1 before either closes
     avg.close()
     return after, staleness
@@ -798,7 +808,11 @@ def test_publish_after_step_makes_a_late_rank_contribute_its_stepped_model(ahead
     steps make w0 = a0 + 10 and w1 = a1 + 20. Rank 0 starts round 1 while rank 1 sleeps: rank 1's thread sends
     its stepped model w1 under publish_after_step (fresh, staleness 0), else the model of its call 0, t1 (one
     step and one round old, staleness 1). Either way rank 1 then mixes its fresh model once with the sum."""
-    (after0, stale0), (after1, stale1) = run_workers(_publish_ahead_worker, 2, ahead)
+    check_publish_after_step(ahead)
+
+
+def check_publish_after_step(ahead: bool, device: str = "cpu") -> None:
+    (after0, stale0), (after1, stale1) = run_workers(_publish_ahead_worker, 2, ahead, device)
     assert stale0[1] == 0 and stale1[1] == (0 if ahead else 1), (stale0, stale1)
     for i in range(2):
         t0, t1 = 1.0 * (i + 1), 2.0 * (i + 1)
