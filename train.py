@@ -26,7 +26,7 @@ with reported_missing_dependencies("train.py"):
     from omegaconf import DictConfig
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from wagma.app import launch
+    from wagma.app import launch, presets
     from wagma.app.config import ConfigError
 
 launch.register_resolvers()
@@ -79,9 +79,21 @@ def _refuse_dashed_launcher_flags(argv: list[str]) -> None:
             sys.exit(2)
 
 
+def _refuse_unknown_options(argv: list[str]) -> None:
+    """``averaging=eager_solo`` (moved to ``reference/``) or a typo: one line naming the option to use, exit status 2.
+
+    Hydra would print its list of options instead (:func:`wagma.app.presets.override_problems`).
+    """
+    problems = presets.override_problems(argv)
+    if problems:
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
+        sys.exit(launch.SHARED_FAILURE_EXIT_CODE)
+
+
 if __name__ == "__main__":
     _refuse_dashed_launcher_flags(sys.argv[1:])
     sys.argv += launch.hydra_rank_overrides(sys.argv[1:], launch.env_rank())
     with reported_missing_dependencies("train.py"), launch.exit_at_once_on_failure(), \
             launch.failures_reported_by_rank0():
+        _refuse_unknown_options(sys.argv[1:])
         main()

@@ -104,6 +104,50 @@ def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
         validate_config(_compose(*overrides), 4)
 
 
+# Issue 49 (8): a value of the wrong type is named, with what was expected and what was found -- not Python's
+# "could not convert string to float: 'abc'". The expected type is the one the shipped configs give the key.
+@pytest.mark.parametrize(
+    "overrides,problems",
+    [
+        (["optim.lr=abc"], ["optim.lr: expected a float, found 'abc'"]),
+        (["optim=adam", "optim.betas=[a,b]"], ["optim.betas: expected a list of floats, found ['a', 'b']"]),
+        (["optim.nesterov=maybe"], ["optim.nesterov: expected true or false, found 'maybe'"]),  # passed before
+        (["optim.lr=null"], ["optim.lr: expected a float, found None"]),
+        (["data.test_fraction=abc"], ["data.test_fraction: expected a float, found 'abc'"]),  # a traceback before
+        (["model.hidden=[abc]"], ["model.hidden: expected a list of integers, found ['abc']"]),
+        (["model=cnn", "model.hidden=abc"], ["model.hidden: expected an integer, found 'abc'"]),
+        (["imbalance=random_k", "imbalance.k=two"], ["imbalance.k: expected an integer, found 'two'"]),
+        (["imbalance=heavy_tail", "imbalance.max_s=abc"], ["imbalance.max_s: expected a float, found 'abc'"]),
+        (["imbalance=persistent", "imbalance.base_s=abc"],  # null in its preset: the injector says it
+         ["imbalance.base_s: expected a number of seconds or null, found 'abc'"]),
+        (["averaging.group_size=two"], ["averaging.group_size: expected an integer, found 'two'"]),
+        (["seed=abc"], ["seed: expected an integer, found 'abc'"]),  # unchecked before: the ranks failed
+        (["dist_timeout_s=abc"], ["dist_timeout_s: expected an integer, found 'abc'"]),
+        # a key a check already names keeps its message, next to the type problems of the others
+        (["steps=0", "optim.lr=abc", "optim.momentum=x"],
+         ["steps must be an integer >= 1, got 0", "optim.lr: expected a float, found 'abc'",
+          "optim.momentum: expected a float, found 'x'"]),
+        (["resume=maybe"], ["resume must be true or false, got 'maybe'"]),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_its_key_what_was_expected_and_what_was_found(overrides, problems):
+    with pytest.raises(ConfigError) as info:
+        validate_config(_compose(*overrides), 4)
+    assert info.value.problems == problems
+    assert info.value.one_line() == "invalid configuration: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rank_cpus=0.5"],  # an integer in its preset, but a float is a number of CPUs
+    ["optim.lr=1"],  # an integer where a float is expected
+    ["averaging.validated_staleness=null", "averaging.max_lead=null"],  # null: the policy's check allows it
+    ["imbalance=persistent", "imbalance.base_s=0.01"],
+    ["averaging.schedule=[[[0,1],[2,3]],[[0,2],[1,3]]]"],  # a string in its preset: anything goes to its check
+])
+def test_a_value_of_another_type_than_the_presets_that_its_check_accepts_passes(overrides):
+    validate_config(_compose(*overrides), 4)
+
+
 # --- models, metrics, policy ---------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from wagma.app import deps, sweep
+from wagma.app import deps, presets, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +91,55 @@ def test_a_dashed_launcher_flag_is_one_line_naming_the_override(tmp_path, args, 
     proc = _train(tmp_path, *args, timeout=60)
     assert proc.returncode == 2 and len(_lines(proc.stderr)) == 1, proc.stderr
     assert f"use {key}=N instead of {args[0].split('=')[0]}" in proc.stderr
+
+
+# Issue 49 (8): an option that moved to reference/ (or candidate/), or a typo, is one line naming what to use, not
+# Hydra's list of options. override_problems() is what train.py asks before Hydra composes anything.
+MOVED = "(a published algorithm kept for comparison; see docs/staleness.md)"
+
+
+@pytest.mark.parametrize("name", ["eager_solo", "eager_majority", "wagma_overlap", "wagma_relaxed_overlap",
+                                  "eager_solo_overlap"])
+def test_a_preset_that_moved_to_reference_is_named_where_it_went(name):
+    assert presets.override_problems([f"averaging={name}"]) == [
+        f"averaging={name} is not a shipped preset: it is averaging=reference/{name} {MOVED}"]
+
+
+def test_every_value_of_a_sweep_and_every_group_is_checked_and_valid_options_pass():
+    assert presets.override_problems(["-m", "averaging=wagma,eager_solo", "experiment=eager_solo_random_k"]) == [
+        f"averaging=eager_solo is not a shipped preset: it is averaging=reference/eager_solo {MOVED}",
+        f"experiment=eager_solo_random_k is not a shipped preset: it is experiment=reference/eager_solo_random_k "
+        f"{MOVED}"]
+    assert presets.override_problems([
+        "--cfg", "job", "averaging=reference/eager_solo", "experiment=wagma_random_k", "model=cnn", "optim.lr=abc",
+        "~imbalance", "experiment=null", "hydra/job_logging=stdout", "averaging=glob(*)"]) == []
+    # another config directory may hold the option: Hydra decides
+    assert presets.override_problems(["--config-dir", "/elsewhere", "averaging=mine"]) == []
+
+
+def test_a_typo_lists_the_closest_options_and_the_shipped_presets(tmp_path):
+    (tmp_path / "averaging" / "candidate").mkdir(parents=True)
+    for name in ("wagma", "allreduce", "candidate/wagma_next"):
+        (tmp_path / "averaging" / f"{name}.yaml").write_text(f"name: {name.split('/')[-1]}\n")
+    (tmp_path / "config.yaml").write_text("steps: 1\n")
+    assert presets.override_problems(["averaging=wagmaa"], tmp_path) == [
+        "averaging=wagmaa: no such option in configs/averaging/; did you mean averaging=wagma? "
+        "shipped presets: allreduce, wagma; not shipped: candidate/wagma_next"]
+    assert presets.override_problems(["averaging=wagma_next"], tmp_path) == [
+        "averaging=wagma_next is not a shipped preset: it is averaging=candidate/wagma_next "
+        "(a variant not yet through the accuracy grid a preset needs; see docs/application.md)"]
+    shipped = ", ".join(sorted(p.stem for p in (ROOT / "configs" / "averaging").glob("*.yaml")))
+    (line,) = presets.override_problems(["averaging=wagmaa"])
+    assert line.startswith("averaging=wagmaa: no such option in configs/averaging/; did you mean averaging=wagma ")
+    assert f"shipped presets: {shipped}; not shipped: reference/eager_majority, " in line
+
+
+def test_train_py_names_where_a_moved_preset_went_in_one_line(tmp_path):
+    proc = _train(tmp_path, "averaging=eager_solo", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert _lines(proc.stderr) == [
+        f"error: averaging=eager_solo is not a shipped preset: it is averaging=reference/eager_solo {MOVED}"]
+    assert not list(tmp_path.iterdir())  # nothing composed, no run directory
 
 
 def test_every_config_problem_is_on_the_one_line(tmp_path):

@@ -8,9 +8,12 @@ of tracebacks halfway through training.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +25,7 @@ from wagma.app.quota import check_rank_cpus
 from wagma.app.models import build_model
 from wagma.app.parallel import check_parallel, replica_count
 from wagma.app.policies import validate_hsdp, validate_policy_config
+from wagma.app.presets import CONFIGS_DIR
 
 __all__ = [
     "ConfigError", "KNOWN_OPTIMIZERS", "build_optimizer", "group_options", "validate_config", "validate_launch",
@@ -101,12 +105,12 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     ``world_size``), ``parallel`` / ``shard_size`` (:func:`wagma.app.parallel.check_parallel`) and the averaging
     policy (:func:`wagma.app.policies.validate_policy_config`: known name, group sizes dividing the world size --
     under ``parallel=hsdp`` the number of replicas, and a policy with a sharded form --, periods, momentum,
-    mode/mixing/order; see :mod:`wagma.app.policies.options`).
+    mode/mixing/order; see :mod:`wagma.app.policies.options`). A value of another type than the shipped configs
+    give its key is named, whatever the check it failed said (``optim.lr: expected a float, found 'abc'``).
 
     Raises:
         ConfigError: listing every problem, one per line.
     """
-    problems: list[str] = []
     plain: dict[str, Any]
     if isinstance(cfg, DictConfig):
         plain = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
@@ -116,6 +120,9 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     if missing:
         message = f"the config lacks the keys {missing}; compose it from configs/config.yaml"
         raise ConfigError(message, [message])
+    # Each check's problems by the group it checked ("": the top-level keys), for _with_types.
+    found: dict[str, list[str]] = {group: [] for group in ("", *_GROUPS)}
+    problems = found[""]
     if world_size < 1:
         problems.append(f"world size must be >= 1, got {world_size}")
     _nonneg_int(plain, "steps", 1, problems)
@@ -141,56 +148,57 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
             problems.append(quota_problem)
 
     data = plain["data"]
-    info: DataInfo | None = None
-    try:
-        info = dataset_info(data)
-    except ValueError as exc:
-        problems.append(str(exc))
+    info: DataInfo | None = _attempt(found["data"], lambda: dataset_info(data))
     if info is not None:
-        fraction = data.get("test_fraction", 0.2)
-        if not 0.0 < float(fraction) < 1.0:
-            problems.append(f"data.test_fraction must be in (0, 1), got {fraction}")
-        elif isinstance(plain["batch_size"], int) and world_size >= 1:
-            shard = train_split_size(data["name"], float(fraction), info.examples) // world_size
-            if plain["batch_size"] > shard and data.get("batching", "samples") == "samples":
-                problems.append(
-                    f"batch_size={plain['batch_size']} exceeds the {shard} training examples each of "
-                    f"{world_size} ranks holds of {data['name']!r}; use batch_size <= {shard}"
-                )
+        _attempt(found["data"], lambda: _check_split(plain, info, world_size, found))
     if info is None:  # the model is checked against some data all the same
         info = DataInfo(*DATASET_INFO["digits"])
     model = dict(plain["model"])
-    try:
-        build_model(str(model.pop("name", None)), info.in_shape, info.num_classes, **model,
-                    **({} if info.vocab_size is None else {"vocab_size": info.vocab_size}))
-    except ValueError as exc:
-        problems.append(str(exc))
-
-    optim = plain["optim"]
-    try:
-        build_optimizer(optim, [torch.nn.Parameter(torch.zeros(1))])
-    except ValueError as exc:
-        problems.append(str(exc))
-
+    _attempt(found["model"], lambda: build_model(
+        str(model.pop("name", None)), info.in_shape, info.num_classes, **model,
+        **({} if info.vocab_size is None else {"vocab_size": info.vocab_size})))
+    _attempt(found["optim"], lambda: build_optimizer(plain["optim"], [torch.nn.Parameter(torch.zeros(1))]))
     if world_size >= 1:
-        try:
-            build_imbalance(plain["imbalance"], 0, world_size)
-        except ValueError as exc:
-            problems.append(str(exc))
-        _check_averaging(plain, world_size, problems)
+        _attempt(found["imbalance"], lambda: build_imbalance(plain["imbalance"], 0, world_size))
+        _check_averaging(plain, world_size, found)
 
+    problems = _with_types(found, plain)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), problems)
 
 
-def _check_averaging(plain: Mapping[str, Any], world_size: int, problems: list[str]) -> None:
+def _attempt(problems: list[str], check: Callable[[], Any]) -> Any:
+    """``check()``; its ``ValueError`` or ``TypeError`` (a value of the wrong type) goes to ``problems``, as None."""
+    try:
+        return check()
+    except (ValueError, TypeError) as exc:
+        problems.append(str(exc))
+        return None
+
+
+def _check_split(plain: Mapping[str, Any], info: DataInfo, world_size: int, found: dict[str, list[str]]) -> None:
+    """``data.test_fraction`` in (0, 1), and a batch that every rank's shard of the training split holds."""
+    data = plain["data"]
+    fraction = data.get("test_fraction", 0.2)
+    if not 0.0 < float(fraction) < 1.0:
+        found["data"].append(f"data.test_fraction must be in (0, 1), got {fraction}")
+    elif isinstance(plain["batch_size"], int) and world_size >= 1:
+        shard = train_split_size(data["name"], float(fraction), info.examples) // world_size
+        if plain["batch_size"] > shard and data.get("batching", "samples") == "samples":
+            found[""].append(
+                f"batch_size={plain['batch_size']} exceeds the {shard} training examples each of "
+                f"{world_size} ranks holds of {data['name']!r}; use batch_size <= {shard}"
+            )
+
+
+def _check_averaging(plain: Mapping[str, Any], world_size: int, found: dict[str, list[str]]) -> None:
     """Check ``parallel`` / ``shard_size`` and the averaging policy on the world it averages over.
 
     Under ``parallel=hsdp`` that world is the replicas (``world_size / shard_size``): every policy size is checked
     against their number, and a policy with no sharded form is refused (:func:`wagma.app.policies.validate_hsdp`).
     """
     layout = check_parallel(plain.get("parallel", "ddp"), plain.get("shard_size", 1), world_size)
-    problems.extend(layout)
+    found[""].extend(layout)
     if layout:
         return
     hsdp = plain.get("parallel", "ddp") == "hsdp"
@@ -199,10 +207,121 @@ def _check_averaging(plain: Mapping[str, Any], world_size: int, problems: list[s
         if hsdp:
             validate_hsdp(plain["averaging"])
         validate_policy_config(plain["averaging"], replicas)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         where = (f" (parallel=hsdp: the policy averages over the {replicas} replicas = {world_size} ranks / "
                  f"shard_size {plain.get('shard_size')})") if hsdp and "parallel=hsdp" not in str(exc) else ""
-        problems.append(f"{exc}{where}")
+        found["averaging"].append(f"{exc}{where}")
+
+
+# --- the type of every key: what the shipped configs give it ------------------------------------------------------
+
+_INTERPOLATION = re.compile(r"\$\{(\w+)\}")
+
+
+@functools.lru_cache(maxsize=4)
+def _shipped_values(configs_dir: Path) -> dict[str, dict[Any, dict[str, list[Any]]]]:
+    """Every value the configs of ``configs_dir`` give each key, ``{group: {name: {key: [values]}}}``.
+
+    Group ``""`` holds the keys of ``config.yaml`` (under name None); a group's files are filed under their
+    ``name`` (None: a file without one, which extends another). A ``${key}`` value is the root's value of ``key``.
+    Empty when there is no ``config.yaml`` (an installed package without the repository's ``configs/``).
+    """
+    root_file = configs_dir / "config.yaml"
+    if not root_file.is_file():
+        return {}
+    root = OmegaConf.to_container(OmegaConf.load(root_file), resolve=False)
+    assert isinstance(root, dict)
+    for key in ("defaults", "hydra"):
+        root.pop(key, None)
+
+    def resolved(value: Any) -> Any:
+        match = _INTERPOLATION.fullmatch(value) if isinstance(value, str) else None
+        return root.get(match.group(1)) if match else value
+
+    values: dict[str, dict[Any, dict[str, list[Any]]]] = {"": {None: {k: [v] for k, v in root.items()}}}
+    for group in _GROUPS:
+        by_name = values.setdefault(group, {})
+        for path in sorted((configs_dir / group).rglob("*.yaml")):
+            own = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            if not isinstance(own, dict):
+                continue
+            own.pop("defaults", None)
+            keys = by_name.setdefault(own.get("name"), {})
+            for key, value in own.items():
+                keys.setdefault(str(key), []).append(resolved(value))
+    return values
+
+
+def _kind(example: Any) -> tuple[Callable[[Any], bool], str] | None:
+    """How to recognise a value of ``example``'s type, and its name; None for a string or null (any value)."""
+    if isinstance(example, bool):
+        return (lambda v: isinstance(v, bool)), "true or false"
+    if isinstance(example, (int, float)):  # an integer key may take a float (rank_cpus=0.5): its check says
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), \
+            ("an integer" if isinstance(example, int) else "a float")
+    if isinstance(example, list):
+        item = next((k for k in map(_kind, example) if k is not None), None)
+        if item is None:
+            return (lambda v: isinstance(v, list)), "a list"
+        plural = {"an integer": "integers", "a float": "floats", "true or false": "booleans"}.get(item[1], item[1])
+        return (lambda v: isinstance(v, list) and all(x is None or item[0](x) for x in v)), f"a list of {plural}"
+    if isinstance(example, dict):
+        return (lambda v: isinstance(v, dict)), "a mapping"
+    return None
+
+
+def _type_problems(plain: Mapping[str, Any], configs_dir: Path) -> dict[str, dict[str, tuple[str, bool]]]:
+    """The keys whose value is not of the type the shipped configs give them, by group (``""``: the top level).
+
+    ``{group: {path: (problem, null)}}`` with ``problem`` ``"optim.lr: expected a float, found 'abc'"``; ``null``
+    marks a null value, which many keys take (a check that knows says) and so only explains a failed check.
+    A key is checked against the files of its group with the same ``name`` (or, where none has the key, all
+    of them); a value of the type of any of them passes, and a string or null in a config lets anything pass.
+    """
+    shipped = _shipped_values(configs_dir)
+    result: dict[str, dict[str, tuple[str, bool]]] = {}
+    for group, by_name in shipped.items():
+        options = plain.get(group) if group else plain
+        if not isinstance(options, Mapping):
+            continue
+        named = by_name.get(options.get("name")) if group else by_name[None]
+        for key, value in options.items():
+            examples = (named or {}).get(str(key)) or [v for keys in by_name.values() for v in keys.get(str(key), [])]
+            kinds = [_kind(example) for example in examples]
+            if not kinds or any(k is None or k[0](value) for k in kinds) or (group and key == "name"):
+                continue
+            path = f"{group}.{key}" if group else str(key)
+            result.setdefault(group, {})[path] = (f"{path}: expected {kinds[0][1]}, found {value!r}", value is None)
+    return result
+
+
+def _names(problem: str, key: str) -> bool:
+    """Whether ``problem`` names ``key`` (a whole word or dotted path)."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", problem) is not None
+
+
+def _with_types(found: dict[str, list[str]], plain: Mapping[str, Any]) -> list[str]:
+    """The problems of every check (``found``, by group) with the keys of the wrong type named.
+
+    A value of the wrong type makes a check fail with Python's own words (``could not convert string to float:
+    'abc'``) or pass by accident; the one problem that names the key (:func:`_type_problems`) replaces every
+    problem of its group that names none of the group's keys, and is added where no problem names it.
+    """
+    typed = _type_problems(plain, CONFIGS_DIR)
+    problems: list[str] = []
+    for group, messages in found.items():
+        wrong = typed.get(group, {})
+        if group and wrong:
+            keys = [f"{group}.{k}" for k in plain[group]] + [str(k) for k in plain[group] if k != "name"]
+            keyless = [m for m in messages if not any(_names(m, k) for k in keys)]
+            if keyless:
+                messages = [m for m in messages if m not in keyless] + [text for text, _ in wrong.values()]
+        problems += messages
+        for path, (text, null) in wrong.items():
+            if not null and text not in problems and not any(_names(m, path) or _names(m, path.split(".")[-1])
+                                                             for m in messages):
+                problems.append(text)
+    return problems
 
 
 def validate_launch(cfg: DictConfig | Mapping[str, Any]) -> None:

@@ -131,6 +131,9 @@ class Persistent(Imbalance):
             )
         if factor < 1:
             raise ValueError(f"persistent needs factor >= 1 (a slowdown), got {factor}")
+        if base_s is not None and (isinstance(base_s, bool) or not isinstance(base_s, (int, float))):
+            # null in its preset, so the config's type check (wagma.app.config) cannot tell it takes a number
+            raise ValueError(f"imbalance.base_s: expected a number of seconds or null, found {base_s!r}")
         if base_s is not None and base_s < 0:
             raise ValueError(f"persistent needs base_s >= 0 or null, got {base_s}")
         self.ranks, self.factor = frozenset(slow), float(factor)
