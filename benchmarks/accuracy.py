@@ -592,6 +592,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "staleness": mean_stale, "staleness_max": max_stale, "fresh_fraction": stats.get("fresh_fraction"),
                 "staleness_hist": (rec or {}).get("staleness_hist"), "commit": commit,
                 "accuracy_curve": (rec or {}).get("accuracy_curve"),
+                "guard": (rec or {}).get("guard"), "loss_curve": (rec or {}).get("loss_curve"),
                 "compute_max_over_median": (rec or {}).get("compute_max_over_median"),
                 "compute_cv": (rec or {}).get("compute_cv"),
                 "reason": (rec or {}).get("reason"), "status": (rec or {}).get("status", "missing"),

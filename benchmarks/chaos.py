@@ -21,8 +21,14 @@ After the fault the harness records, per run:
   ``restart="elastic"``) or a second launch with ``resume=true`` finished its configured steps;
   ``resumed_from``: the step it continued from (0 when the fault struck before the first complete
   checkpoint: the relaunch then rightly trained from the start);
-- ``bitwise``: for synchronous policies (allreduce, dpsgd, sgp), whether that final model equals, bit for bit,
-  the model of an uninterrupted run of the same configuration (``None`` for the others).
+- ``bitwise``: for synchronous policies (:func:`synchronous`: allreduce, local_sgd, hierarchical,
+  hierarchical_momentum, dpsgd, sgp), whether that final model equals, bit for bit, the model of an uninterrupted
+  run of the same configuration (``None`` for the others).
+
+The policies are the configs' names (``--policies``): by default every shipped preset and baseline, i.e. every
+``configs/averaging/*.yaml`` (a preset added there is in the next campaign), and the published eager-SGD
+algorithms of ``configs/averaging/reference/``; any name :func:`benchmarks.presets.averaging_option` finds a config
+for is accepted. What the harness needs to know about a policy it reads from that config.
 
 Usage (the campaign behind ``benchmarks/results/chaos/chaos.json``; see benchmarks/README.md)::
 
@@ -53,13 +59,43 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout without installing
 
-from benchmarks.presets import averaging_option  # noqa: E402  (no Hydra: chaos only launches train.py)
+# No Hydra: chaos only launches train.py, and reads the configs' keys itself.
+from benchmarks import presets  # noqa: E402
+from benchmarks.presets import averaging_config, averaging_option  # noqa: E402
 
-POLICIES = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority",
-            "dpsgd", "sgp", "osgp", "adpsgd")
-# Whose resumed model must equal the uninterrupted one bit for bit: the blocking ones (D-PSGD and SGP exchange
-# with fixed peers every step and wait for them, so their models do not depend on timing).
-SYNCHRONOUS = frozenset({"allreduce", "dpsgd", "sgp"})
+CONFIGS = REPO / "configs"
+#: The published algorithms every campaign has faulted, though they are not shipped (configs/averaging/reference/).
+REFERENCES = ("eager_solo", "eager_majority")
+#: The averagers (a config's ``name``) whose model does not depend on when ranks arrive, so a resumed run must equal
+#: the uninterrupted one bit for bit: DDP's allreduce, the periodic and hierarchical means (blocking collectives at
+#: fixed steps; hierarchical_momentum's momentum state is checkpointed), D-PSGD and SGP (fixed peers every step, each
+#: exchange waited for). Not: WAGMA and eager-SGD (a round takes whatever has arrived), OSGP (collecting its round in
+#: flight at a checkpoint changes what the next rounds split) and AD-PSGD (a progress thread nobody waits for).
+BLOCKING_AVERAGERS = frozenset({"allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "dpsgd", "sgp"})
+
+
+def default_policies(configs_dir: Path = CONFIGS) -> tuple[str, ...]:
+    """The campaign's policies: every shipped preset and baseline (``configs/averaging/*.yaml``), then
+    :data:`REFERENCES`."""
+    shipped = presets.shipped_policies(configs_dir)
+    return shipped + tuple(p for p in REFERENCES if p not in shipped and p in known_policies(configs_dir))
+
+
+def known_policies(configs_dir: Path = CONFIGS) -> tuple[str, ...]:
+    """Every name ``--policies`` accepts: each config of ``configs/averaging/`` and its unshipped folders."""
+    return presets.known_policies(configs_dir)
+
+
+def synchronous(policy: str, configs_dir: Path = CONFIGS) -> bool:
+    """Whether ``policy``'s resumed model must equal the uninterrupted one bit for bit: its config builds one of the
+    :data:`BLOCKING_AVERAGERS` (its ``name``, after its defaults) and does not overlap rounds with steps."""
+    cfg = averaging_config(policy, configs_dir)
+    return cfg.get("name") in BLOCKING_AVERAGERS and not cfg.get("overlap")
+
+
+POLICIES = default_policies()
+#: The known policies :func:`synchronous` holds to bitwise resume.
+SYNCHRONOUS = frozenset(p for p in known_policies() if synchronous(p))
 WORLDS = (2, 4, 8)
 FAULTS = ("SIGKILL", "SIGSTOP", "SIGTERM")
 RESTARTS = ("elastic", "resume")
@@ -107,14 +143,14 @@ def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tup
 def overrides(spec: Spec, timeout_s: float) -> list[str]:
     """The Hydra overrides of a run: tiny model, short timeouts, frequent checkpoints, a record every step."""
     out = [
-        f"averaging={averaging_option(spec.policy, REPO / 'configs')}", f"steps={spec.steps}",
+        f"averaging={averaging_option(spec.policy, CONFIGS)}", f"steps={spec.steps}",
         f"checkpoint_every={spec.checkpoint_every}",
         f"dist_timeout_s={timeout_s}", "progress=false", "log_every=1", f"seed={spec.seed}", "batch_size=16",
         # A straggler every step (the papers' imbalance) keeps each step >= 50 ms, so the fault lands mid-run.
         "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.05",
     ]
-    if spec.policy != "allreduce":  # allreduce's only wait is DDP's, bounded by dist_timeout_s
-        out.append(f"averaging.timeout_s={timeout_s}")
+    if "timeout_s" in averaging_config(spec.policy, CONFIGS):  # allreduce has none: its only wait is DDP's,
+        out.append(f"averaging.timeout_s={timeout_s}")          # bounded by dist_timeout_s
     return out
 
 
@@ -344,7 +380,7 @@ def run_one(spec: Spec, root: Path, timeout_s: float, grace_s: float = 30.0) -> 
                                                           struck_wall, spec.steps)
     record["named_rank"] = named(_job_text(run_dir), spec)
     record["bitwise"] = None
-    if spec.policy in SYNCHRONOUS and record["resumed"]:
+    if synchronous(spec.policy) and record["resumed"]:
         ref = _final_model(reference(spec, root, timeout_s, 300.0))
         got = _final_model(run_dir)
         record["bitwise"] = bool(ref is not None and got is not None and ref.keys() == got.keys()
@@ -389,12 +425,15 @@ def markdown(records: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=100, help="number of fault runs (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the run plan")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="collective timeout of every run (default 5)")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated config names (default: every configs/averaging/*.yaml, "
+                             f"and {', '.join(REFERENCES)})")
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--steps", type=int, default=60)
@@ -403,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="instead of running: combine the records of campaigns run side by side (other seeds "
                              "and workdirs) into --out and its Markdown summary")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = main_parser()
     args = parser.parse_args(argv)
     if args.merge:
         records = [dict(r, campaign=str(path)) for path in args.merge for r in json.loads(Path(path).read_text())]
@@ -415,9 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.timeout_s <= 0 or args.steps < 10:
         parser.error(f"need --runs >= 1, --timeout-s > 0 and --steps >= 10, got {args.runs}, {args.timeout_s}, {args.steps}")
     policies = tuple(p for p in args.policies.split(",") if p)
-    unknown = set(policies) - set(POLICIES)
+    known = known_policies()
+    unknown = set(policies) - set(known)
     if unknown:
-        parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+        parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(known)}")
     specs = plan(args.runs, args.seed, policies, tuple(int(w) for w in args.worlds.split(",")),
                  tuple(args.faults.split(",")), args.steps)
     root = Path(args.workdir)

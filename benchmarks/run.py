@@ -3,8 +3,9 @@
 For every (scenario, policy) it trains with the application's :func:`wagma.app.train.train` on a world of
 forked gloo CPU ranks (:func:`wagma.testing.run_workers`), on the same data, model, seed and imbalance,
 and records throughput, time to a target test accuracy, final accuracy at a fixed sample budget, time
-waited per step (mean and 95th percentile), global reductions, bytes per rank, the staleness histogram
-and the consensus distance over time; then the no-wait ideal of each scenario and the ratios.
+waited per step (mean and 95th percentile), global reductions, bytes per rank, the staleness histogram,
+the consensus distance over time, the run-time guard's verdict and rank 0's training loss curve
+(:func:`guard_and_loss_curve`); then the no-wait ideal of each scenario and the ratios.
 
 Usage::
 
@@ -54,10 +55,11 @@ from wagma.app.quota import PERIOD_US, job_name, quota_job  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
 from wagma.app.train import train  # noqa: E402
 
-__all__ = ["main", "parse_args", "run_timeout_s"]
+__all__ = ["LOSS_CURVE_POINTS", "guard_and_loss_curve", "loss_curve", "main", "parse_args", "run_timeout_s"]
 
 CONFIGS = ROOT / "configs"
 WARMUP_STEPS = 5  # steps left out of the step-time calibration (DDP rebuilds its buckets after the first)
+LOSS_CURVE_POINTS = 100  # the most (step, loss) points a record keeps of a run's training loss
 
 MODES: dict[str, dict[str, Any]] = {
     "full": {"steps": 240, "eval_every": 10, "target": 0.95, "scenarios": sc.SCENARIOS,
@@ -88,6 +90,10 @@ DEFINITIONS: tuple[str, ...] = (
     "wait: wait_s per rank and step as wagma.app.train measures it (backward time after the last gradient was "
     "ready, plus the policy's before/after-step averaging): mean over all ranks and steps, 95th percentile "
     "over all (rank, step) values.",
+    "guard: summary.json's guard entry ({ok, warnings}: whether wagma.app.guard saw no symptom, and its one-line "
+    "warnings; null when the summary has none); loss_curve: [step, loss] pairs of rank 0's training loss (the loss "
+    "the guard watches) as its metrics recorded it, at most LOSS_CURVE_POINTS of them, picked evenly, the first "
+    "and last kept.",
     "global red.: the policy's global_reductions counter; KB/rank: the policy's bytes_sent counter (mean "
     "over ranks; '–' when the policy does not count bytes); staleness: mean / max of the histogram of the "
     "staleness the policy reports per step (summed over ranks); consensus: the last (1/P) Σ‖w_i − w̄‖² the "
@@ -182,6 +188,27 @@ def _steady_means(run_dir: Path, world: int) -> tuple[float, float]:
     return (sum(r["step_s"] for r in recs) / len(recs), sum(r["compute_s"] for r in recs) / len(recs))
 
 
+def loss_curve(records: list[dict[str, Any]], max_points: int = LOSS_CURVE_POINTS) -> list[list[float]] | None:
+    """``[[step, loss], ...]`` of the metrics ``records`` that hold a loss, at their own granularity (a record of
+    several steps holds their mean), thinned to at most ``max_points`` picked evenly, the first and last kept; None
+    when no record holds one. A non-finite loss (a diverged run) is kept as it is."""
+    points = [[int(r["step"]), float(r["loss"])] for r in records if r.get("loss") is not None]
+    if not points:
+        return None
+    if len(points) > max_points >= 2:
+        picks = sorted({round(i * (len(points) - 1) / (max_points - 1)) for i in range(max_points)})
+        points = [points[i] for i in picks]
+    return points
+
+
+def guard_and_loss_curve(run_dir: Path) -> dict[str, Any]:
+    """What a claim about a run's learning rests on: ``guard``, the ``guard`` entry of its ``summary.json`` as the
+    application wrote it (``{"ok": bool, "warnings": [line, ...]}``; None when the summary has none), and
+    ``loss_curve``, rank 0's training loss (:func:`loss_curve`; rank 0 is the rank whose guard the summary holds)."""
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    return {"guard": summary.get("guard"), "loss_curve": loss_curve(read_metrics(run_dir, 0))}
+
+
 def _line(i: int, n: int, scenario: str, policy: str, text: str) -> None:
     print(f"[{i:>2}/{n}] {scenario:<10} {policy:<22} {text}", flush=True)
 
@@ -202,7 +229,7 @@ _EMPTY_FIELDS = (
     "samples_per_s", "aggregate_samples_per_s", "ideal_samples_per_s", "ideal_ratio", "ddp_ratio",
     "time_to_target_s", "ttt_ddp_ratio",
     "final_accuracy", "mean_wait_s", "p95_wait_s", "global_reductions", "bytes_per_rank", "staleness_hist",
-    "consensus", "final_consensus", "accuracy_curve",
+    "consensus", "final_consensus", "accuracy_curve", "guard", "loss_curve",
 )
 
 
@@ -289,6 +316,7 @@ def _run_one(
     try:
         _train(cfg, run_dir, args.world, timeout_s, args.consensus_every)
         rec.update(collect.collect(run_dir, args.world, args.target))
+        rec.update(guard_and_loss_curve(run_dir))
         rec["steady_step_s"], rec["steady_compute_s"] = _steady_means(run_dir, args.world)
     except (WorkerError, OSError, KeyError, ValueError) as exc:
         rec.update(status="failed", reason=f"{type(exc).__name__}: {exc}"[-4000:])

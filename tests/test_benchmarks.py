@@ -611,3 +611,84 @@ def test_results_written_into_the_tree_do_not_make_its_code_dirty(tmp_path):
     assert git_commit(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")  # the code changed
     assert git_commit(tmp_path) == clean + "+dirty"
+
+
+# --- the guard's verdict and the loss curve travel with every record (issue 49, point 5) -------------------------
+
+
+def _fake_run_outputs(run_dir: Path, world: int, steps: int, *, guard: Any = "absent", log_every: int = 1) -> list[float]:
+    """What a finished training run leaves in ``run_dir`` (metrics of every rank, rank 0's summary); rank 0's losses."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    losses = [2.3 * math.exp(-s / 50) + 0.1 for s in range(1, steps + 1)]
+    for rank in range(world):
+        lines = [json.dumps({"step": s, "rank": rank, "loss": losses[s - 1] + rank, "step_s": 0.01, "compute_s": 0.008,
+                             "wait_s": 0.002, "samples": 32, "steps_in_record": log_every})
+                 for s in range(log_every, steps + 1, log_every)]
+        (run_dir / f"metrics_rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    summary = {"steps": steps, "batch_size": 32, "test_accuracy": 0.81, "samples_per_s": 1000.0, "mean_wait_s": 0.002}
+    if guard != "absent":
+        summary["guard"] = guard
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return losses
+
+
+def test_a_runs_record_carries_the_guards_verdict_and_rank_0s_loss_curve_kept_small(tmp_path):
+    flagged = {"ok": False, "warnings": ["wagma_relaxed_overlap is not learning: the training loss rose back to 1.9 "
+                                         "and stayed there for 100 steps; staleness 1.80 rounds; try averaging=wagma"]}
+    losses = _fake_run_outputs(tmp_path / "a", 2, 400, guard=flagged)
+    got = run.guard_and_loss_curve(tmp_path / "a")
+    assert got["guard"] == flagged  # summary.json's entry as it is: the flag and its line
+    curve = got["loss_curve"]
+    assert len(curve) == run.LOSS_CURVE_POINTS == 100
+    assert curve[0] == [1, losses[0]] and curve[-1] == [400, losses[-1]]  # rank 0's, first and last step kept
+    assert all(loss == losses[step - 1] for step, loss in curve)
+    gaps = {b[0] - a[0] for a, b in zip(curve, curve[1:])}
+    assert gaps <= {4, 5} and len(curve) == len({step for step, _ in curve})  # evenly spread, no step twice
+    # A short run keeps every record it has, at the metrics' own granularity (log_every 5 here).
+    _fake_run_outputs(tmp_path / "b", 2, 200, guard={"ok": True, "warnings": []}, log_every=5)
+    got = run.guard_and_loss_curve(tmp_path / "b")
+    assert got["guard"] == {"ok": True, "warnings": []}
+    assert [step for step, _ in got["loss_curve"]] == list(range(5, 201, 5))
+    # A summary written before the guard existed: no verdict, not a clean one.
+    _fake_run_outputs(tmp_path / "c", 2, 20)
+    assert run.guard_and_loss_curve(tmp_path / "c")["guard"] is None
+
+
+def test_run_py_records_and_the_accuracy_grid_keep_the_guard_and_loss_curve(tmp_path, monkeypatch):
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    flagged = {"ok": False, "warnings": ["eager_solo_overlap is not learning: the final test accuracy 10.00 % is at "
+                                         "chance level (10 % for 10 classes) after 400 steps; staleness 1.00 rounds"]}
+    monkeypatch.setattr(run, "_train", lambda cfg, run_dir, world, timeout_s, every: _fake_run_outputs(
+        run_dir, world, 60, guard=flagged))
+    cfg = OmegaConf.create({"averaging": {"name": "wagma", "validated_staleness": 2.5}, "rank_cpus": 0})
+    args = argparse.Namespace(out=tmp_path, steps=60, world=2, target=0.9, consensus_every=0)
+    rec = run._run_one(cfg, "random_k1", "wagma", args, 0.0, 0.01)
+    assert rec["status"] == "ok", rec["reason"]
+    assert rec["guard"] == flagged and [p[0] for p in rec["loss_curve"]] == list(range(1, 61))
+
+    def failing(*_: Any) -> None:
+        raise OSError("no space left")
+
+    monkeypatch.setattr(run, "_train", failing)
+    failed = run._run_one(cfg, "random_k1", "wagma", args, 0.0, 0.01)
+    assert failed["status"] == "failed" and failed["guard"] is None and failed["loss_curve"] is None
+
+    curve = [[10, 2.0], [20, 1.5]]
+
+    def fake_run(argv: list[str]) -> dict[str, Any]:
+        base = {"scenario": "random_k1", "status": "ok", "final_accuracy": 0.9, "samples_per_s": 1.0, "ddp_ratio": 1.0}
+        return {"records": [base | {"policy": "allreduce", "guard": {"ok": True, "warnings": []}, "loss_curve": curve},
+                            base | {"policy": "wagma", "guard": flagged, "loss_curve": curve[:1]}]}
+
+    monkeypatch.setattr(accuracy.run, "main", fake_run)
+    monkeypatch.setattr(accuracy, "machine_info", lambda root: {"git_commit": "abc123"})  # whatever the tree's state
+    out = accuracy.main(["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0",
+                         "--policies", "wagma", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")])
+    by = {r["policy"]: r for r in out["records"]}
+    assert by["allreduce"]["guard"] == {"ok": True, "warnings": []} and by["allreduce"]["loss_curve"] == curve
+    assert by["wagma"]["guard"] == flagged and by["wagma"]["loss_curve"] == [[10, 2.0]]
+    saved = results_io.load(tmp_path / "acc" / "accuracy.json.xz")  # and so does the grid's file
+    assert {r["policy"]: r["guard"] for r in saved["records"]} == {"allreduce": {"ok": True, "warnings": []}, "wagma": flagged}
