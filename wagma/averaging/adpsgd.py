@@ -16,8 +16,20 @@ exchange. It never waits for a peer. What stays true:
   only the training loop writes the model, so a model never mixes halves of two exchanges.
 - *The mean is kept.* The two sides of an exchange add opposite differences computed from the same two
   copies, so Σ models over the ranks changes only by the local steps (up to float rounding).
-- *Bounded waits.* Every send and receive of the thread is bounded by ``timeout``; its failure (naming the
-  peer and the exchange) is raised by the training loop's next call. Joining the thread is bounded too.
+- *Both sides or neither.* Before exchange k moves any data its two ranks *meet* in the c10d store: each adds 1
+  to the exchange's key, and the one whose ``add`` returns 2 starts the transfers while the first looks at the key
+  until it reads 2. A rank that will not come adds 10 instead, atomically with the other's arrival, so an exchange is
+  run by both ranks or by neither: no transfer is ever posted that its peer will not match.
+- *Closing needs no agreement.* :meth:`~ADPSGDAverager.close` (with or without a
+  :meth:`~ADPSGDAverager.synchronize` first, on one rank or on all) lets the thread finish an exchange both sides
+  met for (its peer runs it at once), withdraws from the one it is waiting for, and withdraws from its next
+  ``L`` exchanges (``L``: the number of offsets), the only ones a peer can wait in for this rank. A peer that finds
+  an exchange withdrawn skips it and every later one with the closed rank, and goes on with its other partners; no
+  thread waits for ``timeout``, and the default group stays usable at once.
+- *Bounded waits.* A meeting, every send and receive of the thread and every store call are bounded by ``timeout``;
+  a failure (naming the peer and the exchange; a peer that never came to a meeting is one) is raised by the
+  training loop's next call. A process that dies does not withdraw: its partners time out. Joining the thread is
+  bounded too.
 
 :meth:`~ADPSGDAverager.synchronize` and :meth:`~ADPSGDAverager.state_dict` are collective (every rank calls
 them at the same step): the ranks agree on the number of exchanges to finish, the threads finish exactly those
@@ -28,11 +40,12 @@ global mean. Resume continues at the agreed exchange.
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -40,10 +53,32 @@ import torch.distributed as dist
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.gossip import _Exchange, _check_world
 from wagma.averaging.tensors import widened
+from wagma.engine_store import CONNECT_S, StoreCaller, _address, _clone
 from wagma.groups import DEFAULT_TIMEOUT
 from wagma.world import WorldLike
 
 __all__ = ["ADPSGDAverager", "adpsgd_peer"]
+
+_instance_ids = itertools.count()  # the same sequence on every rank: averagers are built on all ranks, in order
+#: Added to an exchange's meeting key by a rank that will not come to it (or no longer waits there).
+_WITHDRAWN = 10
+#: The first and the longest pause (s) between two looks at a meeting key by the rank that came first.
+_LOOK_S = (0.0005, 0.005)
+#: How long close() waits for the thread beyond ``timeout`` (its last store calls).
+_JOIN_GRACE_S = 5.0
+
+Meeting = Literal["run", "left", "withdrew"]
+
+
+def _offsets(world_size: int) -> list[int]:
+    """AD-PSGD's offsets for a world of ``world_size`` ranks: ``1`` and ``1 + 2^i`` below it, in turn."""
+    _check_world("adpsgd", world_size)
+    if world_size % 2:
+        raise ValueError(
+            f"adpsgd: the active / passive split pairs even ranks with odd ones, so the world must be even; "
+            f"found {world_size} ranks"
+        )
+    return [1] + [1 + 2 ** i for i in range(1, int(math.log2(world_size - 1)) + 1) if 1 + 2 ** i < world_size]
 
 
 def adpsgd_peer(rank: int, world_size: int, exchange: int) -> int:
@@ -55,13 +90,7 @@ def adpsgd_peer(rank: int, world_size: int, exchange: int) -> int:
     Raises:
         ValueError: for a world of fewer than 2 ranks or an odd one (no bipartite split into pairs).
     """
-    _check_world("adpsgd", world_size)
-    if world_size % 2:
-        raise ValueError(
-            f"adpsgd: the active / passive split pairs even ranks with odd ones, so the world must be even; "
-            f"found {world_size} ranks"
-        )
-    offsets = [1] + [1 + 2 ** i for i in range(1, int(math.log2(world_size - 1)) + 1) if 1 + 2 ** i < world_size]
+    offsets = _offsets(world_size)
     o = offsets[exchange % len(offsets)]
     return (rank + o) % world_size if rank % 2 == 0 else (rank - o) % world_size
 
@@ -78,12 +107,19 @@ class ADPSGDAverager(AveragerBase):
     used and the call that added it (0: added at the next call).
 
     All ranks of the default group take part; the averager creates two groups over them, one for the thread's
-    exchanges and one for :meth:`synchronize`'s agreement and global mean (the main thread's).
+    exchanges and one for :meth:`synchronize`'s agreement and global mean (the main thread's), and its exchanges
+    meet through the default group's c10d store (a client of its own; at most ``L`` keys per rank, ``L`` the
+    number of offsets, stay there after :meth:`close`).
+
+    Ending a run: :meth:`close` is not collective and needs no :meth:`synchronize` first; it returns without
+    waiting for any peer (module docstring). A rank whose partner closed skips that partner's exchanges from then
+    on (:attr:`departed`) and keeps averaging with the others; call :meth:`synchronize` on every rank first when
+    the final models should be the global mean.
 
     Args:
         warmup_steps: calls before the thread starts; at least 0.
         average_buffers: also average the floating-point buffers passed to ``average_parameters``.
-        timeout: bound of every send, receive and join (``timedelta`` or seconds).
+        timeout: bound of every meeting, send, receive, store call and join (``timedelta`` or seconds).
         world: the ranks to gossip among (:func:`wagma.world.as_world`; ``None``: the whole job).
 
     Raises:
@@ -100,26 +136,42 @@ class ADPSGDAverager(AveragerBase):
     ) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         super().__init__(None, average_buffers=average_buffers, timeout=timeout, world=world)
-        adpsgd_peer(0, self.world_size, 0)  # validates the world
+        self._period = len(_offsets(self.world_size))  # validates the world; a rank meets each peer once a period
         self._p2p = self._new_group(None)  # the thread's own: never used by two threads at once
+        # The meetings' store: a client of its own, whose request/response calls run with a deadline
+        base = dist.distributed_c10d._get_default_store()
+        prefix = f"wagma/adpsgd/{self.world.key}{next(_instance_ids)}/"
+        address = _address(base)
+        client = _clone(base, max(CONNECT_S, self.timeout.total_seconds()), self.timeout, address)
+        self._store = StoreCaller(dist.PrefixStore(prefix, client), f"wagma-adpsgd-store-rank{dist.get_rank()}")
+        self._resources.closers.append(self._store)
         self._cond = threading.Condition()
         self._snapshot: list[torch.Tensor] | None = None  # the published copy; replaced, never written
         self._version = 0  # models published so far
         self._used = 0  # the version the thread's last exchange used (it waits for a newer one)
         self._deltas: list[tuple[list[torch.Tensor], int]] = []  # finished exchanges: (difference, copy's version)
         self._started = 0  # exchanges the thread has begun
-        self._done = 0  # exchanges the thread has finished
+        self._done = 0  # exchanges the thread has finished or skipped
+        self._skipped = 0  # of those, skipped: the partner had closed
+        self._departed: set[int] = set()  # group ranks of the partners that closed (their exchanges are skipped)
         self._target: int | None = None  # when set: finish exactly this many exchanges, then idle
         self._frozen = False  # begin no new exchange
         self._closing = False
+        self._left = False  # this rank withdrew from its next exchanges (it will run none)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def exchanges(self) -> int:
-        """Exchanges this rank's thread has finished."""
+        """Exchanges this rank's thread has finished (not counting those skipped because the partner closed)."""
         with self._cond:
-            return self._done
+            return self._done - self._skipped
+
+    @property
+    def departed(self) -> list[int]:
+        """The job ranks of the partners that closed their averagers: their exchanges are skipped from then on."""
+        with self._cond:
+            return sorted(self.world.global_rank(r) for r in self._departed)
 
     # -- the training loop's side ---------------------------------------------------------------------
 
@@ -173,33 +225,124 @@ class ADPSGDAverager(AveragerBase):
 
     def _run(self) -> None:
         me = self._p2p.rank()
+        met: int | None = None  # the last exchange whose meeting key this thread came to
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        if self._closing:
+                            return
+                        if self._target is not None:
+                            if self._started < self._target:
+                                break  # finishing the agreed exchanges: use the newest copy, new or not
+                        elif not self._frozen and self._version > self._used:
+                            break
+                        self._cond.wait(0.1)
+                    assert self._snapshot is not None
+                    copy, used, k = self._snapshot, self._version, self._started
+                    self._used = used
+                    self._started += 1
+                    peer = adpsgd_peer(me, self.world_size, k)
+                    known_gone = peer in self._departed
+                if not known_gone:
+                    met = k
+                meeting: Meeting = "left" if known_gone else self._meet(k, peer)
+                if meeting == "withdrew":
+                    return  # closing: the peer learns it from the key
+                if meeting == "left":
+                    with self._cond:
+                        self._departed.add(peer)
+                        self._done += 1
+                        self._skipped += 1
+                        self._cond.notify_all()
+                    continue
+                inbox = self._swap(copy, peer, k)
+                delta = [(theirs - mine).mul_(0.5) for theirs, mine in zip(inbox, copy)]
+                with self._cond:
+                    self._deltas.append((delta, used))
+                    self._done += 1
+                    self._cond.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the training loop, which raises it
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+        finally:
+            self._leave(skip=met)
+
+    def _key(self, k: int, peer: int) -> str:
+        """The meeting key of exchange ``k`` between this rank and group rank ``peer`` (the same on both)."""
+        return f"x/{k}/{min(self._p2p.rank(), peer)}"
+
+    def _store_call(self, what: str, fn: Any) -> Any:
+        return self._store.call(what, fn, self.timeout.total_seconds())
+
+    def _meet(self, k: int, peer: int) -> Meeting:
+        """Meet group rank ``peer`` for exchange ``k`` in the store (module docstring), within ``timeout``.
+
+        Returns:
+            ``"run"``: both came, run the exchange; ``"left"``: the peer withdrew (it closed), skip it;
+            ``"withdrew"``: this rank is closing and withdrew before the peer came.
+
+        Raises:
+            TimeoutError: naming the peer and the exchange, when the peer neither came nor withdrew in time.
+        """
+        key = self._key(k, peer)
+        owner = f"{type(self).__name__} (progress thread)"
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        came = self._store_call(f"the arrival at exchange {k}", lambda s: s.add(key, 1))
+        if came == 2:
+            return "run"  # the peer came first and looks for us; it deletes the key
+        if came >= _WITHDRAWN:
+            self._store.submit("a key's deletion", lambda s: s.delete_key(key))  # nobody reads it again
+            return "left"
+        pause = _LOOK_S[0]
         while True:
             with self._cond:
-                while True:
-                    if self._closing:
-                        return
-                    if self._target is not None:
-                        if self._started < self._target:
-                            break  # finishing the agreed exchanges: use the newest copy, new or not
-                    elif not self._frozen and self._version > self._used:
-                        break
-                    self._cond.wait(0.1)
-                assert self._snapshot is not None
-                copy, used, k = self._snapshot, self._version, self._started
-                self._used = used
-                self._started += 1
-            try:
-                inbox = self._swap(copy, adpsgd_peer(me, self.world_size, k), k)
-            except BaseException as err:  # noqa: BLE001 - handed to the training loop, which raises it
-                with self._cond:
-                    self._error = err
-                    self._cond.notify_all()
+                if not self._closing and time.monotonic() < deadline:
+                    self._cond.wait(pause)
+                closing = self._closing
+            if closing or time.monotonic() >= deadline:
+                value = self._store_call(f"the withdrawal from exchange {k}", lambda s: s.add(key, _WITHDRAWN))
+                if value == 2 + _WITHDRAWN:  # the peer came just before: the exchange runs on both sides
+                    self._store.submit("a key's deletion", lambda s: s.delete_key(key))
+                    return "run"
+                if closing:
+                    return "withdrew"
+                if value >= 2 * _WITHDRAWN:  # the peer had withdrawn at the same moment
+                    self._store.submit("a key's deletion", lambda s: s.delete_key(key))
+                    return "left"
+                rank, limit = self.world.global_rank(peer), self.timeout.total_seconds()
+                raise TimeoutError(
+                    f"{owner}: exchange {k}: no model arrived from rank {rank} within {limit:g} s "
+                    f"(expected its progress thread at the exchange's meeting in the store, found neither it nor a "
+                    f"withdrawal); rank {rank} is slow, hung or gone"
+                )
+            value = self._store_call(f"a look at exchange {k}'s meeting", lambda s: s.add(key, 0))
+            if value == 2 or value >= _WITHDRAWN:
+                self._store.submit("a key's deletion", lambda s: s.delete_key(key))  # the last to read it
+                return "run" if value == 2 else "left"
+            pause = min(2 * pause, _LOOK_S[1])
+
+    def _leave(self, skip: int | None = None) -> None:
+        """Withdraw from the exchanges this rank will not run: the next ``L`` after the last it finished, the
+        only ones a peer can wait in for it (a peer is at most one period ahead). ``skip``: an exchange this rank
+        already came to (and ran or withdrew from). Bounded; store errors are dropped (a peer then times out)."""
+        with self._cond:
+            if self._left:
                 return
-            delta = [(theirs - mine).mul_(0.5) for theirs, mine in zip(inbox, copy)]
-            with self._cond:
-                self._deltas.append((delta, used))
-                self._done += 1
-                self._cond.notify_all()
+            self._left = True
+            first = self._done
+            departed = set(self._departed)
+        me = self._p2p.rank()
+        keys = []
+        for j in range(first, first + self._period):
+            peer = adpsgd_peer(me, self.world_size, j)
+            if j != skip and peer not in departed:
+                keys.append(self._key(j, peer))
+        try:
+            self._store_call("the withdrawals from the next exchanges", lambda s: [s.add(x, _WITHDRAWN) for x in keys])
+        except (TimeoutError, RuntimeError):
+            pass  # the store is frozen or gone: the peers time out instead
 
     def _swap(self, copy: list[torch.Tensor], peer: int, k: int) -> list[torch.Tensor]:
         exchange = _Exchange(f"{type(self).__name__} (progress thread)", k, self._p2p, self.timeout, unit="exchange")
@@ -293,15 +436,24 @@ class ADPSGDAverager(AveragerBase):
             self._started = self._done = exchanges
 
     def close(self) -> None:
-        """Stop the thread (bounded join) and release the groups; idempotent."""
+        """Stop the thread and release the groups; idempotent. Not collective, needs no :meth:`synchronize` first.
+
+        The thread finishes an exchange whose peer met it, withdraws from the one it waits for and from its next
+        ones, and ends: no peer is kept waiting (module docstring). The join is bounded by ``timeout`` (and a few
+        seconds for the store). Exchanges finished since the last call are not added (call :meth:`synchronize`
+        first to keep them and end at the global mean).
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(self.timeout.total_seconds() + 1.0)
+        if thread is None:
+            if not self._closed:
+                self._leave()  # the thread never ran: partners that did may wait in this rank's first exchanges
+        elif thread is not threading.current_thread():
+            thread.join(self.timeout.total_seconds() + _JOIN_GRACE_S)  # it withdraws as it ends
         if not self._closed:
             super().close()
 
     def __repr__(self) -> str:
-        return f"ADPSGDAverager(warmup_steps={self.warmup_steps}, step={self.step}, exchanges={self._done})"
+        return f"ADPSGDAverager(warmup_steps={self.warmup_steps}, step={self.step}, exchanges={self.exchanges})"
