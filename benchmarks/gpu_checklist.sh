@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ../shared/GPU_CHECKLIST.md in one command, for a lent GPU machine with a short budget: each item under its own
+# The GPU checklist (docs/gpu.md: the GPU tests, the kernel benchmark, telemetry, the regime on CUDA) in one command, for a lent GPU machine with a short budget: each item under its own
 # deadline, every output kept, a failing item does not stop the next. Run from the repository root:
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_checklist.sh

@@ -8,7 +8,7 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
 
 - ``ms_per_step``: from a barrier after ``--warmup`` steps to a barrier after the last step and the
   policy's ``finalize`` (final mean or flush), the slowest rank (max end - min start over ranks), / steps;
-- ``ideal_ms``: T + the mean over ranks and steps of the delays the ranks actually slept (DESIGN §4);
+- ``ideal_ms``: T + the mean over ranks and steps of the delays the ranks actually slept (docs/design.md §4);
 - ``no_wait_ms``: T + the largest total delay any one rank slept, / steps: what ranks that never wait for
   each other (nor communicate) take on the same trace, timed like ``ms_per_step``. Every protocol's bound is
   at or above it, so ``ideal / no_wait`` is the most ``x_ideal`` any policy can reach over this many steps

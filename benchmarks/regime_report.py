@@ -33,7 +33,7 @@ DEFINITIONS: tuple[str, ...] = (
     "ms/step: from a barrier after the warm-up steps to a barrier after the last step and the policy's finalize "
     "(final global mean, or eager-SGD's flush of the residuals), max end − min start over ranks, / timed steps; "
     "median of the repetitions.",
-    "ideal: T + the mean over ranks and steps of the delays the ranks actually slept (DESIGN §4: a perfectly "
+    "ideal: T + the mean over ranks and steps of the delays the ranks actually slept (docs/design.md §4: a perfectly "
     "wait-avoiding method pays the mean delay, not the maximum). ×ideal = ideal / ms.",
     "no-wait: T + the largest total delay any one rank slept, / steps: what ranks that never wait for each other "
     "(nor communicate) take on the same trace. Every protocol's bound is at or above it, so ideal / no-wait is the "

@@ -73,7 +73,7 @@ MODES: dict[str, dict[str, Any]] = {
 DEFINITIONS: tuple[str, ...] = (
     "samples/s: P x B x steps / (the slowest rank's summed step times); a step time covers the injected "
     "sleep, compute, communication and waiting, not evaluation, metrics or checkpoints.",
-    "ideal (no-wait ideal, DESIGN §4): P x B / (T + E[mean delay]), T the mean per-rank step time of DDP "
+    "ideal (no-wait ideal, docs/design.md §4): P x B / (T + E[mean delay]), T the mean per-rank step time of DDP "
     "without imbalance (compute + allreduce), E[mean delay] the injector's expected delay averaged over ranks "
     "(wagma.app.imbalance expected_mean_delay_s: k d / P for random_k). x ideal = samples/s / ideal. The JSON "
     "also holds own_ideal (T of the same policy without imbalance) and compute_ideal (T = the run's mean "

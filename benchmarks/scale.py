@@ -5,7 +5,7 @@
    and the ranks sharing the machine's cores) is set beside the measured one; the target is agreement
    within 10 %. Beside it, the same run simulated as if every rank had its own cores (the wall-clock trace
    and an idle world's wall-clock network): what the shared-cores model adds.
-2. **Extrapolation** to P = 64 ... 1,024 in the WAGMA paper's setting (DESIGN §4): ResNet-50, 25.6 M
+2. **Extrapolation** to P = 64 ... 1,024 in the WAGMA paper's setting (docs/design.md §4): ResNet-50, 25.6 M
    parameters (102.4 MB of fp32 gradients or weights), forward + backward ``--compute-s`` (0.35 s, the
    middle of the quoted 0.3-0.4 s) on every rank, Cray Aries (``--bandwidth-GBps`` 10 GB/s injection,
    ``--alpha-us`` 3 µs latency), each step random ranks drawn with a shared seed sleep 320 ms: 2 ranks

@@ -27,8 +27,8 @@ The protocols are those of the library, with the library's own round rules:
   ``r = step - warmup_iters`` is a partial allreduce over all ranks run by the progress threads,
   activated by the first arrival (solo) or by the round's initiator, drawn exactly as the library's
   engine draws it (majority); rounds with ``r % (tau + 1) == tau`` are blocking and fully fresh.
-- ``dpsgd`` / ``sgp`` / ``osgp`` / ``adpsgd``, the decentralized baselines (DESIGN §2.6): point-to-point messages
-  of the model (``nbytes``) instead of collectives, with the library's own peer functions. Warm-up steps
+- ``dpsgd`` / ``sgp`` / ``osgp`` / ``adpsgd``, the decentralized baselines (docs/design.md §2.6): point-to-point
+  messages of the model (``nbytes``) instead of collectives, with the library's own peer functions. Warm-up steps
   ``s < warmup_steps`` are DDP steps (the policies' post-local hook allreduces the gradients; the averagers do
   nothing). A message is a rendezvous, as gloo's send of an unbound buffer: it travels once its sender has posted
   the send and its receiver the receive, and a rank waits for the sends it started as well as for its receives.

@@ -34,8 +34,8 @@ def test_readme_is_a_front_door_of_at_most_200_lines_and_its_links_resolve():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 200
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
-        if "://" in target or target.startswith("../shared/"):
-            continue  # the shared folder lies beside the clone, not in it
+        if "://" in target:
+            continue
         assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
 
 
@@ -71,3 +71,18 @@ def test_the_wheel_metadata_is_complete(tmp_path):
         assert f"Provides-Extra: {extra}" in meta
     assert "Classifier: Typing :: Typed" in meta and "Requires-Python: >=3.10" in meta
     assert (ROOT / "wagma" / "py.typed").exists()
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    # The design is docs/design.md; a clone from anywhere must be complete. No file refers to a folder beside the
+    # clone (its shared folder) or to the design notes the project started from by their old name.
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    files = [f for f in out.stdout.decode().split("\0") if f and Path(f).suffix in {".py", ".md", ".yaml", ".yml",
+                                                                                   ".sh", ".toml", ".cu", ".txt"}]
+    if not files:
+        pytest.skip("not a git checkout")
+    outside = re.compile("\\.\\./" + "shared/|DESIGN" + "\\.md|DESIGN" + " §")
+    found = [f"{f}:{n}" for f in files if (ROOT / f).is_file()
+             for n, line in enumerate((ROOT / f).read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if outside.search(line)]
+    assert not found, f"references outside the repository (use docs/design.md): {found}"

@@ -566,7 +566,7 @@ def _overlap_late_worker(rank, world):
 def test_overlap_mixes_a_round_this_rank_was_late_for_as_a_late_rank():
     """Rank 0 contributed the model it submitted (fresh): w + (sent + sum) / 3 - sent. Rank 1's thread
     contributed its initial model before rank 1 submitted anything, so what it submitted is not in the sum:
-    it mixes as a late rank, (w + sum) / 3 (DESIGN §2.3), and counts the contribution 2 calls old."""
+    it mixes as a late rank, (w + sum) / 3 (docs/design.md §2.3), and counts the contribution 2 calls old."""
     (after0, hist0), (after1, hist1) = run_workers(_overlap_late_worker, 2)
     assert hist0 == {1: 1} and hist1 == {2: 1}, (hist0, hist1)
     for i, (p0, p1) in enumerate(zip(after0, after1)):

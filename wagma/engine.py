@@ -1,4 +1,4 @@
-"""The wait-avoiding group allreduce: the engine under WAGMA-SGD and eager-SGD (DESIGN §2.3, §3).
+"""The wait-avoiding group allreduce: the engine under WAGMA-SGD and eager-SGD (docs/design.md §2.3, §3).
 
 Protocol, for call k on rank i (call k of every rank is round k):
 
@@ -106,7 +106,7 @@ class RoundResult:
 
 
 class WaitAvoidingGroupAllreduce:
-    """A group allreduce that the first rank to arrive triggers for everyone (DESIGN §2.3, §3).
+    """A group allreduce that the first rank to arrive triggers for everyone (docs/design.md §2.3, §3).
 
     Construct it collectively, on every rank in the same order, after ``init_process_group`` (it
     creates its communicators up front). Each call ``engine(tensor)`` runs this rank's next round and

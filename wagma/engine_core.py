@@ -158,7 +158,7 @@ class EngineCore:
             None if eng.world.whole_job else eng.world.ranks,
         )
         self.shm: dict[tuple[int, ...], SharedMemoryAllreduce] = {}  # transport 'shm': by group
-        # Communicators, created by every rank in the same order (DESIGN §2.1). Singleton groups need none.
+        # Communicators, created by every rank in the same order (docs/design.md §2.1). Singleton groups need none.
         try:
             # A rank whose store connects stalled is waited for here, under the connect deadline, rather than by
             # the group creation below, which gives a late member only the (possibly short) engine timeout.

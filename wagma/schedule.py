@@ -1,7 +1,7 @@
 """Group schedules: which ranks average together in which averaging round.
 
 A :class:`GroupSchedule` maps an averaging round ``r`` to a partition of the ``P`` ranks into disjoint
-groups (DESIGN §2.1). It is pure Python and needs no process group: the progress engine later creates
+groups (docs/design.md §2.1). It is pure Python and needs no process group: the progress engine later creates
 one communicator per group of :meth:`GroupSchedule.distinct_groups`, on every rank, in that order,
 before the first round.
 
@@ -223,7 +223,7 @@ class GroupSchedule:
     def distinct_groups(self) -> list[tuple[int, ...]]:
         """Every distinct group over one period, each once, in order of first appearance.
 
-        This is the order in which every rank must create the communicators (DESIGN §2.1).
+        This is the order in which every rank must create the communicators (docs/design.md §2.1).
         """
         seen: dict[Group, None] = {}
         for partition in self._rounds:

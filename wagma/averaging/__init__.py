@@ -1,4 +1,4 @@
-"""Synchronous model-averaging policies and their shared base (DESIGN §2.5).
+"""Synchronous model-averaging policies and their shared base (docs/design.md §2.5).
 
 - :class:`AveragerBase` -- base of every averager: binding, flattening, counters, state, ``synchronize``.
 - :class:`ParameterBinding` -- the tensors an averager works on, bound by identity (any call order).
@@ -6,9 +6,9 @@
 - :class:`HierarchicalAverager` -- local means in fixed groups, global means less often.
 - :class:`ReductionMomentum` -- momentum on the progress between reductions, around either of them.
 - :class:`AveragingOptimizer` -- ``optimizer.step()`` and the averager's step, in the averager's order.
-- :class:`WagmaAverager` -- WAGMA-SGD: wait-avoiding group averages on rotating groups (DESIGN §2.2).
+- :class:`WagmaAverager` -- WAGMA-SGD: wait-avoiding group averages on rotating groups (docs/design.md §2.2).
 - :class:`DPSGDAverager`, :class:`SGPAverager`, :class:`ADPSGDAverager` -- the decentralized baselines (D-PSGD;
-  SGP and OSGP; AD-PSGD on a progress thread; DESIGN §2.6).
+  SGP and OSGP; AD-PSGD on a progress thread; docs/design.md §2.6).
 """
 
 from wagma.averaging.base import (

@@ -1,4 +1,4 @@
-"""AD-PSGD: asynchronous pairwise model averaging on a progress thread (Lian et al., 2018; DESIGN §2.6).
+"""AD-PSGD: asynchronous pairwise model averaging on a progress thread (Lian et al., 2018; docs/design.md §2.6).
 
 Ranks are bipartite: even ranks are *active*, odd ranks *passive*. A communication thread, not the training
 loop, runs exchange after exchange; in exchange k, active rank ``a`` and passive rank ``a + o_k`` (mod P)

@@ -1,4 +1,4 @@
-"""The decentralized baselines WAGMA-SGD is measured against: D-PSGD, SGP and OSGP (DESIGN §2.6).
+"""The decentralized baselines WAGMA-SGD is measured against: D-PSGD, SGP and OSGP (docs/design.md §2.6).
 
 Gossip averagers exchange models with a few peers per round instead of reducing over a group:
 
@@ -166,8 +166,8 @@ class _Exchange:
 class DPSGDAverager(AveragerBase):
     """D-PSGD: every round each rank replaces its model by the mean of itself and its neighbours, blocking.
 
-    On a ring with P >= 3 that is DESIGN §2.6's ``x ← (x + x_left + x_right) / 3``; at P = 2 the two ranks are
-    each other's only neighbour and take the mean of the two. With ``topology="exponential"`` the neighbours are
+    On a ring with P >= 3 that is ``x ← (x + x_left + x_right) / 3`` (docs/design.md §2.6); at P = 2 the two
+    ranks are each other's only neighbour and take the mean of the two. With ``topology="exponential"`` the neighbours are
     ``rank ± 2^k`` (:func:`exponential_neighbours`), uniform weights. Either way the mixing matrix is doubly
     stochastic: the mean of the models over the ranks is what it was before the round.
 

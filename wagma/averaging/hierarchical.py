@@ -1,4 +1,4 @@
-"""Two-level averaging: fixed groups of nearby ranks often, all ranks rarely (Cong et al., DESIGN §2.5)."""
+"""Two-level averaging: fixed groups of nearby ranks often, all ranks rarely (Cong et al., docs/design.md §2.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reduction momentum: a momentum step on the models' progress between reductions (DESIGN §2.5).
+"""Reduction momentum: a momentum step on the models' progress between reductions (docs/design.md §2.5).
 
 At a reduction, with ``a`` the model right after the previous reduction (the *anchor*) and ``x̄`` the new
 average::

@@ -16,7 +16,7 @@ __all__ = ["PeriodicAverager"]
 
 
 class PeriodicAverager(AveragerBase):
-    """Global mean of the model every ``period`` steps after ``warmup_steps`` (K-AVG; DESIGN §2.5).
+    """Global mean of the model every ``period`` steps after ``warmup_steps`` (K-AVG; docs/design.md §2.5).
 
     Step semantics are those of torch's ``PeriodicModelAverager``: the call with ``step`` averages iff
     ``step >= warmup_steps`` and ``(step - warmup_steps) % period == 0`` (so the first call after the

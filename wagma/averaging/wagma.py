@@ -1,4 +1,4 @@
-"""WAGMA-SGD: wait-avoiding group model averaging (DESIGN §2.2), on the engine of :mod:`wagma.engine`.
+"""WAGMA-SGD: wait-avoiding group model averaging (docs/design.md §2.2), on the engine of :mod:`wagma.engine`.
 
 Each call of :meth:`WagmaAverager.average_parameters` is one round r of the engine. On an async round the
 rank's group G (S members, itself included) has exchanged what each member had published when the
@@ -19,7 +19,7 @@ not: the mean of all models moves by the mean of the local steps alone, as under
 Every ``(sync_period + 1)``-th round is a *sync round*, a global mean over all P ranks. How it runs is the
 ``sync`` option:
 
-- ``sync="barrier"`` (the default, DESIGN §2.2): a blocking global mean of fresh models, ``a = sum / P``;
+- ``sync="barrier"`` (the default, docs/design.md §2.2): a blocking global mean of fresh models, ``a = sum / P``;
   every rank waits for the last one to arrive, and all replicas become equal.
 - ``sync="wait_avoiding"``: the sync round is run like the group rounds with the group of all ranks: the
   first rank to arrive triggers it for everyone, and a rank still computing takes part through its
@@ -409,7 +409,7 @@ class WagmaAverager(AveragerBase):
         the update the round would have made without overlap, applied one call later: the optimizer's step is
         not scaled down, and where every member was fresh the group's sum of models is conserved. If the
         progress thread contributed an older snapshot (this rank was late for its own round), ``sent`` is not in
-        the sum and the rank mixes as a late rank does (DESIGN §2.3), ``(w + sum) / (S + 1)``. Under conserve
+        the sum and the rank mixes as a late rank does (docs/design.md §2.3), ``(w + sum) / (S + 1)``. Under conserve
         mixing, fresh or late, the round's mean replaces what the thread contributed: ``w + sum / S - w_hat``.
         """
         size = len(res.group)

@@ -1,4 +1,4 @@
-"""eager-SGD partial allreduce of gradients as a DDP comm hook (DESIGN §2.4).
+"""eager-SGD partial allreduce of gradients as a DDP comm hook (docs/design.md §2.4).
 
 Round r is iteration ``warmup_iters + r`` of DDP's backward passes. At the end of a rank's backward pass
 (its last bucket) the rank adds its fresh gradient to its *residual* and calls the engine

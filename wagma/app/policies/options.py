@@ -27,15 +27,15 @@ __all__ = [
     "validate_hierarchical_momentum", "validate_local_sgd", "validate_wagma",
 ]
 
-#: When a model-averaging policy averages within a step (DESIGN §2.2).
+#: When a model-averaging policy averages within a step (docs/design.md §2.2).
 ORDERS: tuple[str, ...] = WAGMA_ORDERS
-#: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), DESIGN §2.2; ``mean``;
+#: Mixing rules of the WAGMA policy (``reference``: (w_i + Σ_{j∈G} ŵ_j) / (S + 1), docs/design.md §2.2; ``mean``;
 #: ``conserve``: w_i + Σ_{j∈G} ŵ_j / S - ŵ_i, which keeps each group's sum of models); the averager's own.
 WAGMA_MIXINGS: tuple[str, ...] = MIXINGS
-#: How WAGMA's sync rounds run: ``barrier`` (blocking, fresh models: DESIGN §2.2) or ``wait_avoiding``
+#: How WAGMA's sync rounds run: ``barrier`` (blocking, fresh models: docs/design.md §2.2) or ``wait_avoiding``
 #: (triggered by the first arrival like the group rounds; staleness bounded by ``max_lead``); the engine's own.
 WAGMA_SYNCS: tuple[str, ...] = SYNCS
-#: eager-SGD partial allreduce modes (DESIGN §2.4).
+#: eager-SGD partial allreduce modes (docs/design.md §2.4).
 EAGER_MODES: tuple[str, ...] = ("solo", "majority")
 #: Keys every DDP-wrapping policy accepts.
 _COMMON_KEYS = ("bucket_cap_mb", "timeout_s")
