@@ -9,7 +9,7 @@ most ``--tolerance`` in every cell and none of its runs failed.
 
 Usage::
 
-    python benchmarks/accuracy.py                     # the issue-28 grid -> benchmarks/results/accuracy/
+    python benchmarks/accuracy.py                     # the default grid -> benchmarks/results/accuracy/
     python benchmarks/accuracy.py --workloads digits:mlp --worlds 4 --scenarios random_k1 --seeds 0 \\
         --steps 60 --out /tmp/acc                    # a quick look
 

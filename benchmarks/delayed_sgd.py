@@ -1,4 +1,4 @@
-"""Why stale gradients lose the model: a one-process reference of P ranks whose gradients arrive late (issue 28).
+"""Why stale gradients lose the model: a one-process reference of P ranks whose gradients arrive late.
 
 Two tools, both free of any wagma protocol, so that what they show is the optimizer meeting staleness and not an
 implementation defect:

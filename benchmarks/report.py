@@ -1,7 +1,8 @@
-"""The benchmark's outputs besides the JSON: a markdown table with the issue's targets, and PNG plots.
+"""The benchmark's outputs besides the JSON: a markdown table with the targets, and PNG plots.
 
-- ``results.md``: settings, one row per (scenario, policy), the targets of issue 5 checked against the
-  measured ratios, the skipped policies with their reasons, and how each number is computed.
+- ``results.md``: settings, one row per (scenario, policy), the targets (WAGMA's and eager-SGD's samples/s against
+  DDP and the ideal, time to target and accuracy gap; :func:`check_targets`) checked against the measured ratios,
+  the skipped policies with their reasons, and how each number is computed.
 - ``accuracy_vs_time.png``: test accuracy against training time, one panel per scenario, one line per policy.
 - ``throughput.png``: samples/s per scenario and policy, the no-wait ideal of each scenario marked.
 - ``consensus.png``: consensus distance over time (only when some run recorded it).
@@ -49,7 +50,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def check_targets(records: Sequence[Record], baseline: str = "allreduce") -> list[dict[str, Any]]:
-    """Issue 5's targets, as measured in this run (ratios side by side, same data and imbalance)."""
+    """The targets of WAGMA and eager-SGD against DDP (samples/s, the ideal's share, time to target, accuracy gap
+    under random_k1; samples/s without imbalance), as measured in this run (ratios side by side, same data and
+    imbalance)."""
     def rec(scenario: str, policy: str) -> Record | None:
         return _find(records, scenario, policy)
 
@@ -142,7 +145,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"{_num(r['global_reductions'], '.0f')} | {_num(r['bytes_per_rank'], ',.0f', 1e-3)} | "
             f"{_staleness(r['staleness_hist'])} | {_num(r['final_consensus'], '.3g')} |"
         )
-    lines += ["", "## Targets of issue 5 (measured side by side in this run)", "",
+    lines += ["", "## Targets (measured side by side in this run)", "",
               "| target | measured | wanted | status |", "|---|---:|---:|---|"]
     for t in result["targets"]:
         note = f" ({t['note']})" if t["note"] else ""

@@ -14,7 +14,7 @@ Usage::
     python benchmarks/run.py --world 8 --policies allreduce wagma --scenarios none random_k1 --out DIR
 
 Outputs in ``--out``: ``results.json`` (records, settings, machine, command), ``results.md`` (table and
-the issue's targets), ``accuracy_vs_time.png``, ``throughput.png``, ``consensus.png`` (when recorded), and
+the targets), ``accuracy_vs_time.png``, ``throughput.png``, ``consensus.png`` (when recorded), and
 ``runs/<scenario>/<policy>/`` (each run's metrics; not committed).
 
 The step time T and the delay d: unless ``--step-s`` is given, T is the mean per-rank step time

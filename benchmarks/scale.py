@@ -71,7 +71,7 @@ def paper_policies(configs: Path = ROOT / "configs") -> dict[str, dict[str, Any]
     """The policies' ``averaging`` options from ``configs/averaging/`` (seed 0); WAGMA with S = 8, τ = 10."""
     out = {}
     for name in POLICIES:
-        option = averaging_option(name, configs)  # eager_solo is a reference since issue 28: reference/eager_solo
+        option = averaging_option(name, configs)  # eager_solo is a reference, not shipped: reference/eager_solo
         options = OmegaConf.to_container(OmegaConf.load(configs / "averaging" / f"{option}.yaml"), resolve=False)
         assert isinstance(options, dict)
         options = {k: (0 if k == "seed" else v) for k, v in options.items()}

@@ -7,7 +7,7 @@ For each wire type (``float32``, then ``--wire``) it runs :mod:`benchmarks.accur
 world, scenario, seeds, policies, DDP included) with ``averaging.wire_dtype`` set for every policy, so both sides
 see the same data, models, seeds and injected imbalance. Per workload and policy it sets the median final test
 accuracy over the seeds on the narrow wire beside float32's, and the bytes each rank handed to collectives
-(``bytes_per_rank`` of :mod:`benchmarks.run`, the policies' ``bytes_sent``). Issue 31's target: half the bytes,
+(``bytes_per_rank`` of :mod:`benchmarks.run`, the policies' ``bytes_sent``). The target: half the bytes,
 accuracy within 0.5 points of float32 at equal samples on digits and MNIST.
 
 Outputs in ``--out``: ``wire.json.xz`` (xz-compressed JSON: the settings, every run's record, the comparison;
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 from benchmarks import accuracy  # noqa: E402
 from benchmarks.results_io import dump, load  # noqa: E402
 
-TARGET_POINTS = 0.5  # issue 31: accuracy within 0.5 points of float32 at equal samples
+TARGET_POINTS = 0.5  # the target: accuracy within 0.5 points of float32 at equal samples
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

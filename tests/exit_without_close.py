@@ -1,4 +1,4 @@
-"""A rank that leaves a collective in flight and exits without close() (issue 12, point 6).
+"""A rank that leaves a collective in flight and exits without close().
 
 Run as ``python exit_without_close.py RANK WORLD PORT KIND`` (KIND: ``wagma`` or ``partial``): every rank
 builds a :class:`~wagma.WagmaAverager` or a :class:`~wagma.hooks.partial.PartialAllreduceState`, runs

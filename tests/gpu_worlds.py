@@ -46,7 +46,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "wagma_flattened_in_place": test_wagma_averager.check_flattened_bits,
     "wagma_late_rank": test_wagma_averager.check_late_rank_not_waited_for,
     "wagma_conserve_sum": lambda d: test_wagma_averager.check_conserve_sum(True, d),
-    # Added after the H200 runs of 2026-11-27 (torch 2.11): publishing after the step (the shipped
+    # Not in the H200 runs of 2026-11-27 (torch 2.11): publishing after the step (the shipped
     # wagma_ahead_conserve: publish_after_step with conserve mixing), blocking-round conserve, SGP without overlap
     # and AD-PSGD's communication thread on CUDA tensors.
     "wagma_conserve_sum_blocking": lambda d: test_wagma_averager.check_conserve_sum(False, d),

@@ -52,7 +52,7 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
     assert set(_options("model")) == {"mlp", "cnn", "transformer"}
     assert set(_options("data")) == {"digits", "mnist", "sequences"}
     assert set(_options("optim")) == {"sgd", "adam"}
-    assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo (issue 28)
+    assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo
         "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
         "wagma_ahead_conserve", "dpsgd", "sgp", "osgp", "adpsgd",
     }
@@ -104,7 +104,7 @@ def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
         validate_config(_compose(*overrides), 4)
 
 
-# Issue 49 (8): a value of the wrong type is named, with what was expected and what was found -- not Python's
+# A value of the wrong type is named, with what was expected and what was found -- not Python's
 # "could not convert string to float: 'abc'". The expected type is the one the shipped configs give the key.
 @pytest.mark.parametrize(
     "overrides,problems",

@@ -1,8 +1,8 @@
-"""The training application on a sharded model: ``train.py parallel=hsdp shard_size=K`` (issue 31, item 4).
+"""The training application on a sharded model: ``train.py parallel=hsdp shard_size=K``.
 
 Four ranks = 2 replicas x 2 shards on digits / MLP. Config errors need no ranks; evaluation's forward passes, the
 consensus distance and one run of WAGMA are quick; the other policies, resume exactness, the refused resumes and
-the issue's command line (``python train.py parallel=hsdp shard_size=2 averaging=wagma``) run in the slow phase.
+the documented command line (``python train.py parallel=hsdp shard_size=2 averaging=wagma``) run in the slow phase.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_a_policy_without_a_sharded_form_is_refused_naming_it_and_what_to_use():
     with pytest.raises(ValueError, match="averaging=my_policy cannot run with parallel=hsdp: expected one of "
                                          "allreduce, local_sgd, .*; use one of those, or parallel=ddp"):
         validate_hsdp({"name": "my_policy"})
-    validate_config(_cfg(None, *HSDP, "averaging=wagma"), 4)  # the issue's command line is valid
+    validate_config(_cfg(None, *HSDP, "averaging=wagma"), 4)  # the documented command line is valid
     validate_config(_cfg(None, "parallel=hsdp", "shard_size=4", "averaging=allreduce"), 4)  # one replica: FSDP alone
 
 

@@ -658,9 +658,9 @@ def _creation_worker(rank, world):
 
 
 def test_new_groups_return_only_once_every_rank_created_them():
-    # Issue 12: a rank that returned from creating a group and then destroyed it (or exited) while a
-    # slower rank was still inside gloo's connectFullMesh made that rank fail with "Connection closed by
-    # peer". No rank may return before every rank's constructor has.
+    # A rank that returns from creating a group and then destroys it (or exits) while a slower rank is
+    # still inside gloo's connectFullMesh makes that rank fail with "Connection closed by peer". No rank
+    # may return before every rank's constructor has.
     out = run_workers(_creation_worker, 3)
     last_constructed = max(c for c, _ in out)
     assert all(returned >= last_constructed for _, returned in out), out
@@ -673,7 +673,7 @@ def test_destroy_groups_destroys_once_and_ignores_the_rest():
     assert run_workers(_destroy_worker, 2) == [False, False]
 
 
-# -- issue 12: parameters bound by identity --------------------------------------------------------------------
+# -- parameters bound by identity ------------------------------------------------------------------------------
 
 
 def _order_worker(rank: int, world: int, shuffle: bool) -> dict:

@@ -613,7 +613,7 @@ def test_results_written_into_the_tree_do_not_make_its_code_dirty(tmp_path):
     assert git_commit(tmp_path) == clean + "+dirty"
 
 
-# --- the guard's verdict and the loss curve travel with every record (issue 49, point 5) -------------------------
+# --- the guard's verdict and the loss curve travel with every record ---------------------------------------------
 
 
 def _fake_run_outputs(run_dir: Path, world: int, steps: int, *, guard: Any = "absent", log_every: int = 1) -> list[float]:

@@ -124,8 +124,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def test_the_default_campaign_faults_every_shipped_preset_and_baseline_in_configs_averaging():
-    # Issue 49: the harness kept its own list, so the newest preset (wagma_ahead_conserve) met no fault. The folder is
-    # the list: a preset added there is in the next campaign without an edit here.
+    # The folder is the list, not one the harness keeps (such a list left the newest preset, wagma_ahead_conserve,
+    # without a fault): a preset added there is in the next campaign without an edit here.
     shipped = {path.stem for path in (CONFIGS / "averaging").glob("*.yaml")}
     assert {"wagma_ahead_conserve", "wagma_relaxed", "hierarchical_momentum", "adpsgd", "osgp"} <= shipped
     assert set(chaos.POLICIES) == shipped | {"eager_solo", "eager_majority"}  # and the references it always ran

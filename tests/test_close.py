@@ -1,4 +1,4 @@
-"""close() without synchronize() (issue 49): every averager and hook with a background thread (or exchanges in flight)
+"""close() without synchronize(): every averager and hook with a background thread (or exchanges in flight)
 ends promptly and leaves the default group usable, on one rank or on all, with or without a final synchronize.
 
 Each world (4 gloo ranks, rank 3 a straggler, so the ranks' progress threads end at different places) runs three

@@ -1,4 +1,5 @@
-"""The wait-avoiding group allreduce engine (issue acceptance 2-6).
+"""The wait-avoiding group allreduce engine: exact round sums, no wait for a transient straggler, every accumulated
+value counted once, no torn snapshot, and a failed or frozen rank named by every survivor.
 
 Rank r publishes, at call k, a tensor that is zero except for its own block of L elements, which all hold
 ``k + 1`` (``initial`` holds 0 there, i.e. version -1). A round's sum therefore decodes exactly: block j

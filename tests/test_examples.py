@@ -51,7 +51,7 @@ def test_no_library_module_imports_the_application():
     assert not offenders, offenders
 
 
-# The library's layers, bottom up: a module may import only from its own layer or the ones below (issue 32).
+# The library's layers, bottom up: a module may import only from its own layer or the ones below.
 LAYERS = [
     {"wagma.schedule", "wagma.shm", "wagma.kernels", "wagma.telemetry", "wagma.wire"},
     {"wagma.groups", "wagma.engine_store", "wagma.world"},

@@ -1,4 +1,4 @@
-"""HSDP x WAGMA: FSDP2 shards a model inside a replica, wagma averages each shard across the replicas (issue 31)."""
+"""HSDP x WAGMA: FSDP2 shards a model inside a replica, wagma averages each shard across the replicas."""
 
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def test_a_dashed_launcher_flag_is_one_line_naming_the_override(tmp_path, args, 
     assert f"use {key}=N instead of {args[0].split('=')[0]}" in proc.stderr
 
 
-# Issue 49 (8): an option that moved to reference/ (or candidate/), or a typo, is one line naming what to use, not
+# An option that moved to reference/ (or candidate/), or a typo, is one line naming what to use, not
 # Hydra's list of options. override_problems() is what train.py asks before Hydra composes anything.
 MOVED = "(a published algorithm kept for comparison; see docs/staleness.md)"
 

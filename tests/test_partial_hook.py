@@ -1,4 +1,6 @@
-"""eager-SGD partial allreduce hook (issue 3 acceptance 1, 3, 4, 7)."""
+"""eager-SGD's partial allreduce hook (wagma.hooks.partial): without delays it equals a plain allreduce; late gradients
+are carried to a later round, never dropped, so every gradient is applied once (solo and majority, overlap, the bf16
+wire, shared memory); a state_dict round trip continues like an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def test_gradient_as_bucket_view_conserves_every_gradient(overlap):
 
 @pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bf16_wire_conserves_every_gradient_up_to_the_sums_rounding(overlap):
-    # Issue 31.3: gradients travel in bfloat16 with error feedback: what a cast rounds off stays in the residual.
+    # Gradients travel in bfloat16 with error feedback: what a cast rounds off stays in the residual.
     # Only the rounding of the round sums themselves (bfloat16, the same on every rank) is not fed back.
     world, iters, lr = 4, 30, 0.1
     out = run_workers(_train, world, iters, "solo", 0.03, None, 0, "cpu", 0.0, overlap, False, "default", "bf16",
@@ -233,7 +235,7 @@ def test_state_dict_round_trip_continues_like_an_uninterrupted_run():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-# -- issue 12 -----------------------------------------------------------------------------------------------
+# -- empty flushes, fp16 sums, exit without close, unused parameters ----------------------------------------
 
 
 def test_flush_with_empty_residuals_does_not_step():
@@ -355,7 +357,7 @@ def test_find_unused_parameters_with_the_state_group_is_not_a_barrier():
         assert waits and max(waits) < sleep_s / 2, (rank, waits)
 
 
-# -- issue 13 point 3: overlap=True, a round's exchange hidden behind the next iteration ---------------------------
+# -- overlap=True, a round's exchange hidden behind the next iteration ---------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["solo", pytest.param("majority", marks=pytest.mark.slow)])

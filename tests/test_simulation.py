@@ -300,7 +300,7 @@ def test_paper_extrapolation_and_pending_validation(tmp_path):
     assert kept["records"] == recs and kept["setting"]["steps"] == 12
 
 
-# -- issue 13 point 4: wagma with sync="wait_avoiding" -----------------------------------------------------------
+# -- wagma with sync="wait_avoiding" -----------------------------------------------------------------------------
 
 
 def _wait_avoiding_recurrence(c: np.ndarray, groups, tau: int, lead: int) -> float:
@@ -342,9 +342,9 @@ def test_wait_avoiding_bound_matches_its_recurrence(p, lead, seed):
 
 @pytest.mark.parametrize("p", [8, 16])
 def test_wait_avoiding_sync_reaches_the_issue_target_where_the_barrier_cannot(p):
-    """Issue 13 point 4 at the protocol level (T = 100 ms, random_k1 with d = T, tau = 10, 200 steps): the
-    barrier's bound stays below 0.9 of the no-wait ideal T + mean delay, the wait-avoiding sync's is >= 0.92,
-    and it never beats the ideal."""
+    """The wait-avoiding sync's target at the protocol level (T = 100 ms, random_k1 with d = T, tau = 10,
+    200 steps): the barrier's bound stays below 0.9 of the no-wait ideal T + mean delay, the wait-avoiding
+    sync's is >= 0.92, and it never beats the ideal."""
     delays = _random_k_trace(p, 200, k=1, d=T, seed=1)
     ideal_ms = 1e3 * (T + delays.mean())
     base = {"name": "wagma", "group_size": 2, "sync_period": 10}

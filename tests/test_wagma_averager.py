@@ -1,4 +1,6 @@
-"""WagmaAverager: WAGMA-SGD model averaging (issue 3 acceptance 1, 2, 5, 6, 7)."""
+"""WagmaAverager: WAGMA-SGD model averaging: round 0's closed form, sync rounds as global means, fast ranks that wait
+for a late one only on sync rounds, digits trained as well as DDP, state round trips, and the options (wait-avoiding
+sync, overlap, conserve mixing, publishing after the step)."""
 
 from __future__ import annotations
 
@@ -311,7 +313,7 @@ def test_bad_arguments_raise_value_errors():
     assert "expected True or False, found 1" in errors["publish flag"]
 
 
-# -- issue 12: parameters bound by identity, fp16 sums, one reduction per round --------------------------------
+# -- parameters bound by identity, fp16 sums, one reduction per round ------------------------------------------
 
 
 def _order_worker(rank, world, order):
@@ -415,7 +417,7 @@ def test_a_dropped_averager_stops_its_threads_and_releases_its_groups():
         assert alive == [False] and groups == [False], (alive, groups)
 
 
-# -- issue 13 point 4: sync="wait_avoiding", a sync round that is not a barrier ----------------------------------
+# -- sync="wait_avoiding", a sync round that is not a barrier ----------------------------------------------------
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
@@ -510,7 +512,7 @@ def test_wait_avoiding_sync_rounds_do_not_wait_for_a_late_rank():
         assert max(int(k) for k in stats["staleness_hist"]) <= sync_period
 
 
-# -- issue 13 point 3: overlap=True, a group round's exchange hidden behind the next step --------------------------
+# -- overlap=True, a group round's exchange hidden behind the next step --------------------------------------------
 def _overlap_closed_form_worker(rank, world):
     model = _tagged(rank)
     kinds, after = [], []

@@ -1,4 +1,4 @@
-"""The compressed wire (issue 31.3): ``wire_dtype`` on the engine, the averagers and the eager-SGD hooks.
+"""The compressed wire: ``wire_dtype`` on the engine, the averagers and the eager-SGD hooks.
 
 What must hold: values travel in the narrow type (half the bytes of float32, counted); nothing a rank computed is
 lost to the cast (error feedback in accumulate mode, deltas from a shared reference in replace mode); replicas that

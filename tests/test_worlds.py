@@ -1,4 +1,4 @@
-"""Worlds: averagers, engines and hooks over a process group or a mesh dimension instead of the whole job (issue 31)."""
+"""Worlds: averagers, engines and hooks over a process group or a mesh dimension instead of the whole job."""
 
 from __future__ import annotations
 
