@@ -25,6 +25,7 @@ import this one, so there is no import circle: importing ``wagma.app.policies`` 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -97,7 +98,10 @@ _NON_NEGATIVE_SUFFIXES = ("period", "_every", "_steps")
 #: which the preset held its accuracy in the committed grid; the run-time guard (:mod:`wagma.app.guard`) warns
 #: above it (null: no check). ``baseline``: true for a published method shipped to be compared against (the
 #: gossip baselines), run as published and reported as measured, not held to the presets' accuracy rule.
-PRESET_KEYS: tuple[str, ...] = ("validated_staleness", "baseline")
+#: ``policy_module``: a module to import when no policy of that ``name`` is registered yet; importing it registers
+#: the policy (:func:`register_policy`), so a policy of one's own is one module and one config file (see the docs'
+#: "Write your own averaging policy").
+PRESET_KEYS: tuple[str, ...] = ("validated_staleness", "baseline", "policy_module")
 
 
 def policy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,10 +109,32 @@ def policy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in dict(cfg).items() if k != "name" and k not in PRESET_KEYS}
 
 
+def _import_policy_module(name: object, module: object) -> None:
+    """Import ``module`` (an ``averaging.policy_module``) when no policy ``name`` is registered yet.
+
+    Raises:
+        ValueError: the module is not a dotted name, cannot be imported, or registers no policy ``name``.
+    """
+    if module is None or name in _POLICIES:
+        return
+    if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
+        raise ValueError(f"averaging.policy_module: expected a dotted module name such as 'my_policies.random_peers', "
+                         f"found {module!r}")
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise ValueError(f"averaging.policy_module: expected a module importable from here that registers policy "
+                         f"{name!r}, found {module!r}, which does not import ({err})") from err
+    if name not in _POLICIES:
+        raise ValueError(f"averaging.policy_module: {module!r} imported, but it registered no policy {name!r} "
+                         f"(expected it to call wagma.app.policies.register_policy({name!r}, ...))")
+
+
 def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
     """Check an ``averaging`` config for ``world_size`` ranks without building anything.
 
-    Checks that hold for every policy: the name is registered; a ``group_size`` is positive and divides
+    Checks that hold for every policy: the name is registered (after importing the config's ``policy_module``,
+    if it has one); a ``group_size`` is positive and divides
     the world size; every integer whose key ends in ``period``, ``_every`` or ``_steps`` is >= 0. Then the
     policy's own validator runs.
 
@@ -116,6 +142,7 @@ def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
         ValueError: naming the offending key, its value and what was expected.
     """
     name = dict(cfg).get("name")
+    _import_policy_module(name, dict(cfg).get("policy_module"))
     options = policy_options(cfg)
     bound = dict(cfg).get("validated_staleness")
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound < 0):
