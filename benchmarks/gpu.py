@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         src, dst = torch.randn(n, device="cuda", dtype=dtype), torch.empty(n, device="cuda", dtype=dtype)
         copy_s = median_seconds(lambda: dst.copy_(src), args.reps, args.warmup)
         copy_gbs = 2 * src.element_size() * n / copy_s / 1e9
-        del src, dst
+        src = dst = None  # freed before the next size (not del: the lambda above reads them)
         for name, bytes_per_elem, fns in cases(n, dtype):
             if not args.no_compile:
                 torch._dynamo.reset()  # fresh compile per case: never hit the recompile limit and fall back
@@ -204,7 +204,7 @@ def ilp_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                             rows.append({"round": round_, "ilp": ilp, "kernel": name, "n": n,
                                          "wagma_gbs": bytes_per_elem * n / t / 1e9,
                                          "copy_gbs": 2 * src.element_size() * n / copy_s / 1e9})
-                del work, src, dst
+                work = src = dst = None  # freed before the next size
                 torch.cuda.empty_cache()
         finally:
             kernels.cuda_source_dir = real_dir  # type: ignore[assignment]

@@ -329,3 +329,15 @@ def test_different_averagers_on_the_worlds_of_one_family_fail_in_bounded_time_na
     assert out[1] == out[3] == "ok"
     for rank in (0, 2):
         assert out[rank].startswith("TimeoutError: World.new_group: rank(s) [1, 3] did not take part"), out[rank]
+
+
+def _whole_group_worker(rank, world_size):
+    everyone = dist.new_group(list(range(world_size)))
+    world = as_world(everyone)  # a process group over the whole job: one world, the whole job
+    return world.whole_job, world.ranks, world.rank
+
+
+def test_a_process_group_over_every_rank_is_the_whole_job():
+    for whole, ranks, rank_in_world in run_workers(_whole_group_worker, 2, collective_timeout_s=20):
+        assert whole and ranks == (0, 1)
+    assert sorted(r[2] for r in run_workers(_whole_group_worker, 2, collective_timeout_s=20)) == [0, 1]

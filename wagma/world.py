@@ -224,7 +224,7 @@ def _exchanged_world(group: Any, timeout: datetime.timedelta) -> World:
     worlds.discard(())
     if not worlds:
         raise ValueError("world: no rank is in any world (every rank passed a group it is not a member of)")
-    whole = len(worlds) == 1 and len(next(iter(worlds))) == size
+    whole = len(worlds) == 1 and len(next(iter(worlds))) == dist.get_world_size()
     return World(sorted(worlds), group, whole_job=whole and isinstance(group, dist.ProcessGroup))
 
 
