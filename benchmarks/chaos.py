@@ -167,7 +167,7 @@ def torchrun(spec: Spec, run_dir: Path, timeout_s: float, *, max_restarts: int, 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = open(run_dir / f"{log_name}.log", "wb")  # noqa: SIM115 - closed with the process by the caller
+    out = open(run_dir / f"{log_name}.log", "wb")  # closed with the process by the caller
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -302,9 +302,9 @@ def reference(spec: Spec, root: Path, timeout_s: float, limit_s: float) -> Path:
         proc = torchrun(spec, run_dir, timeout_s, max_restarts=0, resume=False, log_name="launch0")
         try:
             proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
             _kill_session(proc)
-            raise RuntimeError(f"the uninterrupted reference run {run_dir} did not finish in {limit_s:.0f} s")
+            raise RuntimeError(f"the uninterrupted reference run {run_dir} did not finish in {limit_s:.0f} s") from err
         if proc.returncode != 0:
             raise RuntimeError(f"the uninterrupted reference run {run_dir} failed (exit {proc.returncode})")
     return run_dir

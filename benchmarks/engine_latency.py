@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wagma import GroupSchedule, WaitAvoidingGroupAllreduce  # noqa: E402
-from wagma.testing import rank_device, run_workers  # noqa: E402
+from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
+from wagma.testing import rank_device, run_workers
 
 
 def _worker(rank: int, world: int, group: int, rounds: int, numel: int, sync_period: int, device: str) -> list:

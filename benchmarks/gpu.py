@@ -36,8 +36,8 @@ import torch
 
 # Run as a script from a checkout without installing: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import engine_latency  # noqa: E402
-from wagma import kernels  # noqa: E402
+from benchmarks import engine_latency
+from wagma import kernels
 
 Fn = Callable[[], Any]
 
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for label, fn in fns.items():
                 try:
                     t = median_seconds(fn, args.reps, args.warmup)
-                except Exception as exc:  # noqa: BLE001 - a torch.compile failure should not end the run
+                except Exception as exc:  # a torch.compile failure should not end the run
                     if label != "compile":
                         raise
                     row["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -176,7 +176,7 @@ def ilp_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each kernel's bandwidth with the source recompiled at every WAGMA_ILP of ``args.ilp_list``, the variants
     interleaved round by round (so drift of the clock or the machine hits them alike), beside a copy; one row per
     (round, ilp, kernel, size)."""
-    import tempfile  # noqa: PLC0415
+    import tempfile
 
     source = (kernels.cuda_source_dir() / kernels.SOURCE_FILE).read_text()
     if "#ifdef WAGMA_ILP" not in source:
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                         args.engine_numel, device="cuda")
         print(json.dumps(engine, indent=2))
     try:
-        import cupy  # noqa: PLC0415
+        import cupy
 
         cupy_version: str | None = cupy.__version__
     except ImportError:

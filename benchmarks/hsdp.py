@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]

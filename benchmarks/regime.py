@@ -78,7 +78,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch._dynamo  # noqa: E402,F401  (DDP imports it lazily: once here, not in every forked rank)
+import torch._dynamo  # noqa: E402  (DDP imports it lazily: once here, not in every forked rank)
 import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
@@ -600,7 +600,7 @@ def _averaging_options(rep: dict[str, Any], settings: dict[str, Any]) -> dict[st
 
 
 def _report(out: Path, result: dict[str, Any]) -> None:
-    from benchmarks import regime_report  # noqa: PLC0415 - matplotlib only when reporting
+    from benchmarks import regime_report  # matplotlib only when reporting
 
     regime_report.write_all(out, result)
 

@@ -19,11 +19,11 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from benchmarks.report import _colors, _finish_grid, _num, ms_per_step_panel  # noqa: E402
-from benchmarks.simulate import no_wait_ms  # noqa: E402
+from benchmarks.report import _colors, _finish_grid, _num, ms_per_step_panel
+from benchmarks.simulate import no_wait_ms
 
 __all__ = ["write_all", "write_markdown"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 __all__ = ["check_targets", "plot_accuracy", "plot_consensus", "plot_throughput", "write_markdown"]
 

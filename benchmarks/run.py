@@ -52,8 +52,8 @@ from wagma.app.config import group_options  # noqa: E402
 from wagma.app.data import load_dataset  # noqa: E402
 from wagma.app.metrics import read_metrics  # noqa: E402
 from wagma.app.quota import PERIOD_US, job_name, quota_job  # noqa: E402
-from wagma.testing import WorkerError, run_workers  # noqa: E402
 from wagma.app.train import train  # noqa: E402
+from wagma.testing import WorkerError, run_workers  # noqa: E402
 
 __all__ = ["LOSS_CURVE_POINTS", "guard_and_loss_curve", "loss_curve", "main", "parse_args", "run_timeout_s"]
 

@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "simulation.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    from benchmarks import scale_report  # noqa: PLC0415 - matplotlib only when reporting
+    from benchmarks import scale_report  # matplotlib only when reporting
 
     scale_report.write_all(args.out, result)
     print(f"validation: {result['validation']['status']}; done in {result['duration_s']:.0f} s -> {args.out}")

@@ -15,9 +15,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from benchmarks.report import _colors, _finish_grid, _num, ms_per_step_panel  # noqa: E402
+from benchmarks.report import _colors, _finish_grid, _num, ms_per_step_panel
 
 __all__ = ["write_all", "write_markdown"]
 

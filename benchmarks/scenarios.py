@@ -29,11 +29,10 @@ from typing import Any
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
+from benchmarks.presets import averaging_option
 from wagma.app.config import ConfigError, group_options, validate_config
 from wagma.app.imbalance import build_imbalance
 from wagma.app.policies import known_policies
-
-from benchmarks.presets import averaging_option
 
 __all__ = [
     "BASELINE", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",

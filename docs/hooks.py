@@ -13,7 +13,7 @@ from mkdocs.structure.files import File, Files
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def on_files(files: Files, config) -> Files:  # noqa: ANN001 - MkDocs' config object
+def on_files(files: Files, config) -> Files:
     for path in sorted(RESULTS.rglob("*.png")):
         uri = "results/" + path.relative_to(RESULTS).as_posix()
         files.append(File.generated(config, uri, abs_src_path=str(path)))

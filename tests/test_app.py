@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from wagma.app.checkpoint import latest_step
@@ -20,8 +20,8 @@ from wagma.app.launch import hydra_rank_overrides
 from wagma.app.metrics import SUMMARY_KEYS, read_csv, read_metrics, write_summary
 from wagma.app.models import build_model
 from wagma.app.policies import AllreducePolicy, Policy, build_policy
-from wagma.testing import WorkerError, run_workers, run_workers_outcomes
 from wagma.app.train import train
+from wagma.testing import WorkerError, run_workers, run_workers_outcomes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

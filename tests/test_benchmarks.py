@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
-import wagma.app.policies as policy_module  # noqa: E402
-from benchmarks import accuracy, collect, delayed_sgd, report, results_io, run  # noqa: E402
-from wagma.app.policies import Policy, register_policy  # noqa: E402
+import wagma.app.policies as policy_module
+from benchmarks import accuracy, collect, delayed_sgd, report, results_io, run
+from wagma.app.policies import Policy, register_policy
 
 REQUIRED = (
     "scenario", "policy", "status", "samples_per_s", "ideal_samples_per_s", "time_to_target_s", "final_accuracy",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import chaos  # noqa: E402
+import chaos
 
 
 def test_the_plan_covers_every_combination_before_repeating_and_is_reproducible():

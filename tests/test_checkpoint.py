@@ -14,8 +14,8 @@ from omegaconf import DictConfig
 
 from wagma.app import checkpoint
 from wagma.app.checkpoint import checkpoint_dir, complete_steps, latest_step, load_checkpoint, read_meta
-from wagma.testing import run_workers, run_workers_outcomes
 from wagma.app.train import train
+from wagma.testing import run_workers, run_workers_outcomes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -75,7 +75,7 @@ def _cupy_compiler():
     the skip into a failure, so CI always runs these tests.
     """
     try:
-        from cupy.cuda import compiler, nvrtc  # noqa: PLC0415
+        from cupy.cuda import compiler, nvrtc
 
         nvrtc.getVersion()
     except Exception as exc:  # noqa: BLE001 - ImportError, or no libnvrtc

@@ -21,8 +21,8 @@ from wagma.app import launch
 from wagma.app.metrics import MetricsWriter, read_metrics
 from wagma.app.procs import descendants
 from wagma.app.roll_call import RollCall
-from wagma.testing import run_workers, run_workers_outcomes
 from wagma.app.train import train
+from wagma.testing import run_workers, run_workers_outcomes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -211,7 +211,7 @@ def _train_with_stderr(rank: int, world_size: int, cfg, path: str, terminal: boo
         def isatty(self) -> bool:
             return True
 
-    raw = open(path, "wb")  # noqa: SIM115 - closed below
+    raw = open(path, "wb")  # closed below
     sys.stderr = _Tty(raw, encoding="utf-8", line_buffering=True) if terminal else io.TextIOWrapper(raw, line_buffering=True)
     try:
         return train(cfg)

@@ -10,19 +10,19 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 import wagma.app.policies as policies
-from wagma.averaging import AveragerStats
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import load_dataset
-from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import build_imbalance
 from wagma.app.metrics import SUMMARY_KEYS, read_metrics
 from wagma.app.models import build_model
 from wagma.app.policies import Policy, build_policy, validate_policy_config
 from wagma.app.run import format_summary
 from wagma.app.sweep import collect, format_table
-from wagma.testing import run_workers, run_workers_outcomes
 from wagma.app.train import train
+from wagma.averaging import AveragerStats
+from wagma.telemetry import GpuMetrics
+from wagma.testing import run_workers, run_workers_outcomes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -19,7 +19,12 @@ from hydra import compose, initialize_config_dir
 
 from wagma.app.config import ConfigError, validate_config
 from wagma.app.quota import (
-    RankQuota, check_rank_cpus, cgroup_root, job_name, quota_job, remove_job_cgroups, remove_stale_cgroups,
+    RankQuota,
+    cgroup_root,
+    check_rank_cpus,
+    job_name,
+    remove_job_cgroups,
+    remove_stale_cgroups,
 )
 from wagma.app.train import train
 from wagma.testing import run_workers

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
-from benchmarks import regime, results_io  # noqa: E402
-from benchmarks.simulate import Network, simulate  # noqa: E402
-from wagma.app.models import MLP  # noqa: E402
+from benchmarks import regime, results_io
+from benchmarks.simulate import Network, simulate
+from wagma.app.models import MLP
 
 REQUIRED = ("scenario", "policy", "world_size", "params", "compute_ms", "ms_per_step", "ideal_ms", "bound_ms",
             "x_ddp", "x_ideal", "x_bound", "simulated_ms")

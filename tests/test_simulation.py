@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
-from benchmarks import scale  # noqa: E402
-from benchmarks.simulate import Network, no_wait_ms, protocol_bound, simulate  # noqa: E402
-from wagma.averaging.gossip import exponential_neighbours, ring_neighbours, sgp_peers  # noqa: E402
-from wagma.engine import WaitAvoidingGroupAllreduce  # noqa: E402
+from benchmarks import scale
+from benchmarks.simulate import Network, no_wait_ms, protocol_bound, simulate
+from wagma.averaging.gossip import exponential_neighbours, ring_neighbours, sgp_peers
+from wagma.engine import WaitAvoidingGroupAllreduce
 
 T = 0.1
 

@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 
 from wagma.engine_core import Done, EngineCore, initiator_of, is_sync
-from wagma.schedule import GroupSchedule
 from wagma.groups import DEFAULT_TIMEOUT
+from wagma.schedule import GroupSchedule
 from wagma.shm import check_transport
-from wagma.world import WorldLike, as_world
 from wagma.wire import WireDtype, as_wire_dtype, wire_nbytes
+from wagma.world import WorldLike, as_world
 
 __all__ = ["SYNCS", "RoundResult", "WaitAvoidingGroupAllreduce", "check_progress_nice"]
 

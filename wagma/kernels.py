@@ -97,7 +97,7 @@ def _cupy() -> Any:
     with _lock:
         if not _cupy_probed:
             try:
-                import cupy  # noqa: PLC0415 - optional dependency, imported on first use only
+                import cupy  # optional dependency, imported on first use only
 
                 if cupy.cuda.is_available():
                     _cupy_mod, _cupy_reason = cupy, "ok"

@@ -124,7 +124,7 @@ class GpuTelemetry:
 
     def _init_nvml(self) -> None:
         try:
-            import pynvml  # noqa: PLC0415 - optional dependency
+            import pynvml  # optional dependency
         except ImportError as exc:
             self.unavailable_reason = f"pynvml not importable: {exc}"
             return

@@ -71,7 +71,7 @@ def rank_device(kind: str, rank: int) -> Any:
     The forking parent must not have initialised CUDA itself (torch then refuses CUDA in the
     children): run such worlds from a fresh process, as ``tests/gpu_worlds.py`` does.
     """
-    import torch  # noqa: PLC0415 - this module imports torch lazily, for the store host's sake
+    import torch  # this module imports torch lazily, for the store host's sake
 
     if kind == "cpu":
         return torch.device("cpu")
@@ -108,7 +108,7 @@ def _child(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         # Gloo connects the default group inside init; a rank whose fn returns at once must not exit while a
         # slower rank is still connecting ("Connection closed by peer" there), so all wait until all are in.
-        from wagma.groups import store_barrier  # noqa: PLC0415 - after the fork, as torch above
+        from wagma.groups import store_barrier  # after the fork, as torch above
 
         store_barrier(store, "initialized", world_size, timeout)
         value = fn(rank, world_size, *args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.data import DATASET_INFO, DataInfo, dataset_info, train_split_size
 from wagma.app.imbalance import build_imbalance
-from wagma.app.quota import check_rank_cpus
 from wagma.app.models import build_model
 from wagma.app.parallel import check_parallel, replica_count
 from wagma.app.policies import validate_hsdp, validate_policy_config
 from wagma.app.presets import CONFIGS_DIR
+from wagma.app.quota import check_rank_cpus
 
 __all__ = [
     "ConfigError", "KNOWN_OPTIMIZERS", "build_optimizer", "group_options", "validate_config", "validate_launch",

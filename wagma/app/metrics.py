@@ -141,7 +141,7 @@ class _CsvFile:
                 writer.writerows(kept)
             os.replace(tmp, path)
         fresh = not path.exists()
-        self._file = open(path, "a", encoding="utf-8", newline="")  # noqa: SIM115 - closed in close()
+        self._file = open(path, "a", encoding="utf-8", newline="")  # closed in close()
         self._writer = csv.DictWriter(self._file, CSV_COLUMNS, extrasaction="ignore")
         if fresh:
             self._writer.writeheader()
@@ -206,7 +206,7 @@ class MetricsWriter:
         self._lost = False
         self._elapsed_base = float(elapsed_s)
         self._opened = time.perf_counter()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
         self._csv = _CsvFile(self.path.parent / CSV_NAME, keep_through) if with_csv else None
         purge = None if keep_through is None else keep_through + 1
         self._tb = _open_tensorboard(self.path.parent / TENSORBOARD_DIR, purge) if with_tensorboard else None

@@ -65,26 +65,35 @@ from torch import nn
 
 from wagma.app import launch
 from wagma.app.checkpoint import (
-    RESETTABLE, CheckpointError, capture_rng_state, ensure_no_history, restore_rng_state, resume_checkpoint,
+    RESETTABLE,
+    CheckpointError,
+    capture_rng_state,
+    ensure_no_history,
+    restore_rng_state,
+    resume_checkpoint,
     save_checkpoint,
 )
 from wagma.app.config import ConfigError, build_optimizer, group_options, validate_config
 from wagma.app.consensus import ConsensusMeter
 from wagma.app.data import BatchIterator, load_dataset, make_batches
-from wagma.app.sequences import TokenBatchIterator
 from wagma.app.guard import TrainingGuard
-from wagma.telemetry import GpuMetrics
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter, preload_tensorboard, write_summary
 from wagma.app.models import build_model
 from wagma.app.parallel import (
-    Layout, build_layout, full_model_state, load_local_model_state, load_local_optimizer_state, local_state,
+    Layout,
+    build_layout,
+    full_model_state,
+    load_local_model_state,
+    load_local_optimizer_state,
+    local_state,
 )
+from wagma.app.policies import AllreducePolicy, ModelAveragingPolicy, Policy, build_policy
 from wagma.app.progress import Progress, progress_every
 from wagma.app.quota import RankQuota, job_name
-from wagma.app.policies import ModelAveragingPolicy
-from wagma.app.policies import AllreducePolicy, Policy, build_policy
 from wagma.app.roll_call import FINAL, RollCall
+from wagma.app.sequences import TokenBatchIterator
+from wagma.telemetry import GpuMetrics
 
 __all__ = ["StepCallback", "evaluate", "train"]
 

@@ -11,6 +11,7 @@
   SGP and OSGP; AD-PSGD on a progress thread; docs/design.md §2.6).
 """
 
+from wagma.averaging.adpsgd import ADPSGDAverager
 from wagma.averaging.base import (
     AveragerBase,
     AveragerStats,
@@ -20,15 +21,14 @@ from wagma.averaging.base import (
     collect_buffers,
     collect_parameters,
 )
-from wagma.groups import DEFAULT_TIMEOUT
-from wagma.averaging.tensors import ParameterBinding, collect_named, flatten_parameters
-from wagma.averaging.adpsgd import ADPSGDAverager
 from wagma.averaging.gossip import TOPOLOGIES, DPSGDAverager, SGPAverager
 from wagma.averaging.hierarchical import HierarchicalAverager
 from wagma.averaging.momentum import MomentumLevels, ReductionMomentum, reduction_momentum_update_
 from wagma.averaging.optimizer import AveragingOptimizer
 from wagma.averaging.periodic import PeriodicAverager
+from wagma.averaging.tensors import ParameterBinding, collect_named, flatten_parameters
 from wagma.averaging.wagma import ORDERS, WagmaAverager
+from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = [
     "ADPSGDAverager",

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
-from wagma.averaging.gossip import _Exchange, _check_world
+from wagma.averaging.gossip import _check_world, _Exchange
 from wagma.averaging.tensors import widened
 from wagma.engine_store import CONNECT_S, StoreCaller, _address, _clone
 from wagma.groups import DEFAULT_TIMEOUT

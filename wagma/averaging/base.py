@@ -30,16 +30,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from wagma.groups import (
-    DEFAULT_TIMEOUT,
-    as_timeout,
-    destroy_groups,
-    group_ranks,
-    is_timeout,
-    require_initialized,
-)
-from wagma.wire import WireDtype, as_wire_dtype, narrow_for, wire_nbytes
-from wagma.world import World, WorldLike, as_world
 from wagma.averaging.guards import (
     DoubleCommunicationGuard,
     order_ignored_by_caller,
@@ -56,6 +46,16 @@ from wagma.averaging.tensors import (
     local_tensor,
     reduced_parameters,
 )
+from wagma.groups import (
+    DEFAULT_TIMEOUT,
+    as_timeout,
+    destroy_groups,
+    group_ranks,
+    is_timeout,
+    require_initialized,
+)
+from wagma.wire import WireDtype, as_wire_dtype, narrow_for, wire_nbytes
+from wagma.world import World, WorldLike, as_world
 
 __all__ = [
     "AveragerBase",

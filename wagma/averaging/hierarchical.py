@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction, check_int
+from wagma.averaging.guards import warn_at_caller
 from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
@@ -15,7 +16,6 @@ from wagma.groups import (
     group_ranks,
     require_initialized,
 )
-from wagma.averaging.guards import warn_at_caller
 from wagma.schedule import check_group_fits
 from wagma.wire import WireDtype
 from wagma.world import WorldLike, as_world

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction, check_int
+from wagma.groups import DEFAULT_TIMEOUT
 from wagma.wire import WireDtype
 from wagma.world import WorldLike
-from wagma.groups import DEFAULT_TIMEOUT
 
 __all__ = ["PeriodicAverager"]
 

@@ -42,8 +42,8 @@ import torch
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
 from wagma.averaging.tensors import FlatBuffers, local_tensor, widened
-from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import check_transport

@@ -56,5 +56,5 @@ class LocalUsedMapGroup(dist.ProcessGroup):
     def size(self) -> int:  # type: ignore[override]
         return self._real.size()
 
-    def getBackendName(self) -> str:  # type: ignore[override]  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:  # type: ignore[override]
         return "wagma-local-used-map"

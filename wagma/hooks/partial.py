@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources, check_int, reduced_parameters
-from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 from wagma.shm import check_transport
