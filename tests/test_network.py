@@ -385,3 +385,94 @@ def test_python_train_py_stops_with_one_line_for_a_bad_rate(tmp_path):
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert errors == ["error: invalid configuration: rank_net must be null (no network) or a rate: a number and kbit, "
                       "mbit or gbit, e.g. 500kbit, 100mbit, 1gbit; got 'fast'"], output
+
+
+# The benchmarks: run.py and accuracy.py (forked ranks), chaos.py (torchrun).
+
+def test_the_accuracy_grid_runs_each_rate_as_a_cell_of_its_own(tmp_path, monkeypatch):
+    from benchmarks import accuracy
+
+    invocations = []
+
+    def fake_run(argv):
+        invocations.append(argv)
+        return {"records": [{"scenario": "random_k1", "policy": p, "status": "ok", "final_accuracy": 0.9}
+                            for p in ("allreduce", "wagma")]}
+
+    monkeypatch.setattr(accuracy.run, "main", fake_run)
+    monkeypatch.setattr(accuracy, "check_rank_net", lambda *args: None)  # the host's ability: tested above
+    out = accuracy.main(["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0",
+                         "--policies", "wagma", "--rank-net", "0", "200Mbit", "--out", str(tmp_path / "acc"),
+                         "--work", str(tmp_path / "work"), "--allow-dirty"])
+    assert ["rank_net=200mbit" in argv for argv in invocations] == [False, True]
+    assert [r["rank_net"] for r in out["records"]] == [None, None, "200mbit", "200mbit"]
+    cell = "digits/mlp P=2 random_k1"
+    assert [c["cell"] for c in out["cells"]] == [cell, cell, f"{cell} net 200mbit", f"{cell} net 200mbit"]
+    old = {"dataset": "digits", "model": "mlp", "world_size": 2, "scenario": "random_k1"}  # before rank_net existed
+    assert accuracy._cell_name(accuracy.cell_key(old)) == "digits/mlp P=2 random_k1"
+
+
+def test_the_benchmarks_refuse_a_bad_rate_in_one_line(tmp_path, capsys):
+    from benchmarks import accuracy, chaos
+
+    with pytest.raises(SystemExit):
+        accuracy.parse_args(["--rank-net", "fast"])
+    with pytest.raises(SystemExit):
+        chaos.main(["--rank-net", "2OOmbit", "--out", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--rank-net: rank_net must be null (no network) or a rate: a number and kbit, mbit or "
+                            "gbit, e.g. 500kbit, 100mbit, 1gbit; got '2OOmbit'")
+    assert any(line.endswith("got 'fast'") for line in err)
+
+
+def test_chaos_runs_every_fault_on_the_rate_and_records_it(tmp_path, monkeypatch):
+    import dataclasses
+
+    from benchmarks import chaos
+
+    def fake_run_one(spec, root, timeout_s):
+        assert f"rank_net={spec.rank_net}" in chaos.overrides(spec, timeout_s)
+        return dataclasses.asdict(spec) | {"timeout_s": timeout_s, "hung": False, "max_survivor_s": 1.0,
+                                           "named_rank": True, "resumed": True, "resumed_from": 5, "bitwise": None}
+
+    monkeypatch.setattr(chaos, "run_one", fake_run_one)
+    monkeypatch.setattr(chaos, "check_rank_net", lambda *args: None)
+    out = tmp_path / "c.json"
+    assert chaos.main(["--runs", "2", "--policies", "wagma", "--worlds", "2", "--rank-net", "100mbit",
+                       "--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
+    assert [r["rank_net"] for r in json.loads(out.read_text())] == ["100mbit", "100mbit"]
+    assert "Ranks' links (`rank_net`): 100mbit." in (tmp_path / "c.md").read_text()
+    spec = chaos.plan(1, 0, rank_net="100mbit")[0]
+    assert spec.config()[-1] == "100mbit" and dataclasses.replace(spec, rank_net=None).config()[-1] == spec.seed
+
+
+@pytest.mark.slow  # two short trainings of forked ranks
+@needs_net
+def test_benchmarks_run_trains_on_the_rate_records_it_and_leaves_nothing(tmp_path):
+    from benchmarks import run
+
+    result = run.main(["--world", "2", "--scenarios", "none", "--steps", "8", "--eval-every", "4", "--target", "0.5",
+                       "--policies", "allreduce", "--set", "rank_net=200mbit", "--out", str(tmp_path / "out")])
+    assert result["settings"]["rank_net"] == "200mbit" and result["settings"]["rank_cpus"] == 0.0
+    assert [(r["status"], r["rank_net"]) for r in result["records"]] == [("ok", "200mbit")]
+    assert "each rank on its own 200mbit link (`rank_net`)" in (tmp_path / "out" / "results.md").read_text()
+    run_dir = tmp_path / "out" / "runs" / "none" / "allreduce"
+    assert json.loads((run_dir / "summary.json").read_text())["rank_net"] == "200mbit"
+    assert leftovers(job_name(run_dir)) == []
+
+
+@pytest.mark.slow  # a chaos run: torchrun, a SIGKILLed rank, a relaunch, a reference run
+@pytest.mark.timeout(240)
+@needs_net
+def test_chaos_kills_a_rank_on_its_network_and_nothing_is_left(tmp_path):
+    from benchmarks import chaos
+
+    spec = chaos.Spec(index=0, policy="allreduce", world_size=2, fault="SIGKILL", victim=1, at_s=1.0,
+                      checkpoint_every=5, restart="resume", steps=60, rank_net="200mbit")
+    record = chaos.run_one(spec, tmp_path, timeout_s=5.0)
+    assert "error" not in record, record
+    assert not record["hung"] and record["named_rank"] and record["resumed"], record
+    assert record["bitwise"] is True and record["rank_net"] == "200mbit", record
+    for run_dir in [Path(record["run_dir"]), *(tmp_path / "reference").iterdir()]:
+        assert json.loads((run_dir / "summary.json").read_text())["rank_net"] == "200mbit"
+        assert wait_gone(job_name(run_dir)) == []
