@@ -72,7 +72,7 @@ def test_check_rank_net_names_what_is_wrong_in_one_line():
         "rank_net=200mbit puts the ranks of one host on a network of their own, but this job spans more than one host "
         "(2 local of 4 ranks): run a multi-node job without rank_net")
     assert "at most 253 ranks" in check_rank_net("200mbit", 300, 300)
-    assert "use device=cpu with rank_net" in check_rank_net("200mbit", 2, 2, device="cuda")
+    assert "on CUDA devices they send through NCCL" in check_rank_net("200mbit", 2, 2, device="cuda")
     for line in (check_rank_net("x", 2), check_rank_net("1gbit", 2, 4)):
         assert "\n" not in line
 
@@ -345,6 +345,28 @@ def test_a_launcher_stopped_by_sigterm_leaves_no_network_and_no_cgroup(tmp_path)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert leftovers(job) == [] and not _cgroups_left(job)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@pytest.mark.slow  # a python train.py job, one of its ranks killed
+@needs_net
+def test_a_killed_rank_fails_the_job_and_leaves_no_network_and_no_cgroup(tmp_path):
+    quota = check_rank_cpus(0.5, 2) is None
+    proc = _launch(tmp_path, "nproc=2", "steps=100000", "rank_net=200mbit", *(["rank_cpus=0.5"] if quota else []))
+    job = job_name(tmp_path)
+    try:
+        assert _ranks_on_network(job, 2), proc.stdout.read() if proc.poll() is not None else "no namespaces"
+        time.sleep(1.0)
+        # the rank's own environ is its spawn's; its reaper's, started from it, has RANK: the rank is its parent
+        reaper = next(pid for pid in descendants(proc.pid) if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()
+                      and b"network.py" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(int(Path(f"/proc/{reaper}/stat").read_text().rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
+        output, _ = proc.communicate(timeout=90)
+        assert proc.returncode != 0 and "rank 1 failed: Signal 9 (SIGKILL)" in output, output
         assert leftovers(job) == [] and not _cgroups_left(job)
     finally:
         with contextlib.suppress(ProcessLookupError):

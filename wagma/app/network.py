@@ -503,10 +503,13 @@ def _start_reaper(tag: str, rank: int, ns_fd: int) -> subprocess.Popen[bytes]:
 #: TCP states (``/proc/net/tcp``'s ``st``) in which a socket may still hold data to send: ESTABLISHED, FIN_WAIT1,
 #: CLOSE_WAIT, LAST_ACK, CLOSING.
 _SENDING = frozenset({"01", "04", "08", "09", "0B"})
+#: Of those, the states in which the socket has sent its FIN, which counts one in its unacknowledged sequence.
+_FIN_SENT = frozenset({"04", "09", "0B"})
 
 
 def unsent_bytes() -> int:
-    """The bytes the TCP sockets of the calling thread's network namespace have not had acknowledged yet."""
+    """The bytes of data the TCP sockets of the calling thread's network namespace have not had acknowledged yet
+    (a FIN not acknowledged is no data: the peer that would acknowledge it may be gone)."""
     total = 0
     for table in ("tcp", "tcp6"):
         try:
@@ -516,7 +519,8 @@ def unsent_bytes() -> int:
         for line in lines:
             fields = line.split()
             if len(fields) > 4 and fields[3] in _SENDING:
-                total += int(fields[4].split(":")[0], 16)
+                queued = int(fields[4].split(":")[0], 16)
+                total += max(0, queued - 1) if fields[3] in _FIN_SENT else queued
     return total
 
 
@@ -586,7 +590,8 @@ def _host_problem() -> str | None:
     if os.geteuid() != 0:
         return (f"rank_net needs root (CAP_NET_ADMIN) to create network namespaces, veths and a bridge, and this "
                 f"process runs as uid {os.geteuid()}: run as root or without rank_net")
-    problem = _trial()
+    with _host_lock():  # ranks checking at once: one trial at a time (the first may mount /run/netns)
+        problem = _trial()
     if problem is not None:
         return f"rank_net: {problem}; this host cannot shape a rank's link: run without rank_net"
     return None
@@ -596,9 +601,9 @@ def check_rank_net(rate: object, local_ranks: int, world_size: int | None = None
     """The one-line reason ``rank_net=rate`` cannot run ``local_ranks`` ranks here, or None when it can.
 
     ``rate`` must be null/0 (no network) or a rate (:func:`parse_rate`); the job must fit one host (``world_size``
-    ranks, all local) and a /24; the ranks must talk through sockets (gloo: not ``device=cuda``, whose NCCL goes
-    through NVLink and shared memory); and the host must have ``ip``, ``tc``, root, and make a bridge, a namespace,
-    a veth and ``tbf`` when tried (once per process).
+    ranks, all local) and a /24; the ranks must talk through sockets (gloo: not on ``device`` ``"cuda"``, whose NCCL
+    goes through NVLink and shared memory); and the host must have ``ip``, ``tc``, root, and make a bridge, a
+    namespace, a veth and ``tbf`` when tried (once per process, under the host lock).
     """
     try:
         name = rate_name(rate)
@@ -612,8 +617,8 @@ def check_rank_net(rate: object, local_ranks: int, world_size: int | None = None
     if local_ranks > 253:
         return f"rank_net={name} gives a host at most 253 ranks (one /24), got {local_ranks}"
     if device == "cuda":
-        return (f"rank_net={name} shapes the ranks' sockets (gloo), and device=cuda sends through NCCL, which it "
-                "cannot shape: use device=cpu with rank_net")
+        return (f"rank_net={name} shapes the ranks' sockets (gloo), and on CUDA devices they send through NCCL, "
+                "which it cannot shape: use device=cpu with rank_net")
     return _host_problem()
 
 
