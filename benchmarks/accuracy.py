@@ -1,11 +1,12 @@
 """Test accuracy at equal samples against DDP, over a grid of workloads, worlds, scenarios, quotas and seeds.
 
 For every cell of the grid -- a workload (dataset and model), a world size P, an imbalance scenario, a per-rank
-CPU quota (``--rank-cpus``, 0: none) -- and every seed it runs :mod:`benchmarks.run` once: every policy on the
-same data, model, seed and injected imbalance, DDP first. Per cell and policy it takes the median over the seeds
-of the final test accuracy and sets it beside DDP's median: the gap in points. The question it answers: does a
-policy that waits less still learn as well per sample, everywhere it ships? A policy passes when its gap is at
-most ``--tolerance`` in every cell and none of its runs failed.
+CPU quota (``--rank-cpus``, 0: none), a per-rank link rate (``--rank-net``, 0: loopback) -- and every seed it runs
+:mod:`benchmarks.run` once: every policy on the same data, model, seed and injected imbalance, DDP first. Per cell
+and policy it takes the median over the seeds of the final test accuracy and sets it beside DDP's median: the gap
+in points. The question it answers: does a policy that waits less still learn as well per sample, everywhere it
+ships? A policy passes when its gap is at most ``--tolerance`` in every cell and none of its runs failed. Records
+carry ``rank_cpus`` and ``rank_net``; an older record without them ran without a quota, on loopback.
 
 Usage::
 
@@ -49,6 +50,7 @@ from benchmarks import results_io, run  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.presets import averaging_option  # noqa: E402
 from benchmarks.scenarios import BASELINE, SCENARIOS  # noqa: E402
+from wagma.app.network import check_rank_net, rate_name  # noqa: E402
 
 __all__ = ["cell_key", "main", "parse_args", "pivot", "summarize", "summarize_cells", "validated_staleness"]
 
@@ -67,6 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    choices=SCENARIOS, help="benchmarks/scenarios.py names")
     p.add_argument("--rank-cpus", type=float, nargs="+", default=[0.0],
                    help="per-rank CPU quotas to run each cell with (0: none; see the app's rank_cpus)")
+    p.add_argument("--rank-net", nargs="+", default=["0"],
+                   help="per-rank link rates to run each cell with, e.g. 200mbit (0: loopback; see the app's rank_net)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
                    help="configs/averaging/ names (DDP is always run)")
@@ -95,6 +99,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             or args.eval_every < 0 or min(args.rank_cpus) < 0 or not (args.target is None or 0 < args.target <= 1)):
         p.error("need --steps >= 1, --batch-size >= 1, --worlds >= 2, --delay-s >= 0, --tolerance >= 0, "
                 "--eval-every >= 0, --rank-cpus >= 0, --target in (0, 1]")
+    try:
+        args.rank_net = list(dict.fromkeys(rate_name(r) or "" for r in args.rank_net))  # "": loopback
+    except ValueError as exc:
+        p.error(f"--rank-net: {exc}")
     if args.retry_failed and not args.resume:
         p.error("--retry-failed: expected it with --resume (it reruns the failed invocations of the saved grid)")
     workloads = []
@@ -108,14 +116,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cell_key(r: dict[str, Any]) -> tuple[str, str, int, str, float]:
-    """The grid cell of a record: (dataset, model, world_size, scenario, rank_cpus)."""
-    return (r["dataset"], r["model"], int(r["world_size"]), r["scenario"], float(r.get("rank_cpus") or 0.0))
+def cell_key(r: dict[str, Any]) -> tuple[str, str, int, str, float, str]:
+    """The grid cell of a record: (dataset, model, world_size, scenario, rank_cpus, rank_net); a record without
+    ``rank_cpus`` had no quota (0.0), one without ``rank_net`` ran on loopback (``""``)."""
+    return (r["dataset"], r["model"], int(r["world_size"]), r["scenario"], float(r.get("rank_cpus") or 0.0),
+            str(r.get("rank_net") or ""))
 
 
-def _cell_name(key: tuple[str, str, int, str, float]) -> str:
-    dataset, model, world, scenario, cpus = key
-    return f"{dataset}/{model} P={world} {scenario}" + (f" quota {cpus:g}" if cpus else "")
+def _cell_name(key: tuple[str, str, int, str, float, str]) -> str:
+    dataset, model, world, scenario, cpus, net = key
+    name = f"{dataset}/{model} P={world} {scenario}"
+    return name + (f" quota {cpus:g}" if cpus else "") + (f" net {net}" if net else "")
 
 
 def accuracy_at(curve: list[dict[str, float]] | None, time_s: float) -> float | None:
@@ -194,7 +205,8 @@ def summarize_cells(records: list[dict[str, Any]], target: float | None = None,
 
             out.append({
                 "cell": _cell_name(key), "dataset": key[0], "model": key[1], "world_size": key[2], "scenario": key[3],
-                "rank_cpus": key[4], "policy": policy, "seeds": sorted(r["seed"] for r in runs),
+                "rank_cpus": key[4], "rank_net": key[5] or None, "policy": policy,
+                "seeds": sorted(r["seed"] for r in runs),
                 "missing": sorted(r["seed"] for r in runs if r["final_accuracy"] is None),
                 "median_accuracy": median, "ddp_median_accuracy": ddp_median,
                 "gap_points": None if median is None or ddp_median is None else _points(ddp_median - median),
@@ -560,19 +572,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = write() if records else {}
     if args.report_only:
         return out
-    grid = [(w, p, s, q, seed) for w in args.workloads for p in args.worlds for s in args.scenarios
-            for q in args.rank_cpus for seed in args.seeds]
-    for n, ((dataset, model), world, scenario, cpus, seed) in enumerate(grid, 1):
-        key = (dataset, model, world, scenario, float(cpus))
+    grid = [(w, p, s, q, net, seed) for w in args.workloads for p in args.worlds for s in args.scenarios
+            for q in args.rank_cpus for net in args.rank_net for seed in args.seeds]
+    for rate in {net for *_, net, _ in grid if net}:  # one line before the grid, not a failed cell per invocation
+        if (problem := check_rank_net(rate, max(args.worlds), max(args.worlds))) is not None:
+            raise SystemExit(f"benchmarks/accuracy.py: {problem}")
+    for n, ((dataset, model), world, scenario, cpus, net, seed) in enumerate(grid, 1):
+        key = (dataset, model, world, scenario, float(cpus), net)
         if (key, seed) in done:
             continue
-        extra = [*args.extra, *([f"rank_cpus={cpus:g}"] if cpus else [])]
+        extra = [*args.extra, *([f"rank_cpus={cpus:g}"] if cpus else []), *([f"rank_net={net}"] if net else [])]
         run_argv = [
             "--world", str(world), "--policies", *args.policies, "--scenarios", scenario, "--dataset", dataset,
             "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--step-s", str(args.delay_s), "--delay-s", str(args.delay_s), "--eval-every", str(args.eval_every),
             "--consensus-every", "0", *[a for o in extra for a in ("--set", o)],
-            "--out", str(args.work / f"{dataset}_{model}_P{world}_{scenario}_q{cpus:g}_seed{seed}"),
+            "--out", str(args.work / f"{dataset}_{model}_P{world}_{scenario}_q{cpus:g}{f'_n{net}' if net else ''}"
+                                     f"_seed{seed}"),
         ]
         invocations.append("python benchmarks/run.py " + shlex.join(run_argv))
         print(f"== [{n}/{len(grid)}] {_cell_name(key)}, seed {seed}", flush=True)
@@ -586,6 +602,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             mean_stale, max_stale = _staleness(rec)
             records.append({
                 "dataset": dataset, "model": model, "world_size": world, "scenario": scenario, "rank_cpus": cpus,
+                "rank_net": net or None,
                 "seed": seed, "policy": policy, "final_accuracy": acc,
                 "gap_points": None if acc is None or ddp is None else _points(ddp - acc),
                 "samples_per_s": (rec or {}).get("samples_per_s"), "ddp_ratio": (rec or {}).get("ddp_ratio"),

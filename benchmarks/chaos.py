@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout without install
 # No Hydra: chaos only launches train.py, and reads the configs' keys itself.
 from benchmarks import presets  # noqa: E402
 from benchmarks.presets import averaging_config, averaging_option  # noqa: E402
+from wagma.app.network import check_rank_net, rate_name  # noqa: E402 - the standard library only
 
 CONFIGS = REPO / "configs"
 #: The published algorithms every campaign has faulted, though they are not shipped (configs/averaging/reference/).
@@ -116,14 +117,17 @@ class Spec:
     restart: str
     steps: int = 60
     seed: int = 0
+    rank_net: str | None = None  # every rank's link rate (wagma.app.network); None: loopback
 
     def config(self) -> tuple[Any, ...]:
-        """What the model of the run depends on (the key of its uninterrupted reference run)."""
-        return (self.policy, self.world_size, self.steps, self.checkpoint_every, self.seed)
+        """What the run depends on (the key of its uninterrupted reference run; its name without ``rank_net`` keeps
+        the references of loopback campaigns where they were)."""
+        return (self.policy, self.world_size, self.steps, self.checkpoint_every, self.seed,
+                *([self.rank_net] if self.rank_net else []))
 
 
 def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tuple[int, ...] = WORLDS,
-         faults: tuple[str, ...] = FAULTS, steps: int = 60) -> list[Spec]:
+         faults: tuple[str, ...] = FAULTS, steps: int = 60, rank_net: str | None = None) -> list[Spec]:
     """``runs`` specs drawn from ``seed``; every (policy, world, fault) comes up before any repeats."""
     rng = random.Random(seed)
     combos = [(p, w, f) for p in policies for w in worlds for f in faults]
@@ -135,7 +139,7 @@ def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tup
         specs.append(Spec(
             index=i, policy=policy, world_size=world, fault=fault, victim=rng.randrange(world),
             at_s=round(rng.uniform(0.3, 2.5), 3), checkpoint_every=rng.choice((1, 5)),
-            restart=rng.choice(RESTARTS), steps=steps, seed=seed,
+            restart=rng.choice(RESTARTS), steps=steps, seed=seed, rank_net=rank_net,
         ))
     return specs
 
@@ -151,6 +155,8 @@ def overrides(spec: Spec, timeout_s: float) -> list[str]:
     ]
     if "timeout_s" in averaging_config(spec.policy, CONFIGS):  # allreduce has none: its only wait is DDP's,
         out.append(f"averaging.timeout_s={timeout_s}")          # bounded by dist_timeout_s
+    if spec.rank_net:  # each rank makes its own network namespace; its reaper removes it however the rank ends
+        out.append(f"rank_net={spec.rank_net}")
     return out
 
 
@@ -400,6 +406,8 @@ def markdown(records: list[dict[str, Any]], command: str) -> str:
         "# Chaos campaign", "",
         f"Command: `{command}`", "",
         f"Machine: {platform.node()} ({os.cpu_count()} cores, {platform.platform()}), Python {platform.python_version()}.", "",
+        *([f"Ranks' links (`rank_net`): {', '.join(nets)}.", ""]
+          if (nets := sorted({str(r.get("rank_net") or "loopback") for r in records})) != ["loopback"] else []),
         "| target | result |", "|---|---|",
         f"| runs (harness errors) | {len(records)} ({len(records) - len(ok)}) |",
         f"| 0 hangs | {sum(r['hung'] for r in ok)} hung |",
@@ -437,6 +445,9 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rank-net", default=None, metavar="RATE",
+                        help="every rank on its own link of this rate, e.g. 200mbit (the app's rank_net; default: "
+                             "loopback); the records carry it")
     parser.add_argument("--workdir", default="/tmp/wagma-chaos", help="where the runs' directories go")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos" / "chaos.json"))
     parser.add_argument("--merge", nargs="+", metavar="JSON",
@@ -463,8 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(policies) - set(known)
     if unknown:
         parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(known)}")
-    specs = plan(args.runs, args.seed, policies, tuple(int(w) for w in args.worlds.split(",")),
-                 tuple(args.faults.split(",")), args.steps)
+    worlds = tuple(int(w) for w in args.worlds.split(","))
+    try:
+        rank_net = rate_name(args.rank_net)
+    except ValueError as exc:
+        parser.error(f"--rank-net: {exc}")
+    if rank_net is not None and (problem := check_rank_net(rank_net, max(worlds), max(worlds))) is not None:
+        parser.error(problem)
+    specs = plan(args.runs, args.seed, policies, worlds, tuple(args.faults.split(",")), args.steps, rank_net)
     root = Path(args.workdir)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

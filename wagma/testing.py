@@ -93,6 +93,7 @@ def _child(
     result_conn: Any,
     collective_timeout_s: float,
     backend: str,
+    setup: Callable[[int, int], str | None] | None,
 ) -> None:
     import torch
 
@@ -102,8 +103,9 @@ def _child(
     code = 0
     try:
         timeout = datetime.timedelta(seconds=collective_timeout_s)
+        store_host = setup(rank, world_size) if setup is not None else None
         port, prefix = port_conn.recv()
-        client = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        client = dist.TCPStore(store_host or "127.0.0.1", port, world_size, False, timeout=timeout)
         store = dist.PrefixStore(prefix, client)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         # Gloo connects the default group inside init; a rank whose fn returns at once must not exit while a
@@ -167,6 +169,7 @@ def run_workers_outcomes(
     timeout_s: float = 60.0,
     collective_timeout_s: float = 10.0,
     backend: str = "gloo",
+    setup: Callable[[int, int], str | None] | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; report every rank's outcome.
 
@@ -178,6 +181,10 @@ def run_workers_outcomes(
             reported as not finished.
         collective_timeout_s: timeout of the default process group and of the store.
         backend: ``"gloo"`` (CPU) unless the caller knows better.
+        setup: optional ``f(rank, world_size)`` called first in each child, before it connects to the store: it
+            may move the process (into a network namespace of its own, say) and returns the address at which the
+            child then reaches the store (the store listens on every address of the caller's network namespace),
+            or None for ``127.0.0.1``. A failure in it is the rank's failure.
 
     Returns:
         One :class:`RankOutcome` per rank, in rank order. Nothing is raised for a failed rank.
@@ -197,7 +204,7 @@ def run_workers_outcomes(
         res_recv, res_send = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, args, port_recv, res_send, collective_timeout_s, backend),
+            args=(fn, rank, world_size, args, port_recv, res_send, collective_timeout_s, backend, setup),
             name=f"wagma-test-rank{rank}",
             daemon=True,
         )
@@ -262,6 +269,7 @@ def run_workers(
     timeout_s: float = 60.0,
     collective_timeout_s: float = 10.0,
     backend: str = "gloo",
+    setup: Callable[[int, int], str | None] | None = None,
 ) -> list[Any]:
     """Like :func:`run_workers_outcomes`, but return the values and raise if any rank failed.
 
@@ -269,7 +277,8 @@ def run_workers(
         WorkerError: naming every rank that raised, died or timed out, with its traceback.
     """
     outcomes = run_workers_outcomes(
-        fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, backend=backend
+        fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, backend=backend,
+        setup=setup,
     )
     failed = [o for o in outcomes if not o.ok]
     if failed:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from wagma.app.data import DATASET_INFO, DataInfo, dataset_info, train_split_size
 from wagma.app.imbalance import build_imbalance
 from wagma.app.models import build_model
+from wagma.app.network import check_rank_net
 from wagma.app.parallel import check_parallel, replica_count
 from wagma.app.policies import validate_hsdp, validate_policy_config
 from wagma.app.presets import CONFIGS_DIR
@@ -104,7 +105,9 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     ``world_size``), ``parallel`` / ``shard_size`` (:func:`wagma.app.parallel.check_parallel`) and the averaging
     policy (:func:`wagma.app.policies.validate_policy_config`: known name, group sizes dividing the world size --
     under ``parallel=hsdp`` the number of replicas, and a policy with a sharded form --, periods, momentum,
-    mode/mixing/order; see :mod:`wagma.app.policies.options`). A value of another type than the shipped configs
+    mode/mixing/order; see :mod:`wagma.app.policies.options`), ``rank_cpus`` (:func:`wagma.app.quota.check_rank_cpus`)
+    and ``rank_net`` (:func:`wagma.app.network.check_rank_net`: its rate, one host, and a trial bridge, namespace,
+    veth and tbf, once per process). A value of another type than the shipped configs
     give its key is named, whatever the check it failed said (``optim.lr: expected a float, found 'abc'``).
 
     Raises:
@@ -145,6 +148,11 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
         quota_problem = check_rank_cpus(plain.get("rank_cpus"), min(local_ranks, world_size))
         if quota_problem is not None:
             problems.append(quota_problem)
+        if plain.get("rank_net") is not None:  # (null, the default, needs no look at the device)
+            device = plain["device"] if plain["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            net_problem = check_rank_net(plain.get("rank_net"), min(local_ranks, world_size), world_size, device)
+            if net_problem is not None:
+                problems.append(net_problem)
 
     data = plain["data"]
     info: DataInfo | None = _attempt(found["data"], lambda: dataset_info(data))

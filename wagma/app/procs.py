@@ -2,15 +2,19 @@
 
 Used by :mod:`wagma.app.launch` (one start time for every rank and restart of a torchrun job) and by the
 fault tests (every process of a run, to stop it and to check none is left). Elsewhere than Linux the functions
-answer "unknown" (None, or an empty list).
+answer "unknown" (None, or an empty list). :func:`sigterm_exits` lets a launcher's cleanup run on SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["descendants", "process_start_time", "start_ticks"]
+__all__ = ["descendants", "process_start_time", "sigterm_exits", "start_ticks"]
 
 _PROC = Path("/proc")
 
@@ -52,3 +56,26 @@ def descendants(pid: int) -> dict[int, int]:
         found[child] = ticks
         todo.extend(children.get(child, []))
     return found
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Within: a SIGTERM to this process raises ``SystemExit(143)`` instead of ending it at once.
+
+    So a launcher's own cleanup (stopping its ranks) and the ``finally`` blocks around it (removing the ranks'
+    cgroups, :func:`wagma.app.quota.quota_job`; their networks, :func:`wagma.app.network.network_job`) run instead
+    of the process vanishing. Only where SIGTERM still has its default handler, on the main thread; nested uses
+    leave it to the outermost. The previous handler is put back after.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def _stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

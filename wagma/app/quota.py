@@ -19,11 +19,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from wagma.app.procs import sigterm_exits
 
 __all__ = [
     "PERIOD_US", "QuotaError", "RankQuota", "check_rank_cpus", "cgroup_root", "job_name", "remove_job_cgroups",
@@ -212,23 +212,17 @@ def quota_job(job: str, enabled: bool = True) -> Iterator[None]:
 
     Before: removes the empty cgroups of jobs whose launcher was killed outright (:func:`remove_stale_cgroups`).
     During: a SIGTERM to this process (when it arrives with the default handler in place, on the main thread)
-    raises ``SystemExit(143)``, so that the launcher's own cleanup (stopping the ranks) and this one run instead of
-    the process vanishing. After, however the job ended: removes what is left of ``job``'s cgroups.
+    raises ``SystemExit(143)`` (:func:`wagma.app.procs.sigterm_exits`), so that the launcher's own cleanup (stopping
+    the ranks) and this one run instead of the process vanishing. After, however the job ended: removes what is left
+    of ``job``'s cgroups.
     ``enabled=False`` (the job runs without quotas) does nothing.
     """
     if not enabled:
         yield
         return
     remove_stale_cgroups()
-    previous = None
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        def _stop(signum: int, _frame: object) -> None:
-            raise SystemExit(128 + signum)
-
-        previous = signal.signal(signal.SIGTERM, _stop)
     try:
-        yield
+        with sigterm_exits():
+            yield
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         remove_job_cgroups(job)

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, validate_config, validate_launch
 from wagma.app.deps import missing_dependency, require
+from wagma.app.network import network_job, rate_name
 from wagma.app.quota import job_name, quota_job
 from wagma.app.sweep import JOB_FILE
 
@@ -179,9 +180,11 @@ def launch_local(
     job.run_dir = str(directory)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks, without its warning
     try:
-        # quota_job: no cgroup left behind by the ranks, by this job's end or by an earlier job's killed launcher
-        with quota_job(job_name(directory), enabled=bool(cfg.get("rank_cpus"))), _quiet_elastic_logs(), \
-                _signal_handlers_restored():
+        # quota_job, network_job: no cgroup, namespace, veth or bridge left behind by the ranks, by this job's end or
+        # by an earlier job's killed launcher
+        with quota_job(job_name(directory), enabled=bool(cfg.get("rank_cpus"))), \
+                network_job(job_name(directory), enabled=rate_name(cfg.get("rank_net")) is not None), \
+                _quiet_elastic_logs(), _signal_handlers_restored():
             elastic_launch(_launch_config(int(cfg.nproc), int(cfg.max_restarts)), rank_main)(job, logging_config)
     except SignalException as exc:
         return LocalRun(128 + int(exc.sigval), None, directory, f"stopped by {signal.Signals(exc.sigval).name}")

@@ -5,7 +5,9 @@ Read top to bottom, it does:
 
 1. check the config (:func:`wagma.app.config.validate_config`) before any communication, so a bad config
    fails alike and at once on every rank;
-2. join or create the process group (:func:`wagma.app.launch.init_distributed`) and agree on the device;
+2. with ``rank_net``, move into this rank's network namespace (:mod:`wagma.app.network`), before any socket; join
+   or create the process group (:func:`wagma.app.launch.init_distributed`) and agree on the device; with
+   ``rank_cpus``, join this rank's CPU quota (:mod:`wagma.app.quota`);
 3. load the dataset and this rank's shard, build the model, broadcast it from rank 0, build the layout
    (``parallel=hsdp``: a ``("replicate", "shard")`` mesh, :mod:`wagma.app.parallel`) and the policy
    (:mod:`wagma.app.policies`; under HSDP on the replicas), wrap the model with it (under HSDP: shard it with
@@ -80,6 +82,8 @@ from wagma.app.guard import TrainingGuard
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter, preload_tensorboard, write_summary
 from wagma.app.models import build_model
+from wagma.app.network import RankNetwork, rate_name
+from wagma.app.network import current as current_network
 from wagma.app.parallel import (
     Layout,
     build_layout,
@@ -123,18 +127,46 @@ def train(cfg: DictConfig, *, step_callback: StepCallback | None = None) -> dict
     validate_config(cfg, launch.env_world_size())
     progress_every(cfg.get("progress_every"), int(cfg.steps))  # checked here too: before any communication
     run_dir = _resolve_run_dir(cfg)
-    ctx = launch.init_distributed(str(cfg.device), timeout_s=float(cfg.get("dist_timeout_s", 300.0)))
-    quota: RankQuota | None = None
+    net = _join_rank_net(cfg.get("rank_net"), job_name(run_dir))  # before any socket: all of them in the namespace
     try:
-        if cfg.get("rank_cpus"):  # before any work: every thread of the rank runs under the cap
-            quota = RankQuota(float(cfg.rank_cpus), job=job_name(run_dir), rank=ctx.rank)
-        return _train(cfg, ctx, run_dir, started, step_callback)
-    finally:
+        ctx = launch.init_distributed(str(cfg.device), timeout_s=float(cfg.get("dist_timeout_s", 300.0)))
+        quota: RankQuota | None = None
         try:
-            launch.shutdown(ctx)
+            if cfg.get("rank_cpus"):  # before any work: every thread of the rank runs under the cap
+                quota = RankQuota(float(cfg.rank_cpus), job=job_name(run_dir), rank=ctx.rank)
+            return _train(cfg, ctx, run_dir, started, step_callback)
         finally:
-            if quota is not None:
-                quota.leave()
+            try:
+                launch.shutdown(ctx)
+            finally:
+                if quota is not None:
+                    quota.leave()
+    finally:
+        if net is not None:
+            net.leave()
+
+
+def _join_rank_net(rate: object, job: str) -> RankNetwork | None:
+    """This rank's network for ``rank_net=rate`` (:class:`wagma.app.network.RankNetwork`), made here unless the
+    process is in it already (forked ranks make it before their process group: ``run_workers(setup=...)``); None
+    without ``rank_net``, or when it was made before (then its maker removes it).
+
+    Raises:
+        ConfigError: the process group exists already but this rank is not on the network ``rate`` asks for (its
+            traffic would go through loopback while the summary records the rate).
+    """
+    name = rate_name(rate)
+    if name is None:
+        return None
+    joined = current_network()
+    if joined is not None and joined.rate == name and joined.job == job:
+        return None
+    if joined is not None or (dist.is_available() and dist.is_initialized()):
+        where = f"on {joined.rate} of job {joined.job}" if joined is not None else "in no network of its own"
+        raise ConfigError(f"rank_net={name}: the process group was made before train() could put this rank on its "
+                          f"network, and the rank is {where}: make the network before the group "
+                          "(wagma.testing.run_workers(..., setup=wagma.app.network.worker_setup(rate, job)))")
+    return RankNetwork(name, job=job, rank=launch.env_rank())
 
 
 @dataclasses.dataclass
@@ -601,6 +633,7 @@ def _summary(
         "seed": int(cfg.seed),
         "run_dir": str(run_dir),
         "rank_cpus": float(cfg.get("rank_cpus") or 0.0),  # the per-rank CPU quota the run had (0: none)
+        "rank_net": rate_name(cfg.get("rank_net")),  # every rank's link rate, e.g. "200mbit" (None: loopback)
         "parallel": layout.parallel,  # ddp, or hsdp: shard_size ranks hold one replica's shards
         "shard_size": layout.shard_size,
     }
