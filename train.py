@@ -93,7 +93,10 @@ def _refuse_unknown_options(argv: list[str]) -> None:
 if __name__ == "__main__":
     _refuse_dashed_launcher_flags(sys.argv[1:])
     sys.argv += launch.hydra_rank_overrides(sys.argv[1:], launch.env_rank())
-    with reported_missing_dependencies("train.py"), launch.exit_at_once_on_failure(), \
-            launch.failures_reported_by_rank0():
+    with (
+        reported_missing_dependencies("train.py"),
+        launch.exit_at_once_on_failure(),
+        launch.failures_reported_by_rank0(),
+    ):
         _refuse_unknown_options(sys.argv[1:])
         main()

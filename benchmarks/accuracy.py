@@ -55,50 +55,105 @@ from wagma.app.network import check_rank_net, rate_name  # noqa: E402
 __all__ = ["cell_key", "main", "parse_args", "pivot", "summarize", "summarize_cells", "validated_staleness"]
 
 DEFAULT_POLICIES = (
-    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-    "wagma_relaxed_overlap", "eager_solo", "eager_majority",
+    "allreduce",
+    "local_sgd",
+    "hierarchical",
+    "hierarchical_momentum",
+    "wagma",
+    "wagma_relaxed",
+    "wagma_relaxed_overlap",
+    "eager_solo",
+    "eager_majority",
 )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Final test accuracy at equal samples, each policy against DDP, over a grid")
-    p.add_argument("--workloads", nargs="+", default=["mnist:cnn"], metavar="DATASET:MODEL",
-                   help="configs/data and configs/model names, e.g. mnist:cnn digits:mlp")
+    p = argparse.ArgumentParser(
+        description="Final test accuracy at equal samples, each policy against DDP, over a grid"
+    )
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["mnist:cnn"],
+        metavar="DATASET:MODEL",
+        help="configs/data and configs/model names, e.g. mnist:cnn digits:mlp",
+    )
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 16], help="world sizes P")
-    p.add_argument("--scenarios", nargs="+", default=["random_k1", "random_k2", "persistent", "heavy_tail"],
-                   choices=SCENARIOS, help="benchmarks/scenarios.py names")
-    p.add_argument("--rank-cpus", type=float, nargs="+", default=[0.0],
-                   help="per-rank CPU quotas to run each cell with (0: none; see the app's rank_cpus)")
-    p.add_argument("--rank-net", nargs="+", default=["0"],
-                   help="per-rank link rates to run each cell with, e.g. 200mbit (0: loopback; see the app's rank_net)")
+    p.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=["random_k1", "random_k2", "persistent", "heavy_tail"],
+        choices=SCENARIOS,
+        help="benchmarks/scenarios.py names",
+    )
+    p.add_argument(
+        "--rank-cpus",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="per-rank CPU quotas to run each cell with (0: none; see the app's rank_cpus)",
+    )
+    p.add_argument(
+        "--rank-net",
+        nargs="+",
+        default=["0"],
+        help="per-rank link rates to run each cell with, e.g. 200mbit (0: loopback; see the app's rank_net)",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
-                   help="configs/averaging/ names (DDP is always run)")
+    p.add_argument(
+        "--policies", nargs="+", default=list(DEFAULT_POLICIES), help="configs/averaging/ names (DDP is always run)"
+    )
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32, help="examples per rank and step")
     p.add_argument("--delay-s", type=float, default=0.02, help="the scenarios' delay unit d")
     p.add_argument("--eval-every", type=int, default=100, help="steps between (collective) test evaluations")
     p.add_argument("--tolerance", type=float, default=1.0, help="the largest acceptable median gap to DDP, in points")
-    p.add_argument("--target", type=float, default=None,
-                   help="time to solution: a target test accuracy in (0, 1]; adds each policy's training time and "
-                        "samples to reach it (medians over the seeds) and the accuracy-against-time plot")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
-                   help="extra Hydra override for every run (repeatable)")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="time to solution: a target test accuracy in (0, 1]; adds each policy's training time and "
+        "samples to reach it (medians over the seeds) and the accuracy-against-time plot",
+    )
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for every run (repeatable)",
+    )
     p.add_argument("--resume", action="store_true", help="keep the records in --out's accuracy.json, run the rest")
-    p.add_argument("--retry-failed", action="store_true",
-                   help="with --resume: run again every (cell, seed) invocation in which DDP or a policy failed "
-                        "(its records are replaced)")
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="with --resume: run again every (cell, seed) invocation in which DDP or a policy failed "
+        "(its records are replaced)",
+    )
     p.add_argument("--report-only", action="store_true", help="rewrite accuracy.json/md from its records, run nothing")
-    p.add_argument("--allow-dirty", action="store_true",
-                   help="run from a tree whose code differs from its commit (records then name COMMIT+dirty); "
-                        "without it the grid refuses to start, so that every result names the code that produced it")
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="run from a tree whose code differs from its commit (records then name COMMIT+dirty); "
+        "without it the grid refuses to start, so that every result names the code that produced it",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/accuracy")
     p.add_argument("--work", type=Path, default=Path("/tmp/wagma-accuracy"), help="run.py's outputs (not committed)")
     args = p.parse_args(argv)
-    if (args.steps < 1 or args.batch_size < 1 or min(args.worlds) < 2 or args.delay_s < 0 or args.tolerance < 0
-            or args.eval_every < 0 or min(args.rank_cpus) < 0 or not (args.target is None or 0 < args.target <= 1)):
-        p.error("need --steps >= 1, --batch-size >= 1, --worlds >= 2, --delay-s >= 0, --tolerance >= 0, "
-                "--eval-every >= 0, --rank-cpus >= 0, --target in (0, 1]")
+    if (
+        args.steps < 1
+        or args.batch_size < 1
+        or min(args.worlds) < 2
+        or args.delay_s < 0
+        or args.tolerance < 0
+        or args.eval_every < 0
+        or min(args.rank_cpus) < 0
+        or not (args.target is None or 0 < args.target <= 1)
+    ):
+        p.error(
+            "need --steps >= 1, --batch-size >= 1, --worlds >= 2, --delay-s >= 0, --tolerance >= 0, "
+            "--eval-every >= 0, --rank-cpus >= 0, --target in (0, 1]"
+        )
     try:
         args.rank_net = list(dict.fromkeys(rate_name(r) or "" for r in args.rank_net))  # "": loopback
     except ValueError as exc:
@@ -119,8 +174,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def cell_key(r: dict[str, Any]) -> tuple[str, str, int, str, float, str]:
     """The grid cell of a record: (dataset, model, world_size, scenario, rank_cpus, rank_net); a record without
     ``rank_cpus`` had no quota (0.0), one without ``rank_net`` ran on loopback (``""``)."""
-    return (r["dataset"], r["model"], int(r["world_size"]), r["scenario"], float(r.get("rank_cpus") or 0.0),
-            str(r.get("rank_net") or ""))
+    return (
+        r["dataset"],
+        r["model"],
+        int(r["world_size"]),
+        r["scenario"],
+        float(r.get("rank_cpus") or 0.0),
+        str(r.get("rank_net") or ""),
+    )
 
 
 def _cell_name(key: tuple[str, str, int, str, float, str]) -> str:
@@ -138,8 +199,9 @@ def accuracy_at(curve: list[dict[str, float]] | None, time_s: float) -> float | 
     return reached[-1] if reached else None
 
 
-def to_target(curve: list[dict[str, float]] | None, target: float, world: int, batch_size: int
-              ) -> tuple[float | None, float | None]:
+def to_target(
+    curve: list[dict[str, float]] | None, target: float, world: int, batch_size: int
+) -> tuple[float | None, float | None]:
     """(training seconds, samples) at the first evaluation of ``curve`` at or above ``target``; Nones when it never
     got there. Samples as the curve counted them (batches by tokens vary), else step x P x batch size."""
     for point in curve or []:
@@ -154,7 +216,7 @@ def _median_reached(values: list[float | None]) -> float | None:
     ranked = sorted(values, key=lambda v: math.inf if v is None else v)
     if not ranked:
         return None
-    mid = ranked[(len(ranked) - 1) // 2: len(ranked) // 2 + 1]
+    mid = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
     return None if any(v is None for v in mid) else statistics.median(mid)
 
 
@@ -172,8 +234,9 @@ def equal_time_accuracies(records: list[dict[str, Any]]) -> None:
             r["equal_time_accuracy"] = None if equal_s is None else accuracy_at(r.get("accuracy_curve"), equal_s)
 
 
-def summarize_cells(records: list[dict[str, Any]], target: float | None = None,
-                    batch_size: int | None = None) -> list[dict[str, Any]]:
+def summarize_cells(
+    records: list[dict[str, Any]], target: float | None = None, batch_size: int | None = None
+) -> list[dict[str, Any]]:
     """Per cell and policy: the median final accuracy over the seeds beside DDP's, and the gap of the medians;
     with a ``target``, the median training time and samples to reach it (:func:`to_target`), and the time's ratio
     to DDP's.
@@ -185,13 +248,17 @@ def summarize_cells(records: list[dict[str, Any]], target: float | None = None,
     if target is not None:
         for r in records:
             r["time_to_target_s"], r["samples_to_target"] = to_target(
-                r.get("accuracy_curve"), target, int(r["world_size"]), int(batch_size or 0))
+                r.get("accuracy_curve"), target, int(r["world_size"]), int(batch_size or 0)
+            )
     for key in dict.fromkeys(cell_key(r) for r in records):
         mine = [r for r in records if cell_key(r) == key]
         ddp = [r["final_accuracy"] for r in mine if r["policy"] == BASELINE and r["final_accuracy"] is not None]
         ddp_median = statistics.median(ddp) if ddp else None
-        ddp_eq = [r["equal_time_accuracy"] for r in mine
-                  if r["policy"] == BASELINE and r.get("equal_time_accuracy") is not None]
+        ddp_eq = [
+            r["equal_time_accuracy"]
+            for r in mine
+            if r["policy"] == BASELINE and r.get("equal_time_accuracy") is not None
+        ]
         ddp_eq_median = statistics.median(ddp_eq) if ddp_eq else None
         ddp_tts = _median_reached([r.get("time_to_target_s") for r in mine if r["policy"] == BASELINE])
         for policy in dict.fromkeys(r["policy"] for r in mine):
@@ -203,32 +270,54 @@ def summarize_cells(records: list[dict[str, Any]], target: float | None = None,
                 vals = [r[field] for r in runs if r.get(field) is not None]
                 return statistics.median(vals) if vals else None
 
-            out.append({
-                "cell": _cell_name(key), "dataset": key[0], "model": key[1], "world_size": key[2], "scenario": key[3],
-                "rank_cpus": key[4], "rank_net": key[5] or None, "policy": policy,
-                "seeds": sorted(r["seed"] for r in runs),
-                "missing": sorted(r["seed"] for r in runs if r["final_accuracy"] is None),
-                "median_accuracy": median, "ddp_median_accuracy": ddp_median,
-                "gap_points": None if median is None or ddp_median is None else _points(ddp_median - median),
-                "median_samples_per_s": med("samples_per_s"), "median_ddp_ratio": med("ddp_ratio"),
-                "median_staleness": med("staleness"),
-                "max_run_staleness": max((r["staleness"] for r in runs if r.get("staleness") is not None), default=None),
-                "min_run_staleness": min((r["staleness"] for r in runs if r.get("staleness") is not None), default=None),
-                "max_staleness": max(
-                    (r["staleness_max"] for r in runs if r.get("staleness_max") is not None), default=None),
-                "median_fresh_fraction": med("fresh_fraction"),
-                "median_equal_time_accuracy": (eq := med("equal_time_accuracy")),
-                "equal_time_gap_points": None if eq is None or ddp_eq_median is None else _points(ddp_eq_median - eq),
-                "median_equal_time_s": med("equal_time_s"),
-                "median_compute_max_over_median": med("compute_max_over_median"),
-                "median_compute_cv": med("compute_cv"),
-            } | ({} if target is None else {
-                "target": target,
-                "reached": sum(r.get("time_to_target_s") is not None for r in runs),
-                "median_time_to_target_s": (tts := _median_reached([r.get("time_to_target_s") for r in runs])),
-                "median_samples_to_target": _median_reached([r.get("samples_to_target") for r in runs]),
-                "time_to_target_x_ddp": None if tts is None or not ddp_tts else tts / ddp_tts,
-            }))
+            out.append(
+                {
+                    "cell": _cell_name(key),
+                    "dataset": key[0],
+                    "model": key[1],
+                    "world_size": key[2],
+                    "scenario": key[3],
+                    "rank_cpus": key[4],
+                    "rank_net": key[5] or None,
+                    "policy": policy,
+                    "seeds": sorted(r["seed"] for r in runs),
+                    "missing": sorted(r["seed"] for r in runs if r["final_accuracy"] is None),
+                    "median_accuracy": median,
+                    "ddp_median_accuracy": ddp_median,
+                    "gap_points": None if median is None or ddp_median is None else _points(ddp_median - median),
+                    "median_samples_per_s": med("samples_per_s"),
+                    "median_ddp_ratio": med("ddp_ratio"),
+                    "median_staleness": med("staleness"),
+                    "max_run_staleness": max(
+                        (r["staleness"] for r in runs if r.get("staleness") is not None), default=None
+                    ),
+                    "min_run_staleness": min(
+                        (r["staleness"] for r in runs if r.get("staleness") is not None), default=None
+                    ),
+                    "max_staleness": max(
+                        (r["staleness_max"] for r in runs if r.get("staleness_max") is not None), default=None
+                    ),
+                    "median_fresh_fraction": med("fresh_fraction"),
+                    "median_equal_time_accuracy": (eq := med("equal_time_accuracy")),
+                    "equal_time_gap_points": None
+                    if eq is None or ddp_eq_median is None
+                    else _points(ddp_eq_median - eq),
+                    "median_equal_time_s": med("equal_time_s"),
+                    "median_compute_max_over_median": med("compute_max_over_median"),
+                    "median_compute_cv": med("compute_cv"),
+                }
+                | (
+                    {}
+                    if target is None
+                    else {
+                        "target": target,
+                        "reached": sum(r.get("time_to_target_s") is not None for r in runs),
+                        "median_time_to_target_s": (tts := _median_reached([r.get("time_to_target_s") for r in runs])),
+                        "median_samples_to_target": _median_reached([r.get("samples_to_target") for r in runs]),
+                        "time_to_target_x_ddp": None if tts is None or not ddp_tts else tts / ddp_tts,
+                    }
+                )
+            )
     return out
 
 
@@ -247,11 +336,17 @@ def validated_staleness(cells: list[dict[str, Any]], tolerance: float) -> float 
     and held cells at or above it do not count). 0.0 when it lost accuracy and held it at no lower staleness: no
     staleness is validated, and the guard warns on every stale run. None when it reports no staleness.
     """
-    lost = [c.get("min_run_staleness", c.get("max_run_staleness")) for c in cells
-            if c["gap_points"] is not None and c["gap_points"] > tolerance]
+    lost = [
+        c.get("min_run_staleness", c.get("max_run_staleness"))
+        for c in cells
+        if c["gap_points"] is not None and c["gap_points"] > tolerance
+    ]
     lost = [s for s in lost if s is not None]
-    held = [c["max_run_staleness"] for c in cells
-            if c["gap_points"] is not None and c["gap_points"] <= tolerance and c.get("max_run_staleness")]
+    held = [
+        c["max_run_staleness"]
+        for c in cells
+        if c["gap_points"] is not None and c["gap_points"] <= tolerance and c.get("max_run_staleness")
+    ]
     if not lost:
         return math.ceil(1.1 * max(held) / 0.05 - 1e-9) * 0.05 if held else None
     below = min(lost)
@@ -273,17 +368,24 @@ def summarize(cells: list[dict[str, Any]], tolerance: float) -> dict[str, dict[s
     for policy in dict.fromkeys(c["policy"] for c in cells if c["policy"] != BASELINE):
         mine = [c for c in cells if c["policy"] == policy]
         missing = [f"{c['cell']}/seed {s}" for c in mine for s in c["missing"]]
-        missing += [f"{c['cell']}/seed {s} (not run)" for c in mine for s in grid.get(c["cell"], [])
-                    if s not in c["seeds"]]
+        missing += [
+            f"{c['cell']}/seed {s} (not run)" for c in mine for s in grid.get(c["cell"], []) if s not in c["seeds"]
+        ]
         gaps = [c for c in mine if c["gap_points"] is not None]
         missing += [c["cell"] for c in mine if c["gap_points"] is None and not c["missing"]]
         absent = [cell for cell in grid if cell not in {c["cell"] for c in mine}]
         worst = max(gaps, key=lambda c: c["gap_points"], default=None)
         out[policy] = {
-            "cells": len(mine), "grid_cells": len(grid), "missing": missing, "absent": absent,
+            "cells": len(mine),
+            "grid_cells": len(grid),
+            "missing": missing,
+            "absent": absent,
             "max_gap_points": None if worst is None else worst["gap_points"],
             "where": None if worst is None else worst["cell"],
-            "within_tolerance": not missing and not absent and worst is not None and len(gaps) == len(mine)
+            "within_tolerance": not missing
+            and not absent
+            and worst is not None
+            and len(gaps) == len(mine)
             and worst["gap_points"] <= tolerance,
             "validated_staleness": (None if (v := validated_staleness(mine, tolerance)) is None else round(v, 2)),
         }
@@ -331,22 +433,34 @@ def _markdown(result: dict[str, Any]) -> str:
         gap = "" if c["policy"] == BASELINE else _num(c["gap_points"], "+.2f")
         stale = "–" if c["median_staleness"] is None else f"{c['median_staleness']:.2f} ({c['max_staleness']})"
         eq = c.get("median_equal_time_accuracy")
-        eq_text = "–" if eq is None else f"{100 * eq:.2f}" + (
-            "" if c["policy"] == BASELINE or c.get("equal_time_gap_points") is None
-            else f" ({c['equal_time_gap_points']:+.2f})")
+        eq_text = (
+            "–"
+            if eq is None
+            else f"{100 * eq:.2f}"
+            + (
+                ""
+                if c["policy"] == BASELINE or c.get("equal_time_gap_points") is None
+                else f" ({c['equal_time_gap_points']:+.2f})"
+            )
+        )
         lines.append(
             f"| {c['cell']} | {c['policy']} | {seeds} | {_num(c['median_accuracy'], '.2f', 100)} | {gap} | "
-            f"{_num(c['median_ddp_ratio'], '.2f')} | {stale} | {_num(c['median_fresh_fraction'], '.2f')} | {eq_text} |")
+            f"{_num(c['median_ddp_ratio'], '.2f')} | {stale} | {_num(c['median_fresh_fraction'], '.2f')} | {eq_text} |"
+        )
     if s.get("target") is not None:
-        lines += ["", f"Time to solution: training time (the slowest rank's summed step times, evaluations excluded) "
-                  f"and samples until the first evaluation at or above {100 * s['target']:g} % test accuracy; medians "
-                  "over the seeds, a run that never got there counted as slowest ('–': half or more never did); "
-                  "x DDP: the median time over DDP's. compute max/median: per step, the slowest rank's own compute "
-                  "(forward, backward, optimizer step; no waiting) over the median rank's, averaged over the steps "
-                  "after the fifth; CV: the coefficient of variation of every (rank, step) compute time.", "",
-                  "| cell | policy | reached | time to target (s) | x DDP | samples to target | final accuracy | "
-                  "at equal time | samples/s x DDP | compute max/median (CV) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Time to solution: training time (the slowest rank's summed step times, evaluations excluded) "
+            f"and samples until the first evaluation at or above {100 * s['target']:g} % test accuracy; medians "
+            "over the seeds, a run that never got there counted as slowest ('–': half or more never did); "
+            "x DDP: the median time over DDP's. compute max/median: per step, the slowest rank's own compute "
+            "(forward, backward, optimizer step; no waiting) over the median rank's, averaged over the steps "
+            "after the fifth; CV: the coefficient of variation of every (rank, step) compute time.",
+            "",
+            "| cell | policy | reached | time to target (s) | x DDP | samples to target | final accuracy | "
+            "at equal time | samples/s x DDP | compute max/median (CV) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for c in result["cells"]:
             eq = c.get("median_equal_time_accuracy")
             lines.append(
@@ -354,9 +468,15 @@ def _markdown(result: dict[str, Any]) -> str:
                 f"{_num(c.get('median_time_to_target_s'), '.1f')} | {_num(c.get('time_to_target_x_ddp'), '.2f')} | "
                 f"{_num(c.get('median_samples_to_target'), ',.0f')} | {_num(c['median_accuracy'], '.2f', 100)} | "
                 f"{_num(eq, '.2f', 100)} | {_num(c['median_ddp_ratio'], '.2f')} | "
-                f"{_num(c.get('median_compute_max_over_median'), '.2f')} ({_num(c.get('median_compute_cv'), '.2f')}) |")
-    lines += ["", "Staleness of every contribution (rounds; WAGMA: group rounds, eager-SGD: gradient rounds), summed over "
-              "the seeds whose records carry a histogram:", "", staleness_distribution(result["records"])]
+                f"{_num(c.get('median_compute_max_over_median'), '.2f')} ({_num(c.get('median_compute_cv'), '.2f')}) |"
+            )
+    lines += [
+        "",
+        "Staleness of every contribution (rounds; WAGMA: group rounds, eager-SGD: gradient rounds), summed over "
+        "the seeds whose records carry a histogram:",
+        "",
+        staleness_distribution(result["records"]),
+    ]
     lines += ["", f"Largest median gap per policy over the cells (tolerance {s['tolerance']:g} point):", ""]
     for policy, v in result["summary"].items():
         if v["max_gap_points"] is None:
@@ -412,8 +532,11 @@ def staleness_distribution(records: list[dict[str, Any]]) -> str:
         n = sum(hist.values())
         share = [hist.get(k, 0) / n for k in range(4)] + [sum(v for k, v in hist.items() if k >= 4) / n]
         mean = sum(k * v for k, v in hist.items()) / n
-        lines.append(f"| {cell} | {policy} | {','.join(map(str, sorted(seeds[(cell, policy)])))} | "
-                     + " | ".join(f"{100 * x:.0f} %" for x in share) + f" | {mean:.2f} | {max(hist)} |")
+        lines.append(
+            f"| {cell} | {policy} | {','.join(map(str, sorted(seeds[(cell, policy)])))} | "
+            + " | ".join(f"{100 * x:.0f} %" for x in share)
+            + f" | {mean:.2f} | {max(hist)} |"
+        )
     return "\n".join(lines)
 
 
@@ -453,23 +576,39 @@ def plot(cells: list[dict[str, Any]], tolerance: float, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(9.0, 4.2))
     policies = [p for p in dict.fromkeys(c["policy"] for c in cells) if p != BASELINE]
     for i, policy in enumerate(policies):
-        pts = [(c["median_ddp_ratio"], c["gap_points"]) for c in cells
-               if c["policy"] == policy and c["median_ddp_ratio"] is not None and c["gap_points"] is not None]
+        pts = [
+            (c["median_ddp_ratio"], c["gap_points"])
+            for c in cells
+            if c["policy"] == policy and c["median_ddp_ratio"] is not None and c["gap_points"] is not None
+        ]
         if pts:
             option = averaging_option(policy, ROOT / "configs")  # reference/ or candidate/: not shipped
             shipped = "/" not in option
-            ax.scatter(*zip(*pts), label=policy if shipped else f"{policy} ({option.split('/')[0]}, not shipped)",
-                       marker="o" if shipped else "x", color=f"C{i % 10}", s=28)
+            ax.scatter(
+                *zip(*pts),
+                label=policy if shipped else f"{policy} ({option.split('/')[0]}, not shipped)",
+                marker="o" if shipped else "x",
+                color=f"C{i % 10}",
+                s=28,
+            )
     ax.axhline(tolerance, color="grey", linestyle="--", linewidth=1)
-    ax.text(ax.get_xlim()[0], tolerance, f" shipping bound: {tolerance:g} point below allreduce", va="bottom",
-            fontsize=8, color="grey")
+    ax.text(
+        ax.get_xlim()[0],
+        tolerance,
+        f" shipping bound: {tolerance:g} point below allreduce",
+        va="bottom",
+        fontsize=8,
+        color="grey",
+    )
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.axvline(1.0, color="black", linewidth=0.6)
     ax.invert_yaxis()  # better accuracy up
     ax.set_xlabel("samples/s x allreduce (same runs)")
     ax.set_ylabel("points below allreduce (median of seeds)")
-    ax.set_title(f"Accuracy grid: {len(dict.fromkeys(c['cell'] for c in cells))} cells, each point one policy in one cell",
-                 fontsize=10)
+    ax.set_title(
+        f"Accuracy grid: {len(dict.fromkeys(c['cell'] for c in cells))} cells, each point one policy in one cell",
+        fontsize=10,
+    )
     if ax.get_legend_handles_labels()[0]:  # none while every gap is missing (DDP failed in every seed so far)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
@@ -537,16 +676,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for key, seed in sorted(failed):
             print(f"== retrying {_cell_name(key)}, seed {seed}: a run of it failed", flush=True)
     done = {(cell_key(r), r["seed"]) for r in records}
-    settings = {"steps": args.steps, "batch_size": args.batch_size, "delay_s": args.delay_s,
-                "eval_every": args.eval_every, "tolerance": args.tolerance, "policies": args.policies,
-                "extra_overrides": args.extra, "target": args.target}
+    settings = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "delay_s": args.delay_s,
+        "eval_every": args.eval_every,
+        "tolerance": args.tolerance,
+        "policies": args.policies,
+        "extra_overrides": args.extra,
+        "target": args.target,
+    }
     machine = machine_info(ROOT)
     commit = machine.get("git_commit")
     if not args.report_only and not args.allow_dirty and (commit is None or commit.endswith("+dirty")):
         raise SystemExit(
             f"benchmarks/accuracy.py: expected a checkout whose code is committed, found "
             f"{'no git commit' if commit is None else commit} (git status names the changes; results may differ): "
-            "commit first, or pass --allow-dirty to record it as is")
+            "commit first, or pass --allow-dirty to record it as is"
+        )
     if args.report_only and old:
         settings = old["settings"] | ({"target": args.target} if args.target is not None else {})  # the grid's own
         machine = old.get("machine", machine)  # the machine that ran the records, not the one redrawing the report
@@ -554,9 +701,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         cells = summarize_cells(records, settings.get("target"), settings["batch_size"])
         out = {
-            "commands": commands, "machine": machine, "settings": settings,
+            "commands": commands,
+            "machine": machine,
+            "settings": settings,
             "invocations": list(dict.fromkeys(invocations)),  # a retried invocation is the same command: once
-            "records": records, "cells": cells, "summary": summarize(cells, args.tolerance),
+            "records": records,
+            "cells": cells,
+            "summary": summarize(cells, args.tolerance),
             "duration_s": earlier_s + (0.0 if args.report_only else time.perf_counter() - started),
         }
         args.out.mkdir(parents=True, exist_ok=True)
@@ -572,8 +723,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = write() if records else {}
     if args.report_only:
         return out
-    grid = [(w, p, s, q, net, seed) for w in args.workloads for p in args.worlds for s in args.scenarios
-            for q in args.rank_cpus for net in args.rank_net for seed in args.seeds]
+    grid = [
+        (w, p, s, q, net, seed)
+        for w in args.workloads
+        for p in args.worlds
+        for s in args.scenarios
+        for q in args.rank_cpus
+        for net in args.rank_net
+        for seed in args.seeds
+    ]
     for rate in {net for *_, net, _ in grid if net}:  # one line before the grid, not a failed cell per invocation
         if (problem := check_rank_net(rate, max(args.worlds), max(args.worlds))) is not None:
             raise SystemExit(f"benchmarks/accuracy.py: {problem}")
@@ -583,12 +741,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             continue
         extra = [*args.extra, *([f"rank_cpus={cpus:g}"] if cpus else []), *([f"rank_net={net}"] if net else [])]
         run_argv = [
-            "--world", str(world), "--policies", *args.policies, "--scenarios", scenario, "--dataset", dataset,
-            "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--step-s", str(args.delay_s), "--delay-s", str(args.delay_s), "--eval-every", str(args.eval_every),
-            "--consensus-every", "0", *[a for o in extra for a in ("--set", o)],
-            "--out", str(args.work / f"{dataset}_{model}_P{world}_{scenario}_q{cpus:g}{f'_n{net}' if net else ''}"
-                                     f"_seed{seed}"),
+            "--world",
+            str(world),
+            "--policies",
+            *args.policies,
+            "--scenarios",
+            scenario,
+            "--dataset",
+            dataset,
+            "--model",
+            model,
+            "--seed",
+            str(seed),
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--step-s",
+            str(args.delay_s),
+            "--delay-s",
+            str(args.delay_s),
+            "--eval-every",
+            str(args.eval_every),
+            "--consensus-every",
+            "0",
+            *[a for o in extra for a in ("--set", o)],
+            "--out",
+            str(args.work / f"{dataset}_{model}_P{world}_{scenario}_q{cpus:g}{f'_n{net}' if net else ''}_seed{seed}"),
         ]
         invocations.append("python benchmarks/run.py " + shlex.join(run_argv))
         print(f"== [{n}/{len(grid)}] {_cell_name(key)}, seed {seed}", flush=True)
@@ -600,26 +779,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             acc = (rec or {}).get("final_accuracy")
             stats = (rec or {}).get("policy_stats") or {}
             mean_stale, max_stale = _staleness(rec)
-            records.append({
-                "dataset": dataset, "model": model, "world_size": world, "scenario": scenario, "rank_cpus": cpus,
-                "rank_net": net or None,
-                "seed": seed, "policy": policy, "final_accuracy": acc,
-                "gap_points": None if acc is None or ddp is None else _points(ddp - acc),
-                "samples_per_s": (rec or {}).get("samples_per_s"), "ddp_ratio": (rec or {}).get("ddp_ratio"),
-                "staleness": mean_stale, "staleness_max": max_stale, "fresh_fraction": stats.get("fresh_fraction"),
-                "staleness_hist": (rec or {}).get("staleness_hist"), "commit": commit,
-                "accuracy_curve": (rec or {}).get("accuracy_curve"),
-                "guard": (rec or {}).get("guard"), "loss_curve": (rec or {}).get("loss_curve"),
-                "compute_max_over_median": (rec or {}).get("compute_max_over_median"),
-                "compute_cv": (rec or {}).get("compute_cv"),
-                "reason": (rec or {}).get("reason"), "status": (rec or {}).get("status", "missing"),
-            })
+            records.append(
+                {
+                    "dataset": dataset,
+                    "model": model,
+                    "world_size": world,
+                    "scenario": scenario,
+                    "rank_cpus": cpus,
+                    "rank_net": net or None,
+                    "seed": seed,
+                    "policy": policy,
+                    "final_accuracy": acc,
+                    "gap_points": None if acc is None or ddp is None else _points(ddp - acc),
+                    "samples_per_s": (rec or {}).get("samples_per_s"),
+                    "ddp_ratio": (rec or {}).get("ddp_ratio"),
+                    "staleness": mean_stale,
+                    "staleness_max": max_stale,
+                    "fresh_fraction": stats.get("fresh_fraction"),
+                    "staleness_hist": (rec or {}).get("staleness_hist"),
+                    "commit": commit,
+                    "accuracy_curve": (rec or {}).get("accuracy_curve"),
+                    "guard": (rec or {}).get("guard"),
+                    "loss_curve": (rec or {}).get("loss_curve"),
+                    "compute_max_over_median": (rec or {}).get("compute_max_over_median"),
+                    "compute_cv": (rec or {}).get("compute_cv"),
+                    "reason": (rec or {}).get("reason"),
+                    "status": (rec or {}).get("status", "missing"),
+                }
+            )
         out = write()
     if not out:
         out = write()
     for policy, v in out["summary"].items():
-        print(f"{policy:<24} largest median gap to DDP {_num(v['max_gap_points'], '+.2f')} points ({v['where']}); "
-              f"within {args.tolerance:g}: {v['within_tolerance']}", flush=True)
+        print(
+            f"{policy:<24} largest median gap to DDP {_num(v['max_gap_points'], '+.2f')} points ({v['where']}); "
+            f"within {args.tolerance:g}: {v['within_tolerance']}",
+            flush=True,
+        )
     print(f"done in {time.perf_counter() - started:.0f} s -> {args.out}")
     return out
 

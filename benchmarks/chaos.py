@@ -122,12 +122,25 @@ class Spec:
     def config(self) -> tuple[Any, ...]:
         """What the run depends on (the key of its uninterrupted reference run; its name without ``rank_net`` keeps
         the references of loopback campaigns where they were)."""
-        return (self.policy, self.world_size, self.steps, self.checkpoint_every, self.seed,
-                *([self.rank_net] if self.rank_net else []))
+        return (
+            self.policy,
+            self.world_size,
+            self.steps,
+            self.checkpoint_every,
+            self.seed,
+            *([self.rank_net] if self.rank_net else []),
+        )
 
 
-def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tuple[int, ...] = WORLDS,
-         faults: tuple[str, ...] = FAULTS, steps: int = 60, rank_net: str | None = None) -> list[Spec]:
+def plan(
+    runs: int,
+    seed: int,
+    policies: tuple[str, ...] = POLICIES,
+    worlds: tuple[int, ...] = WORLDS,
+    faults: tuple[str, ...] = FAULTS,
+    steps: int = 60,
+    rank_net: str | None = None,
+) -> list[Spec]:
     """``runs`` specs drawn from ``seed``; every (policy, world, fault) comes up before any repeats."""
     rng = random.Random(seed)
     combos = [(p, w, f) for p in policies for w in worlds for f in faults]
@@ -136,37 +149,63 @@ def plan(runs: int, seed: int, policies: tuple[str, ...] = POLICIES, worlds: tup
         if i % len(combos) == 0:
             rng.shuffle(combos)
         policy, world, fault = combos[i % len(combos)]
-        specs.append(Spec(
-            index=i, policy=policy, world_size=world, fault=fault, victim=rng.randrange(world),
-            at_s=round(rng.uniform(0.3, 2.5), 3), checkpoint_every=rng.choice((1, 5)),
-            restart=rng.choice(RESTARTS), steps=steps, seed=seed, rank_net=rank_net,
-        ))
+        specs.append(
+            Spec(
+                index=i,
+                policy=policy,
+                world_size=world,
+                fault=fault,
+                victim=rng.randrange(world),
+                at_s=round(rng.uniform(0.3, 2.5), 3),
+                checkpoint_every=rng.choice((1, 5)),
+                restart=rng.choice(RESTARTS),
+                steps=steps,
+                seed=seed,
+                rank_net=rank_net,
+            )
+        )
     return specs
 
 
 def overrides(spec: Spec, timeout_s: float) -> list[str]:
     """The Hydra overrides of a run: tiny model, short timeouts, frequent checkpoints, a record every step."""
     out = [
-        f"averaging={averaging_option(spec.policy, CONFIGS)}", f"steps={spec.steps}",
+        f"averaging={averaging_option(spec.policy, CONFIGS)}",
+        f"steps={spec.steps}",
         f"checkpoint_every={spec.checkpoint_every}",
-        f"dist_timeout_s={timeout_s}", "progress=false", "log_every=1", f"seed={spec.seed}", "batch_size=16",
+        f"dist_timeout_s={timeout_s}",
+        "progress=false",
+        "log_every=1",
+        f"seed={spec.seed}",
+        "batch_size=16",
         # A straggler every step (the papers' imbalance) keeps each step >= 50 ms, so the fault lands mid-run.
-        "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.05",
+        "imbalance=random_k",
+        "imbalance.k=1",
+        "imbalance.delay_s=0.05",
     ]
     if "timeout_s" in averaging_config(spec.policy, CONFIGS):  # allreduce has none: its only wait is DDP's,
-        out.append(f"averaging.timeout_s={timeout_s}")          # bounded by dist_timeout_s
+        out.append(f"averaging.timeout_s={timeout_s}")  # bounded by dist_timeout_s
     if spec.rank_net:  # each rank makes its own network namespace; its reaper removes it however the rank ends
         out.append(f"rank_net={spec.rank_net}")
     return out
 
 
-def torchrun(spec: Spec, run_dir: Path, timeout_s: float, *, max_restarts: int, resume: bool,
-             log_name: str) -> subprocess.Popen:
+def torchrun(
+    spec: Spec, run_dir: Path, timeout_s: float, *, max_restarts: int, resume: bool, log_name: str
+) -> subprocess.Popen:
     """Start torchrun for ``spec`` in its own session (so it can be killed whole), logging per rank."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.world_size}",
-        f"--max-restarts={max_restarts}", f"--log-dir={run_dir / 'torchrun' / log_name}", "--redirects=3",
-        str(REPO / "train.py"), *overrides(spec, timeout_s), f"resume={'true' if resume else 'false'}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={spec.world_size}",
+        f"--max-restarts={max_restarts}",
+        f"--log-dir={run_dir / 'torchrun' / log_name}",
+        "--redirects=3",
+        str(REPO / "train.py"),
+        *overrides(spec, timeout_s),
+        f"resume={'true' if resume else 'false'}",
         f"hydra.run.dir={run_dir}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -208,7 +247,9 @@ def alive(pid: int) -> bool:
 
 def training_started(run_dir: Path, world_size: int) -> bool:
     """Whether every rank has opened its metrics file (train.py does so as its training loop starts)."""
-    return all((run_dir / f"metrics_rank{r}.jsonl").exists() for r in range(world_size))  # wagma.app.metrics.metrics_path
+    return all(
+        (run_dir / f"metrics_rank{r}.jsonl").exists() for r in range(world_size)
+    )  # wagma.app.metrics.metrics_path
 
 
 def in_checkpoint(run_dir: Path) -> bool:
@@ -234,8 +275,9 @@ def named(text: str, spec: Spec) -> bool:
     v = spec.victim
     # The roll call's "rank(s) [2] did not arrive at step 12", the engine's "rank(s) [1] of group (0, 1) did
     # not arrive ...; furthest behind: rank(s) [3]": the lists in brackets, never a step or round number.
-    for listed in re.findall(r"rank\(s\) \[([\d, ]+)\](?: of group \([\d, ]+\))? did not arrive", text) + \
-            re.findall(r"furthest behind: rank\(s\) \[([\d, ]+)\]", text):
+    for listed in re.findall(r"rank\(s\) \[([\d, ]+)\](?: of group \([\d, ]+\))? did not arrive", text) + re.findall(
+        r"furthest behind: rank\(s\) \[([\d, ]+)\]", text
+    ):
         if v in {int(x) for x in listed.replace(",", " ").split()}:
             return True
     # The gossip averagers' point-to-point exchanges name their peer: "no model arrived from rank 2 within 5 s".
@@ -245,8 +287,10 @@ def named(text: str, spec: Spec) -> bool:
         # The agent's log line as a worker dies ("failed (exitcode: -9) local_rank: 2") and its final report;
         # with --standalone local ranks are ranks.
         report = re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", text)
-        report += [(code, r) for r, code in re.findall(
-            r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)]
+        report += [
+            (code, r)
+            for r, code in re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)
+        ]
         return any(int(r) == v and int(code) < 0 for code, r in report)
     return False
 
@@ -265,8 +309,9 @@ def _final_model(run_dir: Path) -> dict[str, Any] | None:
     return torch.load(path, weights_only=True) if path.is_file() else None
 
 
-def came_back(summary: dict[str, Any] | None, written_at: float | None, struck_at: float,
-              steps: int) -> tuple[bool, int | None]:
+def came_back(
+    summary: dict[str, Any] | None, written_at: float | None, struck_at: float, steps: int
+) -> tuple[bool, int | None]:
     """Whether the run was resumed to completion after the fault, and from which step (``resumed``, ``resumed_from``).
 
     Resumed to completion: a summary of all ``steps`` was written after the fault (``written_at`` and
@@ -382,15 +427,17 @@ def run_one(spec: Spec, root: Path, timeout_s: float, grace_s: float = 30.0) -> 
             _kill_session(again)
         record["restart"] = "resume" if not elastic else "elastic, then resume"
         record["exit_resume"] = again.returncode
-    record["resumed"], record["resumed_from"] = came_back(_summary(run_dir), _mtime(run_dir / "summary.json"),
-                                                          struck_wall, spec.steps)
+    record["resumed"], record["resumed_from"] = came_back(
+        _summary(run_dir), _mtime(run_dir / "summary.json"), struck_wall, spec.steps
+    )
     record["named_rank"] = named(_job_text(run_dir), spec)
     record["bitwise"] = None
     if synchronous(spec.policy) and record["resumed"]:
         ref = _final_model(reference(spec, root, timeout_s, 300.0))
         got = _final_model(run_dir)
-        record["bitwise"] = bool(ref is not None and got is not None and ref.keys() == got.keys()
-                                 and all(ref[k].equal(got[k]) for k in ref))
+        record["bitwise"] = bool(
+            ref is not None and got is not None and ref.keys() == got.keys() and all(ref[k].equal(got[k]) for k in ref)
+        )
     return record
 
 
@@ -403,17 +450,25 @@ def markdown(records: list[dict[str, Any]], command: str) -> str:
     within = [r for r in ok if r["max_survivor_s"] is not None and r["max_survivor_s"] <= 2 * r["timeout_s"]]
     ratios = [r["max_survivor_s"] / r["timeout_s"] for r in ok if r["max_survivor_s"] is not None]
     lines = [
-        "# Chaos campaign", "",
-        f"Command: `{command}`", "",
-        f"Machine: {platform.node()} ({os.cpu_count()} cores, {platform.platform()}), Python {platform.python_version()}.", "",
-        *([f"Ranks' links (`rank_net`): {', '.join(nets)}.", ""]
-          if (nets := sorted({str(r.get("rank_net") or "loopback") for r in records})) != ["loopback"] else []),
-        "| target | result |", "|---|---|",
+        "# Chaos campaign",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {platform.node()} ({os.cpu_count()} cores, {platform.platform()}), Python {platform.python_version()}.",
+        "",
+        *(
+            [f"Ranks' links (`rank_net`): {', '.join(nets)}.", ""]
+            if (nets := sorted({str(r.get("rank_net") or "loopback") for r in records})) != ["loopback"]
+            else []
+        ),
+        "| target | result |",
+        "|---|---|",
         f"| runs (harness errors) | {len(records)} ({len(records) - len(ok)}) |",
         f"| 0 hangs | {sum(r['hung'] for r in ok)} hung |",
         f"| every survivor ends within 2 x timeout | {len(within)} of {len(ok)} runs |",
-        f"| survivors' end / timeout: median, max | "
-        f"{statistics.median(ratios):.2f}, {max(ratios):.2f} |" if ratios else "| survivors' end / timeout | - |",
+        f"| survivors' end / timeout: median, max | {statistics.median(ratios):.2f}, {max(ratios):.2f} |"
+        if ratios
+        else "| survivors' end / timeout | - |",
         f"| faulty rank named, SIGSTOP runs | {sum(r['named_rank'] for r in stop)} of {len(stop)} |",
         f"| faulty rank named, SIGKILL/SIGTERM runs | {sum(r['named_rank'] for r in dead)} of {len(dead)} |",
         f"| run resumed to completion after the fault | {sum(r['resumed'] for r in ok)} of {len(ok)} "
@@ -422,14 +477,27 @@ def markdown(records: list[dict[str, Any]], command: str) -> str:
         f"| faults that landed inside a checkpoint | {sum(bool(r.get('during_checkpoint')) for r in ok)} |",
         "",
     ]
-    missed = [r for r in records if "error" in r or r["hung"] or not r["resumed"]
-              or (r["fault"] == "SIGSTOP" and not r["named_rank"]) or r["bitwise"] is False
-              or r["max_survivor_s"] is None or r["max_survivor_s"] > 2 * r["timeout_s"]]
+    missed = [
+        r
+        for r in records
+        if "error" in r
+        or r["hung"]
+        or not r["resumed"]
+        or (r["fault"] == "SIGSTOP" and not r["named_rank"])
+        or r["bitwise"] is False
+        or r["max_survivor_s"] is None
+        or r["max_survivor_s"] > 2 * r["timeout_s"]
+    ]
     if missed:
         lines += ["Runs that missed a target:", ""]
-        lines += [f"- {r['index']}: {r['policy']} P={r['world_size']} {r['fault']} rank {r['victim']} "
-                  f"{r['at_s']} s into training: " + ", ".join(f"{k}={r.get(k)}" for k in
-                  ("error", "hung", "max_survivor_s", "named_rank", "resumed", "bitwise")) for r in missed]
+        lines += [
+            f"- {r['index']}: {r['policy']} P={r['world_size']} {r['fault']} rank {r['victim']} "
+            f"{r['at_s']} s into training: "
+            + ", ".join(
+                f"{k}={r.get(k)}" for k in ("error", "hung", "max_survivor_s", "named_rank", "resumed", "bitwise")
+            )
+            for r in missed
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -439,20 +507,30 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", type=int, default=100, help="number of fault runs (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the run plan")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="collective timeout of every run (default 5)")
-    parser.add_argument("--policies", default=",".join(POLICIES),
-                        help="comma-separated config names (default: every configs/averaging/*.yaml, "
-                             f"and {', '.join(REFERENCES)})")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated config names (default: every configs/averaging/*.yaml, and {', '.join(REFERENCES)})",
+    )
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rank-net", default=None, metavar="RATE",
-                        help="every rank on its own link of this rate, e.g. 200mbit (the app's rank_net; default: "
-                             "loopback); the records carry it")
+    parser.add_argument(
+        "--rank-net",
+        default=None,
+        metavar="RATE",
+        help="every rank on its own link of this rate, e.g. 200mbit (the app's rank_net; default: "
+        "loopback); the records carry it",
+    )
     parser.add_argument("--workdir", default="/tmp/wagma-chaos", help="where the runs' directories go")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos" / "chaos.json"))
-    parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="instead of running: combine the records of campaigns run side by side (other seeds "
-                             "and workdirs) into --out and its Markdown summary")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="instead of running: combine the records of campaigns run side by side (other seeds "
+        "and workdirs) into --out and its Markdown summary",
+    )
     return parser
 
 
@@ -464,11 +542,15 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.write_text(json.dumps(records, indent=1) + "\n")
         sources = "; ".join(f"{path}: {sum(r['campaign'] == str(path) for r in records)} runs" for path in args.merge)
-        (out.parent / (out.stem + ".md")).write_text(markdown(records, f"python benchmarks/chaos.py --merge ... ({sources})"))
+        (out.parent / (out.stem + ".md")).write_text(
+            markdown(records, f"python benchmarks/chaos.py --merge ... ({sources})")
+        )
         print(markdown(records, sources))
         return 0
     if args.runs < 1 or args.timeout_s <= 0 or args.steps < 10:
-        parser.error(f"need --runs >= 1, --timeout-s > 0 and --steps >= 10, got {args.runs}, {args.timeout_s}, {args.steps}")
+        parser.error(
+            f"need --runs >= 1, --timeout-s > 0 and --steps >= 10, got {args.runs}, {args.timeout_s}, {args.steps}"
+        )
     policies = tuple(p for p in args.policies.split(",") if p)
     known = known_policies()
     unknown = set(policies) - set(known)
@@ -493,11 +575,17 @@ def main(argv: list[str] | None = None) -> int:
         record = run_one(spec, root, args.timeout_s)
         record["run_s"] = round(time.monotonic() - t0, 1)
         records.append(record)
-        print(f"[{len(records)}/{len(specs)} {time.monotonic() - started:6.0f}s] {spec.policy:15s} "
-              f"P={spec.world_size} {spec.fault:7s} rank {spec.victim} at {spec.at_s:.2f}s: "
-              + (record["error"] if "error" in record else
-                 f"hung={record['hung']} max_survivor_s={record['max_survivor_s']} named={record['named_rank']} "
-                 f"resumed={record['resumed']} bitwise={record['bitwise']}"), flush=True)
+        print(
+            f"[{len(records)}/{len(specs)} {time.monotonic() - started:6.0f}s] {spec.policy:15s} "
+            f"P={spec.world_size} {spec.fault:7s} rank {spec.victim} at {spec.at_s:.2f}s: "
+            + (
+                record["error"]
+                if "error" in record
+                else f"hung={record['hung']} max_survivor_s={record['max_survivor_s']} named={record['named_rank']} "
+                f"resumed={record['resumed']} bitwise={record['bitwise']}"
+            ),
+            flush=True,
+        )
         out.write_text(json.dumps(records, indent=1) + "\n")  # after every run: a partial campaign is kept
     (out.parent / (out.stem + ".md")).write_text(markdown(records, command))
     print(markdown(records, command))

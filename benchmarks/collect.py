@@ -76,8 +76,10 @@ def compute_spread(records_by_rank: list[list[dict[str, Any]]], warmup: int = 5)
     if not rows:
         return {"compute_max_over_median": None, "compute_cv": None}
     values = np.concatenate(rows)
-    return {"compute_max_over_median": float(np.mean([max(v) / np.median(v) for v in rows])),
-            "compute_cv": float(values.std() / values.mean())}
+    return {
+        "compute_max_over_median": float(np.mean([max(v) / np.median(v) for v in rows])),
+        "compute_cv": float(values.std() / values.mean()),
+    }
 
 
 def samples_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, float]:
@@ -89,7 +91,10 @@ def samples_clock(records_by_rank: list[list[dict[str, Any]]]) -> dict[int, floa
 
 
 def accuracy_curve(
-    records: list[dict[str, Any]], clock: dict[int, float], final_step: int, final_accuracy: float | None,
+    records: list[dict[str, Any]],
+    clock: dict[int, float],
+    final_step: int,
+    final_accuracy: float | None,
     samples: dict[int, float] | None = None,
 ) -> list[dict[str, float]]:
     """``[{step, time_s, accuracy}]`` (and ``samples``, where ``samples`` counts them: :func:`samples_clock`) from
@@ -145,6 +150,7 @@ def _staleness_histogram(stats: dict[str, Any], records_by_rank: list[list[dict[
 
 def _bytes_per_rank(records_by_rank: list[list[dict[str, Any]]], stats: dict[str, Any]) -> float | None:
     """Mean over ranks of the last recorded ``bytes_sent`` (or another ``bytes*`` counter)."""
+
     def pick(d: dict[str, Any]) -> float | None:
         for key in ("bytes_sent", "bytes_per_rank", "bytes"):
             if isinstance(d.get(key), (int, float)):
@@ -167,8 +173,9 @@ def collect(run_dir: Path, world_size: int, target: float) -> dict[str, Any]:
     records_by_rank = [read_metrics(run_dir, rank) for rank in range(world_size)]
     clock = training_clock(records_by_rank)
     steps = int(summary["steps"])
-    curve = accuracy_curve(records_by_rank[0], clock, steps, summary.get("test_accuracy"),
-                           samples_clock(records_by_rank))
+    curve = accuracy_curve(
+        records_by_rank[0], clock, steps, summary.get("test_accuracy"), samples_clock(records_by_rank)
+    )
     ttt_s, ttt_step = time_to_target(curve, target)
     waits = [float(r["wait_s"]) for records in records_by_rank for r in records if r.get("wait_s") is not None]
     stats = dict(summary.get("policy_stats") or {})

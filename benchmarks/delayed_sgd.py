@@ -81,8 +81,16 @@ def max_stable_step(mu: float, s: int, *, fresh: float = 0.0) -> float:
 
 
 def emulate(
-    staleness: dict[int, float], *, dataset: str = "mnist", model: str = "cnn", ranks: int = 8, steps: int = 400,
-    batch_size: int = 32, lr: float = 0.05, momentum: float = 0.9, seed: int = 0,
+    staleness: dict[int, float],
+    *,
+    dataset: str = "mnist",
+    model: str = "cnn",
+    ranks: int = 8,
+    steps: int = 400,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    seed: int = 0,
 ) -> float:
     """Train with every gradient ``s`` steps late (``s`` drawn from ``staleness`` per gradient); return the final
     test accuracy."""
@@ -141,12 +149,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{s:<4} " + "  ".join(f"{max_stable_step(m, s):<8.3f}" for m in args.momenta))
         return
     torch.set_num_threads(1)
-    accs = [emulate(args.staleness, dataset=args.dataset, model=args.model, ranks=args.ranks, steps=args.steps,
-                    batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=s) for s in args.seeds]
+    accs = [
+        emulate(
+            args.staleness,
+            dataset=args.dataset,
+            model=args.model,
+            ranks=args.ranks,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            momentum=args.momentum,
+            seed=s,
+        )
+        for s in args.seeds
+    ]
     for s, a in zip(args.seeds, accs):
         print(f"seed {s}: test accuracy {100 * a:.2f} %")
-    print(f"staleness {args.staleness}, lr {args.lr}, momentum {args.momentum}, {args.ranks} ranks x {args.steps} steps: "
-          f"median {100 * statistics.median(accs):.2f} %")
+    print(
+        f"staleness {args.staleness}, lr {args.lr}, momentum {args.momentum}, {args.ranks} ranks x {args.steps} steps: "
+        f"median {100 * statistics.median(accs):.2f} %"
+    )
 
 
 if __name__ == "__main__":

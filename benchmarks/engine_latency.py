@@ -65,8 +65,10 @@ def measure(
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
         if torch.cuda.is_initialized():
-            raise RuntimeError("CUDA is already initialised in this process, so forked ranks cannot use it: "
-                               "measure the engine before any other CUDA work")
+            raise RuntimeError(
+                "CUDA is already initialised in this process, so forked ranks cannot use it: "
+                "measure the engine before any other CUDA work"
+            )
     per_rank = run_workers(
         _worker, world, group, rounds, numel, sync_period, device, timeout_s=600, collective_timeout_s=60
     )

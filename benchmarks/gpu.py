@@ -47,8 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Bandwidth of wagma's fused CUDA kernels vs copy, eager and torch.compile")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON to this path")
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="comma-separated element counts (default: 1e6,1e7,1e8)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the combine/momentum/residual buffers (pack/unpack are fp32<->bf16)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the combine/momentum/residual buffers (pack/unpack are fp32<->bf16)",
+    )
     p.add_argument("--reps", type=int, default=50, help="timed repetitions per measurement (>= 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed repetitions first")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
@@ -57,9 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-group", type=int, default=2, help="group size S (default 2)")
     p.add_argument("--engine-rounds", type=int, default=200, help="rounds per rank (default 200)")
     p.add_argument("--engine-numel", default="1e6", help="elements of the averaged buffer (default 1e6)")
-    p.add_argument("--ilp", default=None, metavar="LIST",
-                   help="instead of the comparison: the kernels alone, recompiled with each WAGMA_ILP (loads in flight "
-                        "per thread) of the comma-separated LIST, interleaved over --ilp-rounds rounds, against copy")
+    p.add_argument(
+        "--ilp",
+        default=None,
+        metavar="LIST",
+        help="instead of the comparison: the kernels alone, recompiled with each WAGMA_ILP (loads in flight "
+        "per thread) of the comma-separated LIST, interleaved over --ilp-rounds rounds, against copy",
+    )
     p.add_argument("--ilp-rounds", type=int, default=3, help="rounds of the --ilp sweep (default 3)")
     args = p.parse_args(argv)
     if args.reps < 20:
@@ -128,14 +136,26 @@ def cases(n: int, dtype: torch.dtype, device: str = "cuda") -> list[tuple[str, i
 
     return [
         ("combine", 3 * es, {"wagma": lambda: kernels.wagma_combine_(w, s, 9.0), "eager": lambda: w.add_(s).mul_(inv)}),
-        ("momentum", 5 * es, {"wagma": lambda: kernels.reduction_momentum_(a, v, x, mu, lr),
-                              "eager": momentum_eager(False)}),
-        ("momentum_nesterov", 5 * es, {"wagma": lambda: kernels.reduction_momentum_(a, v, x, mu, lr, nesterov=True),
-                                       "eager": momentum_eager(True)}),
+        (
+            "momentum",
+            5 * es,
+            {"wagma": lambda: kernels.reduction_momentum_(a, v, x, mu, lr), "eager": momentum_eager(False)},
+        ),
+        (
+            "momentum_nesterov",
+            5 * es,
+            {
+                "wagma": lambda: kernels.reduction_momentum_(a, v, x, mu, lr, nesterov=True),
+                "eager": momentum_eager(True),
+            },
+        ),
         ("residual_take", 3 * es, {"wagma": lambda: kernels.residual_take_(res, out), "eager": take_eager}),
         ("residual_take_add", 4 * es, {"wagma": lambda: kernels.residual_take_(res, out, g), "eager": take_add_eager}),
-        ("residual_accumulate", 3 * es, {"wagma": lambda: kernels.residual_accumulate_(res, g),
-                                         "eager": lambda: res.add_(g)}),
+        (
+            "residual_accumulate",
+            3 * es,
+            {"wagma": lambda: kernels.residual_accumulate_(res, g), "eager": lambda: res.add_(g)},
+        ),
         ("pack_bf16", 6, {"wagma": lambda: kernels.pack_bf16(f32, b16), "eager": lambda: b16.copy_(f32)}),
         ("unpack_bf16", 6, {"wagma": lambda: kernels.unpack_bf16(b16, f32_out, 0.125), "eager": unpack_eager}),
     ]
@@ -154,8 +174,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if not args.no_compile:
                 torch._dynamo.reset()  # fresh compile per case: never hit the recompile limit and fall back
                 fns["compile"] = torch.compile(fns["eager"], dynamic=False)
-            row: dict[str, Any] = {"kernel": name, "n": n, "dtype": args.dtype, "bytes": bytes_per_elem * n,
-                                   "copy_gbs": copy_gbs}
+            row: dict[str, Any] = {
+                "kernel": name,
+                "n": n,
+                "dtype": args.dtype,
+                "bytes": bytes_per_elem * n,
+                "copy_gbs": copy_gbs,
+            }
             for label, fn in fns.items():
                 try:
                     t = median_seconds(fn, args.reps, args.warmup)
@@ -201,9 +226,16 @@ def ilp_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                         kernels._kernels.clear()
                         for name, bytes_per_elem, fns in work:
                             t = median_seconds(fns["wagma"], args.reps, args.warmup)
-                            rows.append({"round": round_, "ilp": ilp, "kernel": name, "n": n,
-                                         "wagma_gbs": bytes_per_elem * n / t / 1e9,
-                                         "copy_gbs": 2 * src.element_size() * n / copy_s / 1e9})
+                            rows.append(
+                                {
+                                    "round": round_,
+                                    "ilp": ilp,
+                                    "kernel": name,
+                                    "n": n,
+                                    "wagma_gbs": bytes_per_elem * n / t / 1e9,
+                                    "copy_gbs": 2 * src.element_size() * n / copy_s / 1e9,
+                                }
+                            )
                 work = src = dst = None  # freed before the next size
                 torch.cuda.empty_cache()
         finally:
@@ -250,10 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here")
     engine = None
     if not args.no_engine and not args.ilp_list:
-        print(f"engine: {args.engine_world} ranks, S={args.engine_group}, {args.engine_numel:,d} elements, "
-              f"{args.engine_rounds} rounds on CUDA tensors", file=sys.stderr)
-        engine = engine_latency.measure(args.engine_world, args.engine_group, args.engine_rounds,
-                                        args.engine_numel, device="cuda")
+        print(
+            f"engine: {args.engine_world} ranks, S={args.engine_group}, {args.engine_numel:,d} elements, "
+            f"{args.engine_rounds} rounds on CUDA tensors",
+            file=sys.stderr,
+        )
+        engine = engine_latency.measure(
+            args.engine_world, args.engine_group, args.engine_rounds, args.engine_numel, device="cuda"
+        )
         print(json.dumps(engine, indent=2))
     try:
         import cupy
@@ -262,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         cupy_version = None
     if kernels.backend() != "cupy":
-        print("warning: wagma.kernels.backend() is 'torch' (CuPy missing or disabled): the 'wagma' column "
-              "measures the torch fallback, not the CUDA kernels", file=sys.stderr)
+        print(
+            "warning: wagma.kernels.backend() is 'torch' (CuPy missing or disabled): the 'wagma' column "
+            "measures the torch fallback, not the CUDA kernels",
+            file=sys.stderr,
+        )
     if args.ilp_list:
         rows = ilp_sweep(args)
         table = ilp_markdown(rows)

@@ -59,8 +59,18 @@ def _mesh(replicas: int, shards: int):
     return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
 
-def _train_worker(rank: int, world_size: int, policy: str, replicas: int, shards: int, steps: int, warmup: int,
-                  compute_s: float, seed: int, batch: int) -> dict[str, Any]:
+def _train_worker(
+    rank: int,
+    world_size: int,
+    policy: str,
+    replicas: int,
+    shards: int,
+    steps: int,
+    warmup: int,
+    compute_s: float,
+    seed: int,
+    batch: int,
+) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from wagma import FSDPPartialAllreduce, WagmaAverager
@@ -77,8 +87,13 @@ def _train_worker(rank: int, world_size: int, policy: str, replicas: int, shards
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     averager = hook = None
     if policy == "hsdp_wagma":
-        averager = WagmaAverager(2 if replicas % 2 == 0 else replicas, 10, params=model.parameters(),
-                                 world=(mesh, "replicate"), timeout=TIMEOUT)
+        averager = WagmaAverager(
+            2 if replicas % 2 == 0 else replicas,
+            10,
+            params=model.parameters(),
+            world=(mesh, "replicate"),
+            timeout=TIMEOUT,
+        )
     elif policy == "hsdp_eager":
         hook = FSDPPartialAllreduce(model, world=(mesh, "replicate"), mode="solo", sync_period=10, timeout=TIMEOUT)
     draw = torch.Generator().manual_seed(10_000 + seed)  # the straggler of each step, the same on every rank
@@ -130,8 +145,13 @@ def _memory_worker(rank: int, world_size: int, kind: str, replicas: int, shards:
                 fully_shard(layer, mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])
     if kind == "hsdp_wagma":
-        averager = WagmaAverager(2 if replicas % 2 == 0 else replicas, 10, params=model.parameters(),
-                                 world=(mesh, "replicate"), timeout=TIMEOUT)
+        averager = WagmaAverager(
+            2 if replicas % 2 == 0 else replicas,
+            10,
+            params=model.parameters(),
+            world=(mesh, "replicate"),
+            timeout=TIMEOUT,
+        )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for _ in range(3):
         loss = model(torch.randn(4, width)).sum()
@@ -167,28 +187,52 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for seed in range(0 if a.memory_only else a.seeds):
         for policy in a.policies:
-            out = run_workers(_train_worker, world, policy, a.replicas, a.shards, a.steps, a.warmup,
-                              a.compute_ms / 1e3, seed, a.batch, timeout_s=600, collective_timeout_s=60)
-            row = {"policy": policy, "seed": seed, "step_s": max(o["step_s"] for o in out),
-                   "accuracy": out[0]["accuracy"]}
+            out = run_workers(
+                _train_worker,
+                world,
+                policy,
+                a.replicas,
+                a.shards,
+                a.steps,
+                a.warmup,
+                a.compute_ms / 1e3,
+                seed,
+                a.batch,
+                timeout_s=600,
+                collective_timeout_s=60,
+            )
+            row = {
+                "policy": policy,
+                "seed": seed,
+                "step_s": max(o["step_s"] for o in out),
+                "accuracy": out[0]["accuracy"],
+            }
             runs.append(row)
-            print(f"seed {seed} {policy:11s} {1e3 * row['step_s']:7.1f} ms/step  accuracy {row['accuracy']:.4f}",
-                  flush=True)
+            print(
+                f"seed {seed} {policy:11s} {1e3 * row['step_s']:7.1f} ms/step  accuracy {row['accuracy']:.4f}",
+                flush=True,
+            )
     memory = {}
     for kind in MEMORY_KINDS:
-        mb = run_workers(_memory_worker, world, kind, a.replicas, a.shards, a.width, timeout_s=600,
-                         collective_timeout_s=60)
+        mb = run_workers(
+            _memory_worker, world, kind, a.replicas, a.shards, a.width, timeout_s=600, collective_timeout_s=60
+        )
         memory[kind] = {"median_mb": statistics.median(mb), "max_mb": max(mb)}
-        print(f"memory {kind:10s} peak RSS per rank above import: median {statistics.median(mb):.0f} MB, "
-              f"max {max(mb):.0f} MB", flush=True)
+        print(
+            f"memory {kind:10s} peak RSS per rank above import: median {statistics.median(mb):.0f} MB, "
+            f"max {max(mb):.0f} MB",
+            flush=True,
+        )
     params = 2 * a.width * a.width + 10 * a.width  # weights only
     summary = {}
     for policy in a.policies:
         rows = [r for r in runs if r["policy"] == policy]
         if not rows:
             continue
-        summary[policy] = {"step_ms": 1e3 * statistics.median(r["step_s"] for r in rows),
-                           "accuracy": statistics.median(r["accuracy"] for r in rows)}
+        summary[policy] = {
+            "step_ms": 1e3 * statistics.median(r["step_s"] for r in rows),
+            "accuracy": statistics.median(r["accuracy"] for r in rows),
+        }
     if "hsdp" in summary:
         for policy, s in summary.items():
             s["x_hsdp"] = summary["hsdp"]["step_ms"] / s["step_ms"]
@@ -196,8 +240,14 @@ def main() -> None:
     result = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "replicas": a.replicas, "shards": a.shards, "steps": a.steps, "compute_ms": a.compute_ms,
-        "batch_per_rank": a.batch, "seeds": a.seeds, "runs": runs, "summary": summary,
+        "replicas": a.replicas,
+        "shards": a.shards,
+        "steps": a.steps,
+        "compute_ms": a.compute_ms,
+        "batch_per_rank": a.batch,
+        "seeds": a.seeds,
+        "runs": runs,
+        "summary": summary,
         "memory": {"width": a.width, "weights": params, **memory},
     }
     a.out.mkdir(parents=True, exist_ok=True)
@@ -206,8 +256,10 @@ def main() -> None:
     print("| policy | ms/step (median) | x FSDP2 HSDP | test accuracy (median) | points vs HSDP |")
     print("|---|---:|---:|---:|---:|")
     for policy, s in summary.items():
-        print(f"| {policy} | {s['step_ms']:.1f} | {s.get('x_hsdp', float('nan')):.2f} | {100 * s['accuracy']:.2f} % | "
-              f"{s.get('accuracy_vs_hsdp_points', float('nan')):+.2f} |")
+        print(
+            f"| {policy} | {s['step_ms']:.1f} | {s.get('x_hsdp', float('nan')):.2f} | {100 * s['accuracy']:.2f} % | "
+            f"{s.get('accuracy_vs_hsdp_points', float('nan')):+.2f} |"
+        )
     print(f"wrote {a.out / name}")
 
 

@@ -29,9 +29,21 @@ def git_commit(repo: Path) -> str | None:
             ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "--", ".",
-             f":(exclude){RESULTS}"],
-            capture_output=True, text=True, check=True, timeout=10,
+            [
+                "git",
+                "-C",
+                str(repo),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                f":(exclude){RESULTS}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -86,8 +98,10 @@ def scheduler_slice_s(processes: int | None = None, duration_s: float = 1.0, gap
     for proc in procs:
         proc.join(timeout=10.0)
     if not runs:
-        raise RuntimeError(f"scheduler_slice_s: {count} spinning processes on {usable} cores were never descheduled "
-                           f"in {duration_s} s; expected more processes than cores")
+        raise RuntimeError(
+            f"scheduler_slice_s: {count} spinning processes on {usable} cores were never descheduled "
+            f"in {duration_s} s; expected more processes than cores"
+        )
     return statistics.median(runs)
 
 

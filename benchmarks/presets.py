@@ -89,8 +89,9 @@ def averaging_config(policy: str, configs_dir: Path) -> dict[str, Any]:
     """
     path = config_path(policy, configs_dir)
     if path is None:
-        raise FileNotFoundError(f"no config for policy {policy!r} in {configs_dir / 'averaging'} "
-                                f"or its {', '.join(UNSHIPPED)} folders")
+        raise FileNotFoundError(
+            f"no config for policy {policy!r} in {configs_dir / 'averaging'} or its {', '.join(UNSHIPPED)} folders"
+        )
     return _load(path, configs_dir, ())
 
 

@@ -82,8 +82,9 @@ def _timed(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, Any]
     return out
 
 
-def time_transfers(rate: str, world: int, sizes_mb: Sequence[float], reps: int,
-                   loopback: bool = False) -> list[dict[str, Any]]:
+def time_transfers(
+    rate: str, world: int, sizes_mb: Sequence[float], reps: int, loopback: bool = False
+) -> list[dict[str, Any]]:
     """One record per (kind, size): measured (the slowest rank's median; the pair's ranks for ``pair``), the
     participating ranks' mean CPU seconds per transfer (``cpu_s``), and the model at ``rate``. ``loopback``: the
     same transfers without rank networks, through loopback (``rank_net`` None in the records).
@@ -99,8 +100,15 @@ def time_transfers(rate: str, world: int, sizes_mb: Sequence[float], reps: int,
     sizes = [int(mb * 1e6) // 4 * 4 for mb in sizes_mb]
     job = f"rank-net-check-{uuid.uuid4().hex[:8]}"
     with network_job(job, enabled=not loopback):
-        outs = run_workers(_timed, world, sizes, reps, timeout_s=120 + 4 * reps * len(sizes) * world,
-                           collective_timeout_s=60.0, setup=None if loopback else worker_setup(rate, job))
+        outs = run_workers(
+            _timed,
+            world,
+            sizes,
+            reps,
+            timeout_s=120 + 4 * reps * len(sizes) * world,
+            collective_timeout_s=60.0,
+            setup=None if loopback else worker_setup(rate, job),
+        )
     namespaces = [o["netns"] for o in outs]
     if not loopback and len(set(namespaces)) != world:
         raise RuntimeError(f"the ranks did not run in {world} distinct network namespaces: {namespaces}")
@@ -111,9 +119,19 @@ def time_transfers(rate: str, world: int, sizes_mb: Sequence[float], reps: int,
             measured = max(o["times"][f"{kind}/{nbytes}"] for o in ranks)
             cpu = statistics.mean(o["cpu"][f"{kind}/{nbytes}"] for o in ranks)
             model = model_s(kind, nbytes, world, bits)
-            records.append({"kind": kind, "bytes": nbytes, "world_size": world,
-                            "rank_net": None if loopback else rate_name(rate), "measured_s": measured, "cpu_s": cpu,
-                            "model_s": model, "ratio": measured / model, "reps": reps})
+            records.append(
+                {
+                    "kind": kind,
+                    "bytes": nbytes,
+                    "world_size": world,
+                    "rank_net": None if loopback else rate_name(rate),
+                    "measured_s": measured,
+                    "cpu_s": cpu,
+                    "model_s": model,
+                    "ratio": measured / model,
+                    "reps": reps,
+                }
+            )
     return records
 
 
@@ -123,22 +141,29 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--rate", default="200mbit", help="every rank's link rate (default 200mbit)")
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 4.0], help="transfer sizes in MB (1e6 bytes)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per transfer, after one warm-up")
-    p.add_argument("--loopback", action="store_true",
-                   help="the same transfers through loopback, without rank networks (ratios still to --rate)")
+    p.add_argument(
+        "--loopback",
+        action="store_true",
+        help="the same transfers through loopback, without rank networks (ratios still to --rate)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the records here (JSON)")
     args = p.parse_args(argv)
     if args.world < 2 or args.reps < 1 or min(args.sizes_mb) <= 0:
         p.error(f"need --world >= 2, --reps >= 1, --sizes-mb > 0; got {args.world}, {args.reps}, {args.sizes_mb}")
     records = time_transfers(args.rate, args.world, args.sizes_mb, args.reps, args.loopback)
     for r in records:
-        print(f"P={r['world_size']} {r['rank_net'] or 'loopback'} {r['kind']:<9} {r['bytes'] / 1e6:6.2f} MB: "
-              f"{1e3 * r['measured_s']:8.1f} ms (CPU {1e3 * r['cpu_s']:6.1f} ms), model at {args.rate} "
-              f"{1e3 * r['model_s']:8.1f} ms, ratio {r['ratio']:.2f}", flush=True)
+        print(
+            f"P={r['world_size']} {r['rank_net'] or 'loopback'} {r['kind']:<9} {r['bytes'] / 1e6:6.2f} MB: "
+            f"{1e3 * r['measured_s']:8.1f} ms (CPU {1e3 * r['cpu_s']:6.1f} ms), model at {args.rate} "
+            f"{1e3 * r['model_s']:8.1f} ms, ratio {r['ratio']:.2f}",
+            flush=True,
+        )
     if args.out is not None:
         command = "python benchmarks/rank_net.py " + " ".join(sys.argv[1:] if argv is None else argv)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"command": command, "machine": machine_info(ROOT), "records": records},
-                                       indent=1) + "\n")
+        args.out.write_text(
+            json.dumps({"command": command, "machine": machine_info(ROOT), "records": records}, indent=1) + "\n"
+        )
     return records
 
 

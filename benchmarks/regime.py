@@ -98,8 +98,18 @@ __all__ = ["hidden_width", "main", "parse_args", "resimulate", "run_reps", "shar
 
 IN_DIM, CLASSES = 64, 10  # the synthetic MLP's input and output sizes (digits-like)
 SCENARIOS: tuple[str, ...] = ("random_k1", "random_k2", "persistent", "heavy_tail")
-POLICIES: tuple[str, ...] = ("allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority",
-                             "dpsgd", "sgp", "osgp", "adpsgd")
+POLICIES: tuple[str, ...] = (
+    "allreduce",
+    "local_sgd",
+    "hierarchical",
+    "wagma",
+    "eager_solo",
+    "eager_majority",
+    "dpsgd",
+    "sgp",
+    "osgp",
+    "adpsgd",
+)
 QUICK = {"worlds": [4], "scenarios": ["random_k1"], "steps": 14, "warmup": 3, "reps": 1, "compute_ms": 20.0}
 FULL = {"worlds": [4, 8, 16], "scenarios": list(SCENARIOS), "steps": 36, "warmup": 3, "reps": 3, "compute_ms": 100.0}
 KEY = ("scenario", "policy", "world_size", "params", "compute_ms")
@@ -113,8 +123,9 @@ def hidden_width(params: int) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * (params - CLASSES))) / 2))
 
 
-def _allreduce_s(n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5,
-                 device: torch.device | None = None) -> tuple[list[float], list[float]]:
+def _allreduce_s(
+    n: int, reduce: Callable[[torch.Tensor], Any], repeats: int = 5, device: torch.device | None = None
+) -> tuple[list[float], list[float]]:
     """Wall-clock times and CPU times (every thread of this process) of ``repeats`` allreduces of ``n`` floats (on
     ``device``, default CPU) over the default group (all ranks call it) by ``reduce``, after one untimed."""
     buf, times, cpu = torch.zeros(n, device=device), [], []
@@ -135,8 +146,13 @@ def _calibrate(nparams: int, transport: str, device: torch.device) -> dict[str, 
     reduce = SharedMemoryAllreduce(None, nparams).all_reduce if transport == "shm" else dist.all_reduce
     small, small_cpu = _allreduce_s(1, reduce, device=device)
     large, large_cpu = _allreduce_s(nparams, reduce, device=device)
-    return {"allreduce_small_s": small, "allreduce_model_s": large, "allreduce_small_cpu_s": small_cpu,
-            "allreduce_model_cpu_s": large_cpu, "nparams": nparams}
+    return {
+        "allreduce_small_s": small,
+        "allreduce_model_s": large,
+        "allreduce_small_cpu_s": small_cpu,
+        "allreduce_model_cpu_s": large_cpu,
+        "nparams": nparams,
+    }
 
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -179,8 +195,10 @@ def _rank_traces(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict[
 
     hooks = [q.register_post_accumulate_grad_hook(mark) for q in net.parameters()]
     try:
-        return [_repetition(rank, world_size, spec, rep, net, (x, y), ready, device) | network
-                for rep in range(spec["reps"])]
+        return [
+            _repetition(rank, world_size, spec, rep, net, (x, y), ready, device) | network
+            for rep in range(spec["reps"])
+        ]
     finally:
         for hook in hooks:
             hook.remove()
@@ -192,9 +210,16 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net: torch.nn.Module,
-                batch: tuple[torch.Tensor, torch.Tensor], ready: list[float | None],
-                device: torch.device) -> dict[str, Any]:
+def _repetition(
+    rank: int,
+    world_size: int,
+    spec: dict[str, Any],
+    rep: int,
+    net: torch.nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    ready: list[float | None],
+    device: torch.device,
+) -> dict[str, Any]:
     """One timed repetition on this rank: warm-up, barrier, timed steps, finalize, barrier.
 
     On CUDA the step waits for the GPU after the backward pass and after the optimizer step, so that the
@@ -251,19 +276,38 @@ def _repetition(rank: int, world_size: int, spec: dict[str, Any], rep: int, net:
         policy.finalize(model, optimizer)
         dist.barrier()
         end = time.monotonic()
-        return {"rep": rep, "start": start, "finished": finished, "end": end, "slept": slept, "pre": pre,
-                "real": real, "averaging": averaging, "compute_cpu": compute_cpu, "averaging_cpu": averaging_cpu,
-                "cpu_s": cpu1 - cpu0, "stats": policy.stats()}
+        return {
+            "rep": rep,
+            "start": start,
+            "finished": finished,
+            "end": end,
+            "slept": slept,
+            "pre": pre,
+            "real": real,
+            "averaging": averaging,
+            "compute_cpu": compute_cpu,
+            "averaging_cpu": averaging_cpu,
+            "cpu_s": cpu1 - cpu0,
+            "stats": policy.stats(),
+        }
     finally:
         policy.close()
 
 
 def _spec(cfg: Any, args: argparse.Namespace, params: int) -> dict[str, Any]:
     return {
-        "averaging": group_options(cfg, "averaging"), "imbalance": group_options(cfg, "imbalance"),
-        "optim": group_options(cfg, "optim"), "compute_ms": args.compute_ms, "hidden": hidden_width(params),
-        "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps, "reps": args.reps,
-        "device": args.device, "rank_cpus": args.rank_cpus, "quota_job": f"regime-{os.getpid()}",
+        "averaging": group_options(cfg, "averaging"),
+        "imbalance": group_options(cfg, "imbalance"),
+        "optim": group_options(cfg, "optim"),
+        "compute_ms": args.compute_ms,
+        "hidden": hidden_width(params),
+        "batch_size": args.batch_size,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "reps": args.reps,
+        "device": args.device,
+        "rank_cpus": args.rank_cpus,
+        "quota_job": f"regime-{os.getpid()}",
     }
 
 
@@ -290,8 +334,10 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
     large = min(max(s) for s in zip(*(r["allreduce_model_s"] for r in ranks), strict=True))
     net = _alpha_beta(small, large, world, nbytes, args.activation_ms / 1e3)
     # The CPU a collective costs each member: per sample the mean over ranks, then the median over samples.
-    small_cpu, large_cpu = (statistics.median(statistics.mean(s) for s in zip(*(r[key] for r in ranks), strict=True))
-                            for key in ("allreduce_small_cpu_s", "allreduce_model_cpu_s"))
+    small_cpu, large_cpu = (
+        statistics.median(statistics.mean(s) for s in zip(*(r[key] for r in ranks), strict=True))
+        for key in ("allreduce_small_cpu_s", "allreduce_model_cpu_s")
+    )
     cpu_net = _alpha_beta(small_cpu, large_cpu, world, nbytes, args.activation_ms / 1e3)
     avg = spec["averaging"]
     total = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
@@ -301,38 +347,58 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
         "averaging_cpu_ms": np.round(1e3 * np.array([r["averaging_cpu"] for r in ranks]), 3).tolist(),
         # CPU time per rank and timed step, every thread of the rank's process, mean over ranks. Ranks share the
         # machine's cores: P x cpu_ms / cores is a floor under ms/step that sleeping cannot hide.
-        "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps, "cores": usable_cores(),
+        "cpu_ms": 1e3 * statistics.mean(r["cpu_s"] for r in ranks) / args.steps,
+        "cores": usable_cores(),
         "slice_s": args.slice_s,
-        "nbytes": nbytes, "averaging_options": avg,
-        "cpu_network": {"alpha_s": cpu_net.alpha_s, "bandwidth_Bps": cpu_net.bandwidth_Bps,
-                        "activation_s": cpu_net.activation_s, "allreduce_1_float_s": small_cpu,
-                        "allreduce_model_s": large_cpu},
-    }
-    return traces | shared_cores(avg, traces, args.warmup) | {
-        "rep": ranks[0]["rep"], "ms_per_step": 1e3 * total / args.steps,
-        "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
-        "ideal_ms": 1e3 * (t + float(delays.mean())),
-        "no_wait_ms": no_wait_ms(t, delays),
-        "bound_ms": protocol_bound(avg, t, delays, first_step=args.warmup).ms_per_step,
-        # The same protocol on the compute each rank really did (sleeps + its real forward/backward/step),
-        # with free communication: what the implementation loses beyond the cost of computing.
-        "bound_trace_ms": simulate(avg, pre + real, network=ZERO_NETWORK, first_step=args.warmup).ms_per_step,
-        "simulated_own_cores_ms": simulate(avg, pre + real, network=net, nbytes=nbytes,
-                                           first_step=args.warmup).ms_per_step,
-        "real_compute_ms": 1e3 * float(real.mean()),
-        # Where a step goes (means over ranks and steps): the sleeps, the real compute, the policy on the main
-        # thread; the final mean or flush per timed step; the rest is the slowest rank's excess over the mean.
-        "breakdown_ms": {
-            "sleeps": 1e3 * float(pre.mean()), "compute": 1e3 * float(real.mean()),
-            "averaging": 1e3 * float(np.mean([r["averaging"] for r in ranks])),
-            "finalize": 1e3 * (max(r["end"] for r in ranks) - max(r["finished"] for r in ranks)) / args.steps,
+        "nbytes": nbytes,
+        "averaging_options": avg,
+        "cpu_network": {
+            "alpha_s": cpu_net.alpha_s,
+            "bandwidth_Bps": cpu_net.bandwidth_Bps,
+            "activation_s": cpu_net.activation_s,
+            "allreduce_1_float_s": small_cpu,
+            "allreduce_model_s": large_cpu,
         },
-        "network": {"alpha_s": net.alpha_s, "bandwidth_Bps": net.bandwidth_Bps, "activation_s": net.activation_s,
-                    "allreduce_1_float_s": small, "allreduce_model_s": large},
-        "params": ranks[0]["nparams"], "policy_stats": ranks[0]["stats"],
-        # The recorded traces, [rank][step]: the delays (to recompute bounds) and the simulator's input.
-        "delays_ms": np.round(1e3 * delays, 3).tolist(), "trace_ms": np.round(1e3 * (pre + real), 3).tolist(),
     }
+    return (
+        traces
+        | shared_cores(avg, traces, args.warmup)
+        | {
+            "rep": ranks[0]["rep"],
+            "ms_per_step": 1e3 * total / args.steps,
+            "loop_ms_per_step": 1e3 * (max(r["finished"] for r in ranks) - min(r["start"] for r in ranks)) / args.steps,
+            "ideal_ms": 1e3 * (t + float(delays.mean())),
+            "no_wait_ms": no_wait_ms(t, delays),
+            "bound_ms": protocol_bound(avg, t, delays, first_step=args.warmup).ms_per_step,
+            # The same protocol on the compute each rank really did (sleeps + its real forward/backward/step),
+            # with free communication: what the implementation loses beyond the cost of computing.
+            "bound_trace_ms": simulate(avg, pre + real, network=ZERO_NETWORK, first_step=args.warmup).ms_per_step,
+            "simulated_own_cores_ms": simulate(
+                avg, pre + real, network=net, nbytes=nbytes, first_step=args.warmup
+            ).ms_per_step,
+            "real_compute_ms": 1e3 * float(real.mean()),
+            # Where a step goes (means over ranks and steps): the sleeps, the real compute, the policy on the main
+            # thread; the final mean or flush per timed step; the rest is the slowest rank's excess over the mean.
+            "breakdown_ms": {
+                "sleeps": 1e3 * float(pre.mean()),
+                "compute": 1e3 * float(real.mean()),
+                "averaging": 1e3 * float(np.mean([r["averaging"] for r in ranks])),
+                "finalize": 1e3 * (max(r["end"] for r in ranks) - max(r["finished"] for r in ranks)) / args.steps,
+            },
+            "network": {
+                "alpha_s": net.alpha_s,
+                "bandwidth_Bps": net.bandwidth_Bps,
+                "activation_s": net.activation_s,
+                "allreduce_1_float_s": small,
+                "allreduce_model_s": large,
+            },
+            "params": ranks[0]["nparams"],
+            "policy_stats": ranks[0]["stats"],
+            # The recorded traces, [rank][step]: the delays (to recompute bounds) and the simulator's input.
+            "delays_ms": np.round(1e3 * delays, 3).tolist(),
+            "trace_ms": np.round(1e3 * (pre + real), 3).tolist(),
+        }
+    )
 
 
 def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) -> dict[str, Any]:
@@ -358,15 +424,29 @@ def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) ->
     # left is what the protocol and the cores cost. Its comm_s counts the calibration's cost of the collectives
     # the protocol runs, which no timing changes.
     free = Network(net.alpha_s, net.bandwidth_Bps)
-    best = simulate(averaging, sleeps, network=free, nbytes=rep["nbytes"], first_step=warmup, cpu_s=cpu, **cores,
-                    comm_scale=0.0)
+    best = simulate(
+        averaging, sleeps, network=free, nbytes=rep["nbytes"], first_step=warmup, cpu_s=cpu, **cores, comm_scale=0.0
+    )
     predicted = sum(best.comm_s)
     other = max(0.0, rep["cpu_ms"] / 1e3 * world * steps - float(cpu.sum() + after.sum()))
     scale = other / predicted if predicted > 0 else 1.0
-    shared = simulate(averaging, sleeps, network=net, nbytes=rep["nbytes"], first_step=warmup, cpu_s=cpu,
-                      after_cpu_s=after, **cores, comm_scale=scale)
-    return {"simulated_ms": shared.ms_per_step, "comm_scale": scale,
-            "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * steps), "bound_cores_ms": best.ms_per_step}
+    shared = simulate(
+        averaging,
+        sleeps,
+        network=net,
+        nbytes=rep["nbytes"],
+        first_step=warmup,
+        cpu_s=cpu,
+        after_cpu_s=after,
+        **cores,
+        comm_scale=scale,
+    )
+    return {
+        "simulated_ms": shared.ms_per_step,
+        "comm_scale": scale,
+        "modeled_cpu_ms": 1e3 * shared.cpu_work_s / (world * steps),
+        "bound_cores_ms": best.ms_per_step,
+    }
 
 
 def _alpha_beta(small: float, large: float, world: int, nbytes: float, activation_s: float) -> Network:
@@ -381,11 +461,22 @@ def _alpha_beta(small: float, large: float, world: int, nbytes: float, activatio
 
 def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions of one (scenario, policy, world_size, params)."""
-    out = {k: statistics.median(r[k] for r in reps)
-           for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")}
+    out = {
+        k: statistics.median(r[k] for r in reps)
+        for k in ("ms_per_step", "ideal_ms", "bound_ms", "simulated_ms", "loop_ms_per_step", "real_compute_ms")
+    }
     # Fields older repetitions lack (recorded since): a median only where every repetition has one.
-    for key in ("simulated_own_cores_ms", "modeled_cpu_ms", "cores", "comm_scale", "bound_cores_ms", "slice_s",
-                "no_wait_ms", "cpu_ms", "bound_trace_ms"):
+    for key in (
+        "simulated_own_cores_ms",
+        "modeled_cpu_ms",
+        "cores",
+        "comm_scale",
+        "bound_cores_ms",
+        "slice_s",
+        "no_wait_ms",
+        "cpu_ms",
+        "bound_trace_ms",
+    ):
         if all(r.get(key) is not None for r in reps):
             out[key] = statistics.median(r[key] for r in reps)
     for bound in ("bound_cores", "bound_trace"):
@@ -393,7 +484,9 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"x_{bound}"] = out[f"{bound}_ms"] / out["ms_per_step"]
     out["reps"] = len(reps)
     if all("breakdown_ms" in r for r in reps):
-        out["breakdown_ms"] = {k: statistics.median(r["breakdown_ms"][k] for r in reps) for k in reps[0]["breakdown_ms"]}
+        out["breakdown_ms"] = {
+            k: statistics.median(r["breakdown_ms"][k] for r in reps) for k in reps[0]["breakdown_ms"]
+        }
     out["x_ideal"] = out["ideal_ms"] / out["ms_per_step"]
     out["x_bound"] = out["bound_ms"] / out["ms_per_step"]
     return out
@@ -405,37 +498,72 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: P=4, random_k1, 14 steps, T=20 ms, 1 rep")
     p.add_argument("--compute-ms", type=float, default=None, help="emulated compute T per step (full: 100)")
     p.add_argument("--params", type=float, nargs="+", default=[0.25e6], help="MLP sizes (default 0.25e6)")
-    p.add_argument("--worlds", type=int, nargs="+", default=None,
-                   help="world sizes (full: 4 8 16; 1: one rank alone, nothing to wait for or share cores with)")
-    p.add_argument("--scenarios", nargs="+", default=None, choices=(*SCENARIOS, "none"),
-                   help="imbalance scenarios (full: the four with stragglers; 'none' measures the overhead)")
+    p.add_argument(
+        "--worlds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="world sizes (full: 4 8 16; 1: one rank alone, nothing to wait for or share cores with)",
+    )
+    p.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=None,
+        choices=(*SCENARIOS, "none"),
+        help="imbalance scenarios (full: the four with stragglers; 'none' measures the overhead)",
+    )
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (full: 36)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (full: 3)")
     p.add_argument("--reps", type=int, default=None, help="repetitions, medians reported (full: 3)")
     p.add_argument("--batch-size", type=int, default=4, help="examples per rank and step (real compute stays small)")
     p.add_argument("--activation-ms", type=float, default=0.2, help="simulator: round activation latency")
-    p.add_argument("--slice-ms", type=float, default=None,
-                   help="simulator: the time slice of the shared cores (default: measured on this machine, "
-                        "benchmarks.machine.scheduler_slice_s)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
-                   help="extra Hydra override for every run, e.g. --set averaging.group_size=4 (repeatable)")
-    p.add_argument("--transport", choices=("default", "shm"), default="default",
-                   help="averaging.transport of every policy that has one (allreduce, wagma, eager): shm moves the "
-                        "CPU collectives through shared memory instead of gloo's sockets; the others keep gloo")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the model, its gradients and the averaged buffers live; cuda: rank r on GPU "
-                        "r %% device_count() (ranks share one GPU through gloo); records carry the device")
-    p.add_argument("--rank-cpus", type=float, default=0.0,
-                   help="each rank in its own CPU cgroup capped at this many CPUs, as a device would be (0: none; "
-                        "root; every world's P x quota must fit the cores); records carry it")
+    p.add_argument(
+        "--slice-ms",
+        type=float,
+        default=None,
+        help="simulator: the time slice of the shared cores (default: measured on this machine, "
+        "benchmarks.machine.scheduler_slice_s)",
+    )
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for every run, e.g. --set averaging.group_size=4 (repeatable)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("default", "shm"),
+        default="default",
+        help="averaging.transport of every policy that has one (allreduce, wagma, eager): shm moves the "
+        "CPU collectives through shared memory instead of gloo's sockets; the others keep gloo",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model, its gradients and the averaged buffers live; cuda: rank r on GPU "
+        "r %% device_count() (ranks share one GPU through gloo); records carry the device",
+    )
+    p.add_argument(
+        "--rank-cpus",
+        type=float,
+        default=0.0,
+        help="each rank in its own CPU cgroup capped at this many CPUs, as a device would be (0: none; "
+        "root; every world's P x quota must fit the cores); records carry it",
+    )
     p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results[/quick])")
     p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
     p.add_argument("--no-report", action="store_true", help="write regime.json only")
     p.add_argument("--report-only", action="store_true", help="only rewrite regime.md and the plots from regime.json")
-    p.add_argument("--resimulate", action="store_true",
-                   help="redo the shared-cores simulation of every repetition in regime.json from its stored traces "
-                        "(no run), then rewrite the records' medians and the report")
+    p.add_argument(
+        "--resimulate",
+        action="store_true",
+        help="redo the shared-cores simulation of every repetition in regime.json from its stored traces "
+        "(no run), then rewrite the records' medians and the report",
+    )
     args = p.parse_args(argv)
     mode = QUICK if args.quick else FULL
     for key, value in mode.items():
@@ -494,16 +622,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 measured = scheduler_slice_s()
             resimulate(result, slice_s, measured)
             result.setdefault("resimulations", []).append(
-                {"command": command, "machine": machine_info(ROOT), "slice_s": slice_s, "slice_s_measured": measured})
+                {"command": command, "machine": machine_info(ROOT), "slice_s": slice_s, "slice_s_measured": measured}
+            )
             save(result)
         _report(args.out, result)
         return result
     result = _load(found, args.append)
     args.slice_s = args.slice_ms / 1e3 if args.slice_ms is not None else scheduler_slice_s()
     invocation = len(result["invocations"])
-    settings = {k: getattr(args, k) for k in ("compute_ms", "params", "worlds", "scenarios", "policies", "steps",
-                                             "warmup", "reps", "batch_size", "activation_ms", "extra", "transport",
-                                             "slice_s", "device", "rank_cpus")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "compute_ms",
+            "params",
+            "worlds",
+            "scenarios",
+            "policies",
+            "steps",
+            "warmup",
+            "reps",
+            "batch_size",
+            "activation_ms",
+            "extra",
+            "transport",
+            "slice_s",
+            "device",
+            "rank_cpus",
+        )
+    }
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
     started = time.perf_counter()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
@@ -513,8 +659,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     ddp_ms = None
                     for policy in args.policies:
                         key = dict(zip(KEY, (scenario, policy, world, params, args.compute_ms)))
-                        cfg, reason = _compose(policy, scenario, world, args.compute_ms, args.extra, args.transport,
-                                               args.device)
+                        cfg, reason = _compose(
+                            policy, scenario, world, args.compute_ms, args.extra, args.transport, args.device
+                        )
                         rec: dict[str, Any] = key | {"status": "ok", "invocation": invocation, "steps": args.steps}
                         reps: list[dict[str, Any]] = []
                         try:
@@ -522,8 +669,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                 raise ValueError(reason)
                             # A repetition carries its record's key (the requested params; the model's own count as
                             # params_actual) and invocation, so that --append replaces it with its record.
-                            reps = [key | r | {"params_actual": r["params"], "params": params, "invocation": invocation}
-                                    for r in run_reps(cfg, args, world, params)]
+                            reps = [
+                                key | r | {"params_actual": r["params"], "params": params, "invocation": invocation}
+                                for r in run_reps(cfg, args, world, params)
+                            ]
                             rec |= summarize(reps)
                             rec["params_actual"] = reps[0]["params_actual"]
                             rec["transport"] = str(cfg.averaging.get("transport", "default"))
@@ -578,8 +727,9 @@ def resimulate(result: dict[str, Any], slice_s: float | None = None, measured_sl
             records[key] |= summarize(reps)
 
 
-def _compose(policy: str, scenario: str, world: int, compute_ms: float, extra: Sequence[str],
-             transport: str, device: str = "cpu") -> tuple[Any, str | None]:
+def _compose(
+    policy: str, scenario: str, world: int, compute_ms: float, extra: Sequence[str], transport: str, device: str = "cpu"
+) -> tuple[Any, str | None]:
     """``policy``'s config for one world of the grid (inside ``initialize_config_dir``), with the scenario's
     imbalance, the ``--set`` overrides and the transport for policies that have the key; or None and the reason
     the policy cannot run there."""
@@ -592,8 +742,15 @@ def _compose(policy: str, scenario: str, world: int, compute_ms: float, extra: S
 
 def _averaging_options(rep: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The averaging options ``rep``'s run had, composed as :func:`main` composed them."""
-    cfg, reason = _compose(rep["policy"], rep["scenario"], rep["world_size"], settings["compute_ms"],
-                           settings["extra"], settings.get("transport", "default"), settings.get("device", "cpu"))
+    cfg, reason = _compose(
+        rep["policy"],
+        rep["scenario"],
+        rep["world_size"],
+        settings["compute_ms"],
+        settings["extra"],
+        settings.get("transport", "default"),
+        settings.get("device", "cpu"),
+    )
     if cfg is None:
         raise ValueError(f"cannot compose the options of {rep['policy']!r} again: {reason}")
     return group_options(cfg, "averaging")
@@ -616,9 +773,12 @@ def _line(rec: dict[str, Any]) -> str:
     if rec["status"] != "ok":
         return f"{head}  FAILED {rec['reason'].strip().splitlines()[-1][:200]}"
     x_ddp = "-" if rec["x_ddp"] is None else f"{rec['x_ddp']:.2f}"
-    return (f"{head}  {rec['ms_per_step']:7.1f} ms/step  ideal {rec['ideal_ms']:6.1f}  bound {rec['bound_ms']:6.1f}  "
-            f"sim {rec['simulated_ms']:6.1f}  x DDP {x_ddp}  x ideal {rec['x_ideal']:.2f}  "
-            f"x bound {rec['x_bound']:.2f}" + (f" (on the trace {rec['x_bound_trace']:.2f})" if "x_bound_trace" in rec else ""))
+    return (
+        f"{head}  {rec['ms_per_step']:7.1f} ms/step  ideal {rec['ideal_ms']:6.1f}  bound {rec['bound_ms']:6.1f}  "
+        f"sim {rec['simulated_ms']:6.1f}  x DDP {x_ddp}  x ideal {rec['x_ideal']:.2f}  "
+        f"x bound {rec['x_bound']:.2f}"
+        + (f" (on the trace {rec['x_bound_trace']:.2f})" if "x_bound_trace" in rec else "")
+    )
 
 
 if __name__ == "__main__":

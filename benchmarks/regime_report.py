@@ -111,11 +111,15 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         ]
     for again in result.get("resimulations", []):
         measured = again.get("slice_s_measured")
-        slice_note = (f"; the scheduler's time slice measured then: {1e3 * measured:.2f} ms" if measured else "")
-        lines.append(f"- `{again['command']}` (commit `{again['machine']['git_commit']}`): the shared-cores "
-                     f"simulation (sim) redone from the stored traces, no run{slice_note}.")
+        slice_note = f"; the scheduler's time slice measured then: {1e3 * measured:.2f} ms" if measured else ""
+        lines.append(
+            f"- `{again['command']}` (commit `{again['machine']['git_commit']}`): the shared-cores "
+            f"simulation (sim) redone from the stored traces, no run{slice_note}."
+        )
     lines += [
-        "", "## Results", "",
+        "",
+        "## Results",
+        "",
         "| params | scenario | P | steps | policy | ms/step | ideal | no-wait | bound | sim | ×DDP | ×ideal | ×bound "
         "| ×bound (trace) | ×bound (cores) | sim/measured |",
         "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -136,11 +140,14 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     cores = result["invocations"][-1]["machine"]["cpu_count"] if result["invocations"] else 1
     if split:
         lines += [
-            "", "## Where a step goes", "",
+            "",
+            "## Where a step goes",
+            "",
             "Means over ranks and steps, ms (medians of the repetitions): the sleeps (T + injected delay), the real "
             "forward/backward/step, the policy on the main thread (waits included), the final mean or flush per "
             "step, and the slowest rank's excess over the mean (ms/step minus the rest); then the CPU time per rank and "
-            "step (every thread of the rank), and P x that / the machine's cores, a floor under ms/step.", "",
+            "step (every thread of the rank), and P x that / the machine's cores, a floor under ms/step.",
+            "",
             "| params | scenario | P | policy | ms/step | sleeps | compute | averaging | finalize | excess | CPU/rank "
             "| CPU floor |",
             "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -158,8 +165,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             )
     if failed:
         lines += ["", "## Failed or skipped", ""]
-        lines += [f"- {r['scenario']} / {r['policy']} / P={r['world_size']}: {r.get('reason', '')[-300:]}"
-                  for r in failed]
+        lines += [
+            f"- {r['scenario']} / {r['policy']} / P={r['world_size']}: {r.get('reason', '')[-300:]}" for r in failed
+        ]
     lines += ["", "## How the numbers are computed", ""] + [f"- {d}" for d in DEFINITIONS] + [""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -199,11 +207,18 @@ def plot_x_ideal(path: Path, records: Sequence[Record]) -> None:
     for ax, scenario in zip(axes.flat, scenarios, strict=False):
         for j, policy in enumerate(policies):
             for i, world in enumerate(worlds):
-                r = next((r for r in recs
-                          if (r["scenario"], r["policy"], r["world_size"]) == (scenario, policy, world)), None)
+                r = next(
+                    (r for r in recs if (r["scenario"], r["policy"], r["world_size"]) == (scenario, policy, world)),
+                    None,
+                )
                 if r is not None:
-                    ax.bar(i - 0.4 + width * (j + 0.5), r["x_ideal"], width * 0.92, color=colors[policy],
-                           label=policy if i == 0 else None)
+                    ax.bar(
+                        i - 0.4 + width * (j + 0.5),
+                        r["x_ideal"],
+                        width * 0.92,
+                        color=colors[policy],
+                        label=policy if i == 0 else None,
+                    )
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_xticks(range(len(worlds)), [f"P={w}" for w in worlds])
         ax.set_ylim(0, 1.1)
@@ -225,8 +240,11 @@ def plot_params(path: Path, records: Sequence[Record]) -> bool:
     fig, axes = _panels(len(groups))
     for ax, (scenario, world) in zip(axes.flat, groups, strict=False):
         for policy in policies:
-            pts = sorted((r["params"], r["ms_per_step"]) for r in records
-                         if (r["scenario"], r["world_size"], r["policy"]) == (scenario, world, policy))
+            pts = sorted(
+                (r["params"], r["ms_per_step"])
+                for r in records
+                if (r["scenario"], r["world_size"], r["policy"]) == (scenario, world, policy)
+            )
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", color=colors[policy], label=policy)
         ax.set_xscale("log")

@@ -40,7 +40,11 @@ def _target(name: str, measured: float | None, op: str, threshold: float, why_mi
     else:
         status = "met" if measured <= threshold else "missed"
     return {
-        "target": name, "measured": measured, "op": op, "threshold": threshold, "status": status,
+        "target": name,
+        "measured": measured,
+        "op": op,
+        "threshold": threshold,
+        "status": status,
         "note": why_missing if measured is None else "",
     }
 
@@ -53,6 +57,7 @@ def check_targets(records: Sequence[Record], baseline: str = "allreduce") -> lis
     """The targets of WAGMA and eager-SGD against DDP (samples/s, the ideal's share, time to target, accuracy gap
     under random_k1; samples/s without imbalance), as measured in this run (ratios side by side, same data and
     imbalance)."""
+
     def rec(scenario: str, policy: str) -> Record | None:
         return _find(records, scenario, policy)
 
@@ -63,26 +68,60 @@ def check_targets(records: Sequence[Record], baseline: str = "allreduce") -> lis
     out = []
     ddp1, w1, solo1 = (rec("random_k1", p) for p in (baseline, "wagma", "eager_solo"))
     get = lambda r, key: None if r is None else r.get(key)  # noqa: E731
-    out.append(_target("random_k1: wagma samples/s / DDP", _ratio(get(w1, "samples_per_s"), get(ddp1, "samples_per_s")),
-                       ">=", 1.6, missing("random_k1", "wagma", baseline)))
-    out.append(_target("random_k1: wagma samples/s / ideal", get(w1, "ideal_ratio"), ">=", 0.85, missing("random_k1", "wagma")))
-    out.append(_target("random_k1: eager_solo samples/s / DDP",
-                       _ratio(get(solo1, "samples_per_s"), get(ddp1, "samples_per_s")),
-                       ">=", 1.4, missing("random_k1", "eager_solo", baseline)))
-    out.append(_target("random_k1: wagma time-to-target / DDP",
-                       _ratio(get(w1, "time_to_target_s"), get(ddp1, "time_to_target_s")),
-                       "<=", 0.7, missing("random_k1", "wagma", baseline)))
+    out.append(
+        _target(
+            "random_k1: wagma samples/s / DDP",
+            _ratio(get(w1, "samples_per_s"), get(ddp1, "samples_per_s")),
+            ">=",
+            1.6,
+            missing("random_k1", "wagma", baseline),
+        )
+    )
+    out.append(
+        _target("random_k1: wagma samples/s / ideal", get(w1, "ideal_ratio"), ">=", 0.85, missing("random_k1", "wagma"))
+    )
+    out.append(
+        _target(
+            "random_k1: eager_solo samples/s / DDP",
+            _ratio(get(solo1, "samples_per_s"), get(ddp1, "samples_per_s")),
+            ">=",
+            1.4,
+            missing("random_k1", "eager_solo", baseline),
+        )
+    )
+    out.append(
+        _target(
+            "random_k1: wagma time-to-target / DDP",
+            _ratio(get(w1, "time_to_target_s"), get(ddp1, "time_to_target_s")),
+            "<=",
+            0.7,
+            missing("random_k1", "wagma", baseline),
+        )
+    )
     acc_gap = None
     if get(w1, "final_accuracy") is not None and get(ddp1, "final_accuracy") is not None:
         acc_gap = 100.0 * (get(ddp1, "final_accuracy") - get(w1, "final_accuracy"))
-    out.append(_target("random_k1: DDP final accuracy - wagma's (points)", acc_gap, "<=", 1.0,
-                       missing("random_k1", "wagma", baseline)))
+    out.append(
+        _target(
+            "random_k1: DDP final accuracy - wagma's (points)",
+            acc_gap,
+            "<=",
+            1.0,
+            missing("random_k1", "wagma", baseline),
+        )
+    )
     ddp0 = rec("none", baseline)
     for policy in ("wagma", "eager_solo", "eager_majority"):
         r = rec("none", policy)
-        out.append(_target(f"none: {policy} samples/s / DDP",
-                           _ratio(get(r, "samples_per_s"), get(ddp0, "samples_per_s")),
-                           ">=", 0.9, missing("none", policy, baseline)))
+        out.append(
+            _target(
+                f"none: {policy} samples/s / DDP",
+                _ratio(get(r, "samples_per_s"), get(ddp0, "samples_per_s")),
+                ">=",
+                0.9,
+                missing("none", policy, baseline),
+            )
+        )
     return out
 
 
@@ -104,8 +143,10 @@ def _staleness(hist: dict[str, int] | None) -> str:
 def _share(cal: dict[str, Any]) -> str:
     if not cal.get("compute_s") or not cal.get("step_s"):
         return ""
-    return (f" ({100 * cal['compute_s'] / cal['step_s']:.0f} % of the step; the rest is DDP's allreduce and waiting: "
-            "policies that communicate less gain from that alone)")
+    return (
+        f" ({100 * cal['compute_s'] / cal['step_s']:.0f} % of the step; the rest is DDP's allreduce and waiting: "
+        "policies that communicate less gain from that alone)"
+    )
 
 
 def _isolation(settings: dict[str, Any]) -> str:
@@ -157,11 +198,18 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"{_num(r['global_reductions'], '.0f')} | {_num(r['bytes_per_rank'], ',.0f', 1e-3)} | "
             f"{_staleness(r['staleness_hist'])} | {_num(r['final_consensus'], '.3g')} |"
         )
-    lines += ["", "## Targets (measured side by side in this run)", "",
-              "| target | measured | wanted | status |", "|---|---:|---:|---|"]
+    lines += [
+        "",
+        "## Targets (measured side by side in this run)",
+        "",
+        "| target | measured | wanted | status |",
+        "|---|---:|---:|---|",
+    ]
     for t in result["targets"]:
         note = f" ({t['note']})" if t["note"] else ""
-        lines.append(f"| {t['target']} | {_num(t['measured'], '.2f')} | {t['op']} {t['threshold']:g} | {t['status']}{note} |")
+        lines.append(
+            f"| {t['target']} | {_num(t['measured'], '.2f')} | {t['op']} {t['threshold']:g} | {t['status']}{note} |"
+        )
     if skipped:
         lines += ["", "## Not run", ""]
         by_reason: dict[tuple[str, str, str], list[str]] = {}
@@ -233,8 +281,12 @@ def _finish_grid(fig: Any, axes: Any, used: int, path: Path) -> None:
 
 
 def ms_per_step_panel(
-    ax: Any, lines: dict[str, list[tuple[int, float]]], ideal: list[tuple[int, float]], colors: dict[str, Any],
-    title: str, ylabel: str,
+    ax: Any,
+    lines: dict[str, list[tuple[int, float]]],
+    ideal: list[tuple[int, float]],
+    colors: dict[str, Any],
+    title: str,
+    ylabel: str,
 ) -> None:
     """One panel of ms per step against P (log2 axis): a line per policy, the no-wait ideal dashed.
 
@@ -256,7 +308,10 @@ def ms_per_step_panel(
 
 
 def plot_throughput(
-    path: Path, records: Sequence[Record], scenarios: Sequence[str], policies: Sequence[str],
+    path: Path,
+    records: Sequence[Record],
+    scenarios: Sequence[str],
+    policies: Sequence[str],
     ideals: dict[str, float | None],
 ) -> None:
     """Grouped bars of samples/s per scenario and policy; each scenario's no-wait ideal as a black line."""
@@ -273,14 +328,29 @@ def plot_throughput(
             x = i - 0.4 + width * (j + 0.5)
             ax.bar(x, r["samples_per_s"], width * 0.92, color=colors[policy], label=policy if i == 0 else None)
             if r.get("ideal_ratio") is not None:
-                ax.text(x, r["samples_per_s"], f"{r['ideal_ratio']:.2f}", ha="center", va="bottom", fontsize=7,
-                        rotation=90 if len(ran) > 4 else 0, zorder=4,
-                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85})
+                ax.text(
+                    x,
+                    r["samples_per_s"],
+                    f"{r['ideal_ratio']:.2f}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    rotation=90 if len(ran) > 4 else 0,
+                    zorder=4,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85},
+                )
             top = max(top, r["samples_per_s"])
         ideal = ideals.get(scenario)
         if ideal:
-            ax.hlines(ideal, i - 0.45, i + 0.45, colors="black", linewidth=2, zorder=3,
-                      label="no-wait ideal" if i == 0 else None)
+            ax.hlines(
+                ideal,
+                i - 0.45,
+                i + 0.45,
+                colors="black",
+                linewidth=2,
+                zorder=3,
+                label="no-wait ideal" if i == 0 else None,
+            )
             top = max(top, ideal)
     ax.set_xticks(range(len(scenarios)), scenarios)
     ax.set_ylim(0, top * 1.18 if top else 1)
@@ -302,8 +372,13 @@ def plot_consensus(path: Path, records: Sequence[Record], scenarios: Sequence[st
     with_data = [s for s in scenarios if any((r := _find(records, s, p)) and r.get("consensus") for p in policies)]
     if not with_data:
         return False
-    positive = [p["consensus"] for r in records if r["status"] == "ok" and r.get("consensus")
-                for p in r["consensus"] if p["consensus"] > 0]
+    positive = [
+        p["consensus"]
+        for r in records
+        if r["status"] == "ok" and r.get("consensus")
+        for p in r["consensus"]
+        if p["consensus"] > 0
+    ]
     linthresh = 10.0 ** math.floor(math.log10(min(positive))) if positive else 1e-12
     colors = _colors(policies)
     ncols = min(3, len(with_data))
@@ -316,8 +391,14 @@ def plot_consensus(path: Path, records: Sequence[Record], scenarios: Sequence[st
                 continue
             pts = [(p["time_s"], p["consensus"]) for p in r["consensus"] if p["time_s"] is not None]
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", markersize=2.5, linewidth=1.2, color=colors[policy],
-                        label=policy)
+                ax.plot(
+                    *zip(*pts, strict=True),
+                    marker="o",
+                    markersize=2.5,
+                    linewidth=1.2,
+                    color=colors[policy],
+                    label=policy,
+                )
         ax.set_yscale("symlog", linthresh=linthresh)
         _label_time_panel(ax, scenario, "(1/P) Σ ‖w_i − w̄‖²")
     _finish_grid(fig, axes, len(with_data), path)

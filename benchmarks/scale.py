@@ -52,16 +52,34 @@ from wagma.app.imbalance import RandomK  # noqa: E402
 __all__ = ["main", "paper_policies", "paper_records", "validation_records"]
 
 POLICIES: tuple[str, ...] = (
-    "allreduce", "local_sgd", "hierarchical", "wagma", "eager_solo", "eager_majority", "dpsgd", "sgp", "osgp", "adpsgd",
+    "allreduce",
+    "local_sgd",
+    "hierarchical",
+    "wagma",
+    "eager_solo",
+    "eager_majority",
+    "dpsgd",
+    "sgp",
+    "osgp",
+    "adpsgd",
 )
 DECENTRALIZED: tuple[str, ...] = ("dpsgd", "sgp", "osgp", "adpsgd")
 """The decentralized baselines a claim may be measured against (a claim's ``versus``)."""
 CLAIMS: tuple[dict[str, Any], ...] = (
-    {"policy": "wagma", "claim": 2.1, "what": "WAGMA-SGD throughput over the best decentralized baseline at 1,024 GPUs "
-     "(deep RL, DD-PPO on Habitat; that baseline already preempts the slowest ~40 % of workers)", "world_size": 1024,
-     "versus": list(DECENTRALIZED)},
-    {"policy": "eager_solo", "claim": 1.29, "what": "eager-SGD over synchronous SGD, ResNet-50 / ImageNet",
-     "world_size": 64},
+    {
+        "policy": "wagma",
+        "claim": 2.1,
+        "what": "WAGMA-SGD throughput over the best decentralized baseline at 1,024 GPUs "
+        "(deep RL, DD-PPO on Habitat; that baseline already preempts the slowest ~40 % of workers)",
+        "world_size": 1024,
+        "versus": list(DECENTRALIZED),
+    },
+    {
+        "policy": "eager_solo",
+        "claim": 1.29,
+        "what": "eager-SGD over synchronous SGD, ResNet-50 / ImageNet",
+        "world_size": 64,
+    },
     {"policy": "eager_solo", "claim": 1.27, "what": "eager-SGD over synchronous SGD, LSTM / UCF101", "world_size": 64},
 )
 TOLERANCE = 0.10
@@ -106,16 +124,29 @@ def paper_records(args: argparse.Namespace) -> list[dict[str, Any]]:
                 t0 = time.perf_counter()
                 ms = simulate(policies[name], args.compute_s + delays, network=net, nbytes=nbytes).ms_per_step
                 ddp_ms = ms if name == "allreduce" else ddp_ms
-                records.append({
-                    "source": "paper_setting", "scenario": f"random_{variant}", "delayed_ranks": k, "policy": name,
-                    "world_size": world, "params": args.params, "compute_ms": 1e3 * args.compute_s,
-                    "simulated_ms": ms, "measured_ms": None, "ideal_ms": ideal_ms,
-                    "x_allreduce": ddp_ms / ms if ddp_ms else None, "x_ideal": ideal_ms / ms,
-                    "sim_seconds": time.perf_counter() - t0,
-                })
+                records.append(
+                    {
+                        "source": "paper_setting",
+                        "scenario": f"random_{variant}",
+                        "delayed_ranks": k,
+                        "policy": name,
+                        "world_size": world,
+                        "params": args.params,
+                        "compute_ms": 1e3 * args.compute_s,
+                        "simulated_ms": ms,
+                        "measured_ms": None,
+                        "ideal_ms": ideal_ms,
+                        "x_allreduce": ddp_ms / ms if ddp_ms else None,
+                        "x_ideal": ideal_ms / ms,
+                        "sim_seconds": time.perf_counter() - t0,
+                    }
+                )
                 rec = records[-1]
-                print(f"paper random_{variant:<4} P={world:<5} {name:<15} {ms:7.1f} ms/step  "
-                      f"x allreduce {rec['x_allreduce'] or float('nan'):.2f}  [{rec['sim_seconds']:.1f} s]", flush=True)
+                print(
+                    f"paper random_{variant:<4} P={world:<5} {name:<15} {ms:7.1f} ms/step  "
+                    f"x allreduce {rec['x_allreduce'] or float('nan'):.2f}  [{rec['sim_seconds']:.1f} s]",
+                    flush=True,
+                )
     return records
 
 
@@ -127,15 +158,26 @@ def validation_records(regime: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         error = r["simulated_ms"] / r["ms_per_step"] - 1.0
         own = r.get("simulated_own_cores_ms")
-        out.append({
-            "source": "validation", "scenario": r["scenario"], "policy": r["policy"], "world_size": r["world_size"],
-            "params": r["params"], "compute_ms": r["compute_ms"], "measured_ms": r["ms_per_step"],
-            "simulated_ms": r["simulated_ms"], "relative_error": error, "within_tolerance": abs(error) <= TOLERANCE,
-            # The model of ranks with cores of their own on the same run, for comparison (absent in older records).
-            "cores": r.get("cores"), "simulated_own_cores_ms": own,
-            "own_cores_error": None if own is None else own / r["ms_per_step"] - 1.0,
-            "cpu_ms": r.get("cpu_ms"), "modeled_cpu_ms": r.get("modeled_cpu_ms"),
-        })
+        out.append(
+            {
+                "source": "validation",
+                "scenario": r["scenario"],
+                "policy": r["policy"],
+                "world_size": r["world_size"],
+                "params": r["params"],
+                "compute_ms": r["compute_ms"],
+                "measured_ms": r["ms_per_step"],
+                "simulated_ms": r["simulated_ms"],
+                "relative_error": error,
+                "within_tolerance": abs(error) <= TOLERANCE,
+                # The model of ranks with cores of their own on the same run, for comparison (absent in older records).
+                "cores": r.get("cores"),
+                "simulated_own_cores_ms": own,
+                "own_cores_error": None if own is None else own / r["ms_per_step"] - 1.0,
+                "cpu_ms": r.get("cpu_ms"),
+                "modeled_cpu_ms": r.get("modeled_cpu_ms"),
+            }
+        )
     return out
 
 
@@ -145,22 +187,34 @@ def _validation_status(
     full = regime_path.resolve()
     shown = full.relative_to(ROOT) if full.is_relative_to(ROOT) else regime_path
     if not records:
-        return {"status": f"pending: no measured records in {shown} yet; run benchmarks/regime_campaign.sh on a "
-                          "quiet machine, then this script", "tolerance": TOLERANCE}
+        return {
+            "status": f"pending: no measured records in {shown} yet; run benchmarks/regime_campaign.sh on a "
+            "quiet machine, then this script",
+            "tolerance": TOLERANCE,
+        }
     worst = max(records, key=lambda r: abs(r["relative_error"]))
     inside = sum(r["within_tolerance"] for r in records)
     own = [r["own_cores_error"] for r in records if r.get("own_cores_error") is not None]
-    extra = (f" (as if every rank had its own cores: {sum(abs(e) <= TOLERANCE for e in own)} of {len(own)})"
-             if own else "")
-    return {"status": f"{inside} of {len(records)} within ±{TOLERANCE:.0%}{extra}", "tolerance": TOLERANCE,
-            "worst": {k: worst[k] for k in ("scenario", "policy", "world_size", "relative_error")},
-            "regime": str(shown), "regime_commands": [i["command"] for i in (regime or {}).get("invocations", [])]}
+    extra = (
+        f" (as if every rank had its own cores: {sum(abs(e) <= TOLERANCE for e in own)} of {len(own)})" if own else ""
+    )
+    return {
+        "status": f"{inside} of {len(records)} within ±{TOLERANCE:.0%}{extra}",
+        "tolerance": TOLERANCE,
+        "worst": {k: worst[k] for k in ("scenario", "policy", "world_size", "relative_error")},
+        "regime": str(shown),
+        "regime_commands": [i["command"] for i in (regime or {}).get("invocations", [])],
+    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Validate the simulator against regime.json, extrapolate to 1,024 ranks")
-    p.add_argument("--regime", type=Path, default=ROOT / "benchmarks/results/regime/regime.json.xz",
-                   help="the measured campaign (regime.json or regime.json.xz)")
+    p.add_argument(
+        "--regime",
+        type=Path,
+        default=ROOT / "benchmarks/results/regime/regime.json.xz",
+        help="the measured campaign (regime.json or regime.json.xz)",
+    )
     p.add_argument("--worlds", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--steps", type=int, default=66, help="simulated steps (6 WAGMA periods, 2 eager periods)")
@@ -171,8 +225,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-GBps", type=float, default=10.0, help="injection bandwidth per node (Aries ~10 GB/s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/simulation")
-    p.add_argument("--validate-only", action="store_true",
-                   help="only redo the validation; keep the paper-setting records of --out's simulation.json")
+    p.add_argument(
+        "--validate-only",
+        action="store_true",
+        help="only redo the validation; keep the paper-setting records of --out's simulation.json",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or min(args.worlds) < 2 or args.compute_s <= 0:
         p.error("need --steps >= 1, worlds >= 2, --compute-s > 0")
@@ -186,8 +243,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     regime = results_io.load(args.regime) if args.regime.exists() else None
     validation = validation_records(regime or {})
-    setting = {k: getattr(args, k) for k in ("worlds", "steps", "params", "compute_s", "delay_s", "alpha_us",
-                                            "bandwidth_GBps", "seed")} | {"policies": paper_policies()}
+    setting = {
+        k: getattr(args, k)
+        for k in ("worlds", "steps", "params", "compute_s", "delay_s", "alpha_us", "bandwidth_GBps", "seed")
+    } | {"policies": paper_policies()}
     previous = args.out / "simulation.json"
     if args.validate_only and previous.exists():  # keep the extrapolation already there (and its setting)
         old = json.loads(previous.read_text(encoding="utf-8"))
@@ -201,7 +260,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "machine": machine_info(ROOT),
         "setting": setting,
         "validation": _validation_status(validation, args.regime, regime),
-        "claims": list(CLAIMS), "records": records, "duration_s": time.perf_counter() - started,
+        "claims": list(CLAIMS),
+        "records": records,
+        "duration_s": time.perf_counter() - started,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "simulation.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

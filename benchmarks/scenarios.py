@@ -35,19 +35,35 @@ from wagma.app.imbalance import build_imbalance
 from wagma.app.policies import known_policies
 
 __all__ = [
-    "BASELINE", "POLICIES", "SCENARIOS", "SCENARIO_TABLE", "Scenario", "describe", "expected_delays",
+    "BASELINE",
+    "POLICIES",
+    "SCENARIOS",
+    "SCENARIO_TABLE",
+    "Scenario",
+    "describe",
+    "expected_delays",
     "resolve_policy",
 ]
 
 POLICIES: tuple[str, ...] = (
-    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
-    "dpsgd", "sgp", "osgp", "adpsgd",
+    "allreduce",
+    "local_sgd",
+    "hierarchical",
+    "hierarchical_momentum",
+    "wagma",
+    "eager_solo",
+    "eager_majority",
+    "dpsgd",
+    "sgp",
+    "osgp",
+    "adpsgd",
 )
 """The policies compared and the decentralized baselines (D-PSGD, SGP, OSGP, AD-PSGD), in the order tables and plots
 show them; ``allreduce`` is plain DDP."""
 
 BASELINE = "allreduce"
 """The policy every ratio is taken against (synchronous SGD, DDP's allreduce)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
@@ -71,8 +87,11 @@ def _persistent(d: float, p: int) -> list[str]:
 
 def _heavy_tail(d: float, p: int) -> list[str]:
     return [
-        "imbalance=heavy_tail", "imbalance.distribution=lognormal", f"imbalance.scale_s={0.25 * d:.6f}",
-        "imbalance.shape=1.0", f"imbalance.max_s={4 * d:.6f}",
+        "imbalance=heavy_tail",
+        "imbalance.distribution=lognormal",
+        f"imbalance.scale_s={0.25 * d:.6f}",
+        "imbalance.shape=1.0",
+        f"imbalance.max_s={4 * d:.6f}",
     ]
 
 
@@ -131,7 +150,9 @@ def resolve_policy(
     try:  # an unregistered name is refused here too, after its config's policy_module (if any) is imported
         validate_config(cfg, world_size)
     except ConfigError as exc:
-        return None, "config rejected: " + " ".join(line.strip(" -") for line in str(exc).splitlines()[1:] or [str(exc)])
+        return None, "config rejected: " + " ".join(
+            line.strip(" -") for line in str(exc).splitlines()[1:] or [str(exc)]
+        )
     return cfg, None
 
 

@@ -86,8 +86,17 @@ from wagma.schedule import GroupSchedule
 __all__ = ["Network", "SimResult", "ZERO_NETWORK", "no_wait_ms", "protocol_bound", "simulate", "SIMULATED_POLICIES"]
 
 SIMULATED_POLICIES: tuple[str, ...] = (
-    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "eager_solo", "eager_majority",
-    "dpsgd", "sgp", "osgp", "adpsgd",
+    "allreduce",
+    "local_sgd",
+    "hierarchical",
+    "hierarchical_momentum",
+    "wagma",
+    "eager_solo",
+    "eager_majority",
+    "dpsgd",
+    "sgp",
+    "osgp",
+    "adpsgd",
 )
 GOSSIP_POLICIES: tuple[str, ...] = ("dpsgd", "sgp", "osgp", "adpsgd")
 """The decentralized baselines: point-to-point messages (:meth:`Network.p2p_s`) instead of collectives."""
@@ -288,9 +297,19 @@ class _Rendezvous:
 class _Sim:
     """One simulation: P main-thread processes (and progress threads for wagma, eager and AD-PSGD)."""
 
-    def __init__(self, options: Mapping[str, Any], compute: np.ndarray, net: Network, nbytes: float,
-                 first_step: int, cpu: np.ndarray | None = None, after_cpu: np.ndarray | None = None,
-                 cores: float = math.inf, comm_scale: float = 1.0, slice_s: float | None = None) -> None:
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        compute: np.ndarray,
+        net: Network,
+        nbytes: float,
+        first_step: int,
+        cpu: np.ndarray | None = None,
+        after_cpu: np.ndarray | None = None,
+        cores: float = math.inf,
+        comm_scale: float = 1.0,
+        slice_s: float | None = None,
+    ) -> None:
         self.opt = dict(options)
         self.name = str(self.opt.get("name"))
         if self.name not in SIMULATED_POLICIES:
@@ -301,8 +320,9 @@ class _Sim:
         self.cpu = zeros if cpu is None else cpu
         self.after_cpu = zeros if after_cpu is None else after_cpu
         self.env = simpy.Environment()
-        self.cores = (_Cores(self.env, cores) if slice_s is None or math.isinf(cores)
-                      else _SlicedCores(self.env, cores, slice_s))
+        self.cores = (
+            _Cores(self.env, cores) if slice_s is None or math.isinf(cores) else _SlicedCores(self.env, cores, slice_s)
+        )
         self.shared = not math.isinf(cores)
         # Point-to-point messages (gossip): open rendezvous by key, and with cores of their own one injection
         # link per rank, shared by the messages it sends at once.
@@ -323,8 +343,11 @@ class _Sim:
         if self.name == "wagma":
             self.tau = int(o.get("sync_period", 10))
             sched = o.get("schedule", "auto")
-            self.schedule = (GroupSchedule.create(str(sched), p, int(o.get("group_size", 2))) if isinstance(sched, str)
-                             else GroupSchedule.from_partitions(sched))
+            self.schedule = (
+                GroupSchedule.create(str(sched), p, int(o.get("group_size", 2)))
+                if isinstance(sched, str)
+                else GroupSchedule.from_partitions(sched)
+            )
             self.warmup = 0
             sync = o.get("sync", "barrier")
             if sync not in SYNCS:
@@ -337,7 +360,8 @@ class _Sim:
             # The library's own initiator draw (a method that needs only seed and world_size).
             who = types.SimpleNamespace(seed=int(o.get("seed", 0)), world_size=p)
             self.initiator: Callable[[int], int] | None = (
-                (lambda k: WaitAvoidingGroupAllreduce.initiator(who, k)) if majority else None)
+                (lambda k: WaitAvoidingGroupAllreduce.initiator(who, k)) if majority else None
+            )
             self.blocking_sync = True
         else:
             self.warmup = int(o.get("warmup_steps", 0))
@@ -434,7 +458,9 @@ class _Sim:
         if self.name == "adpsgd" and self.first + self.n > self.warmup:  # the thread runs: synchronize quiesces it
             yield from self._adpsgd_quiesce(rank)
         if self.name != "allreduce" and not self._ended_global():
-            yield self._global(("flush",), in_steps=False)  # the final flush: a blocking global mean (or eager's residual flush)
+            yield self._global(
+                ("flush",), in_steps=False
+            )  # the final flush: a blocking global mean (or eager's residual flush)
         yield self.coll.join(("barrier",), range(self.p), self.net.allreduce_s(self.p, 0.0), in_steps=False)
 
     def _exchange(self, rank: int, step: int) -> Generator[simpy.Event, Any, None]:
@@ -461,8 +487,11 @@ class _Sim:
                 j, self.pending[rank] = self.pending[rank], None
                 yield self.coll.done(("round", j, tuple(range(self.p)) if self._is_sync(j) else self._group(rank, j)))
             self._arrival(rank, k).succeed()
-            if not self._is_blocking(k) and k not in self._triggered and (
-                    self.name == "wagma" or self.initiator is None or self.initiator(k) == rank):
+            if (
+                not self._is_blocking(k)
+                and k not in self._triggered
+                and (self.name == "wagma" or self.initiator is None or self.initiator(k) == rank)
+            ):
                 self._triggered.add(k)
                 event = self._activation(k)
                 env_timeout = self.env.timeout(self.net.activation_s)
@@ -493,14 +522,15 @@ class _Sim:
             else:
                 alpha = self.net.alpha_s * scale
                 sent = self.links[src].run(scale * self.nbytes / self.net.bandwidth_Bps)
-                sent.callbacks.append(
-                    lambda _e: self.env.timeout(alpha).callbacks.append(lambda _e2: event.succeed()))
+                sent.callbacks.append(lambda _e: self.env.timeout(alpha).callbacks.append(lambda _e2: event.succeed()))
         return entry[1]
 
     def _swap(self, tag: Any, rank: int, peer: int, in_steps: bool = True) -> list[simpy.Event]:
         """``rank``'s ends of a pairwise exchange with ``peer``: its send to it and its receive from it."""
-        return [self._message((tag, rank, peer), rank, peer, rank, in_steps),
-                self._message((tag, peer, rank), peer, rank, rank, in_steps)]
+        return [
+            self._message((tag, rank, peer), rank, peer, rank, in_steps),
+            self._message((tag, peer, rank), peer, rank, rank, in_steps),
+        ]
 
     def _gossip(self, rank: int, step: int) -> Generator[simpy.Event, Any, None]:
         """A main thread's gossip at ``step`` (after the warm-up): D-PSGD, SGP and OSGP exchange, AD-PSGD publishes."""
@@ -513,8 +543,9 @@ class _Sim:
         else:  # sgp, osgp: push to the round's two out-peers, receive from its two in-peers
             r = step - self.warmup
             out, into = sgp_peers(rank, self.p, r)
-            posted = ([self._message(("sgp", r, rank, o, j), rank, o, rank) for j, o in enumerate(out)]
-                      + [self._message(("sgp", r, i, rank, j), i, rank, rank) for j, i in enumerate(into)])
+            posted = [self._message(("sgp", r, rank, o, j), rank, o, rank) for j, o in enumerate(out)] + [
+                self._message(("sgp", r, i, rank, j), i, rank, rank) for j, i in enumerate(into)
+            ]
         current = self.env.all_of(posted)
         if self.name == "osgp":  # this round travels during the next local step; wait for the previous one's
             previous, self.inflight[rank] = self.inflight[rank], current
@@ -588,8 +619,16 @@ class _Sim:
                 self.env.process(self._adpsgd_thread(rank))
         self.env.run()
         total = self.env.now
-        return SimResult(self.name, self.p, self.n, total, list(self.finish), list(self.wait), self.cores.total_work,
-                         list(self.coll.nominal))
+        return SimResult(
+            self.name,
+            self.p,
+            self.n,
+            total,
+            list(self.finish),
+            list(self.wait),
+            self.cores.total_work,
+            list(self.coll.nominal),
+        )
 
 
 def simulate(

@@ -40,8 +40,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--scenario", default="random_k1")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--policies", nargs="+", default=["wagma", "local_sgd", "reference/eager_majority"],
-                   help="configs/averaging/ names (DDP, allreduce, is always run, on the same wire)")
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["wagma", "local_sgd", "reference/eager_majority"],
+        help="configs/averaging/ names (DDP, allreduce, is always run, on the same wire)",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--wire", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/wire")
@@ -60,7 +64,8 @@ def _run_fields(work: Path) -> dict[tuple[str, str, int], dict[str, float]]:
         for record in data["records"]:
             if record.get("status") == "ok" and record.get("bytes_per_rank") is not None:
                 out[(workload, record["policy"], int(settings["seed"]))] = {
-                    "bytes": float(record["bytes_per_rank"]), "loss": float(record["final_loss"]),
+                    "bytes": float(record["bytes_per_rank"]),
+                    "loss": float(record["final_loss"]),
                 }
     return out
 
@@ -69,16 +74,36 @@ def _side(args: argparse.Namespace, wire: str) -> dict[str, Any]:
     """Run (unless ``--report-only``) and read one wire type's grid."""
     out, work = args.out / wire, args.work / wire
     if not args.report_only:
-        accuracy.main([
-            "--workloads", *args.workloads, "--worlds", str(args.world), "--scenarios", args.scenario,
-            "--seeds", *map(str, args.seeds), "--steps", str(args.steps), "--policies", *args.policies,
-            "--set", f"averaging.wire_dtype={'null' if wire == 'float32' else wire}",
-            "--out", str(out), "--work", str(work),
-        ])
+        accuracy.main(
+            [
+                "--workloads",
+                *args.workloads,
+                "--worlds",
+                str(args.world),
+                "--scenarios",
+                args.scenario,
+                "--seeds",
+                *map(str, args.seeds),
+                "--steps",
+                str(args.steps),
+                "--policies",
+                *args.policies,
+                "--set",
+                f"averaging.wire_dtype={'null' if wire == 'float32' else wire}",
+                "--out",
+                str(out),
+                "--work",
+                str(work),
+            ]
+        )
         (out / "accuracy_grid.png").unlink(missing_ok=True)  # one cell per side: wire.md says it all, in less space
     data = load(out / "accuracy.json.xz")
-    return {"records": data["records"], "runs": _run_fields(work), "commands": data.get("commands"),
-            "machine": data.get("machine")}
+    return {
+        "records": data["records"],
+        "runs": _run_fields(work),
+        "commands": data.get("commands"),
+        "machine": data.get("machine"),
+    }
 
 
 def compare(wide: dict[str, Any], narrow: dict[str, Any], wire: str) -> list[dict[str, Any]]:
@@ -86,10 +111,15 @@ def compare(wide: dict[str, Any], narrow: dict[str, Any], wire: str) -> list[dic
     rows = []
     keys = sorted({(f"{r['dataset']}:{r['model']}", r["policy"]) for r in wide["records"]})
     for workload, policy in keys:
+
         def pick(side: dict[str, Any]) -> tuple[list[float], list[float], list[float]]:
             acc, sent, loss = [], [], []
             for r in side["records"]:
-                if f"{r['dataset']}:{r['model']}" == workload and r["policy"] == policy and r["final_accuracy"] is not None:
+                if (
+                    f"{r['dataset']}:{r['model']}" == workload
+                    and r["policy"] == policy
+                    and r["final_accuracy"] is not None
+                ):
                     acc.append(100.0 * r["final_accuracy"])
                     run = side["runs"].get((workload, policy, int(r["seed"])))
                     if run is not None:
@@ -99,8 +129,12 @@ def compare(wide: dict[str, Any], narrow: dict[str, Any], wire: str) -> list[dic
 
         acc32, bytes32, loss32 = pick(wide)
         acc16, bytes16, loss16 = pick(narrow)
-        row: dict[str, Any] = {"workload": workload, "policy": policy, "seeds_float32": len(acc32),
-                               f"seeds_{wire}": len(acc16)}
+        row: dict[str, Any] = {
+            "workload": workload,
+            "policy": policy,
+            "seeds_float32": len(acc32),
+            f"seeds_{wire}": len(acc16),
+        }
         if acc32 and acc16:
             row["accuracy_float32"] = statistics.median(acc32)
             row[f"accuracy_{wire}"] = statistics.median(acc16)
@@ -133,6 +167,7 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], sides: di
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+
         def num(key: str, fmt: str, scale: float = 1.0) -> str:
             return format(r[key] / scale, fmt) if key in r else "–"
 
@@ -144,9 +179,12 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], sides: di
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "wire.md").write_text("\n".join(lines) + "\n")
-    payload = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "target_points": TARGET_POINTS, "comparison": rows,
-               "records": {side: data["records"] for side, data in sides.items()}}
+    payload = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "target_points": TARGET_POINTS,
+        "comparison": rows,
+        "records": {side: data["records"] for side, data in sides.items()},
+    }
     dump(args.out / "wire.json.xz", json.loads(json.dumps(payload, default=str)))
     print("\n".join(lines))
 
@@ -156,13 +194,18 @@ def _machine_lines(sides: dict[str, Any]) -> list[str]:
     lines = []
     for wire, data in sides.items():
         machine = data.get("machine") or {}
-        commits = sorted({
-            str(r["commit"])[:10] + ("+dirty" if "dirty" in str(r["commit"]) else "")
-            for r in data["records"] if r.get("commit")
-        })
+        commits = sorted(
+            {
+                str(r["commit"])[:10] + ("+dirty" if "dirty" in str(r["commit"]) else "")
+                for r in data["records"]
+                if r.get("commit")
+            }
+        )
         if machine or commits:
-            lines.append(f"{wire}: {machine.get('cpu_count', '?')} CPUs ({machine.get('cpu_model', '?')}), torch "
-                         f"{machine.get('torch', '?')}, commit(s) {', '.join(commits) or '?'}.  ")
+            lines.append(
+                f"{wire}: {machine.get('cpu_count', '?')} CPUs ({machine.get('cpu_model', '?')}), torch "
+                f"{machine.get('torch', '?')}, commit(s) {', '.join(commits) or '?'}.  "
+            )
     return [*lines, ""] if lines else []
 
 

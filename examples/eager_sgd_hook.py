@@ -51,8 +51,10 @@ def main(steps: int = 30) -> None:
     dist.all_gather(copies, flat)
     assert all(torch.equal(c, flat) for c in copies), "replicas differ"
     if rank == 0:
-        print(f"eager-SGD solo: {steps} steps on {world} ranks in {elapsed:.2f} s, loss {loss.item():.4f}, "
-              f"fresh fraction {state.fresh_fraction():.2f}, replicas identical")
+        print(
+            f"eager-SGD solo: {steps} steps on {world} ranks in {elapsed:.2f} s, loss {loss.item():.4f}, "
+            f"fresh fraction {state.fresh_fraction():.2f}, replicas identical"
+        )
     state.close()
     dist.destroy_process_group()
 

@@ -42,8 +42,9 @@ def main(steps: int = 40, shard_size: int = 2) -> None:
     fully_shard(model, mesh=mesh["shard"])  # FSDP2 inside the replica only
 
     group_size = 2 if replicas % 2 == 0 else replicas  # S must divide the number of replicas
-    averager = WagmaAverager(group_size, sync_period=10, params=model.parameters(), world=(mesh, "replicate"),
-                             timeout=60.0)
+    averager = WagmaAverager(
+        group_size, sync_period=10, params=model.parameters(), world=(mesh, "replicate"), timeout=60.0
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
 
     data = torch.Generator().manual_seed(mesh.get_local_rank("replicate"))  # each replica its own data
@@ -66,10 +67,12 @@ def main(steps: int = 40, shard_size: int = 2) -> None:
     assert all(torch.equal(c, mine) for c in copies), "replicas differ after the final average"
     held, total = mine.numel(), sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"HSDP x WAGMA: {steps} steps on {replicas} replicas x {shard_size} shards in {elapsed:.2f} s, "
-              f"loss {loss.item():.4f}, each rank holds {held} of {total} parameters, "
-              f"{averager.stats.global_reductions} global and {averager.stats.local_reductions} group averages, "
-              "replicas identical after the final average")
+        print(
+            f"HSDP x WAGMA: {steps} steps on {replicas} replicas x {shard_size} shards in {elapsed:.2f} s, "
+            f"loss {loss.item():.4f}, each rank holds {held} of {total} parameters, "
+            f"{averager.stats.global_reductions} global and {averager.stats.local_reductions} group averages, "
+            "replicas identical after the final average"
+        )
     averager.close()
     dist.destroy_process_group()
 

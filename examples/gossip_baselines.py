@@ -59,9 +59,11 @@ def main(method: str = "sgp", steps: int = 30) -> None:
     dist.all_gather(copies, flat)
     assert all(torch.equal(c, flat) for c in copies), "replicas differ after synchronize"
     if rank == 0:
-        print(f"{method}: {steps} steps on {world} ranks, loss {loss.item():.4f}, models differed by at most "
-              f"{disagreement:.4f} before synchronize, {averager.stats.local_reductions} exchanges added, "
-              f"replicas identical after synchronize")
+        print(
+            f"{method}: {steps} steps on {world} ranks, loss {loss.item():.4f}, models differed by at most "
+            f"{disagreement:.4f} before synchronize, {averager.stats.local_reductions} exchanges added, "
+            f"replicas identical after synchronize"
+        )
     averager.close()
     dist.destroy_process_group()
 

@@ -32,7 +32,9 @@ def main(steps: int = 24, period: int = 4, warmup: int = 2) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     theirs, ours = build(), build()
-    torch_opt = PostLocalSGDOptimizer(torch.optim.SGD(theirs.parameters(), lr=0.02), PeriodicModelAverager(period, warmup))
+    torch_opt = PostLocalSGDOptimizer(
+        torch.optim.SGD(theirs.parameters(), lr=0.02), PeriodicModelAverager(period, warmup)
+    )
     averager = PeriodicAverager(period, warmup, timeout=60.0)
     wagma_opt = AveragingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.02), averager)
 
@@ -48,9 +50,11 @@ def main(steps: int = 24, period: int = 4, warmup: int = 2) -> None:
         # torch divides before its allreduce and wagma after: the last bits may differ, nothing more.
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     if rank == 0:
-        print(f"post-local SGD, period {period}, warm-up {warmup}: torch's PostLocalSGDOptimizer and wagma's "
-              f"AveragingOptimizer(PeriodicAverager) agree after {steps} steps on {world} ranks "
-              f"({averager.stats.global_reductions} global averages)")
+        print(
+            f"post-local SGD, period {period}, warm-up {warmup}: torch's PostLocalSGDOptimizer and wagma's "
+            f"AveragingOptimizer(PeriodicAverager) agree after {steps} steps on {world} ranks "
+            f"({averager.stats.global_reductions} global averages)"
+        )
     averager.close()
     dist.destroy_process_group()
 

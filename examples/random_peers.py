@@ -51,8 +51,9 @@ class RandomPeersAverager(AveragerBase):
         if self.step < self.warmup_steps:
             return None
         me = self.process_group.rank()
-        peer = next((b if a == me else a for a, b in pairing(self.world_size, self.step, self.seed) if me in (a, b)),
-                    None)
+        peer = next(
+            (b if a == me else a for a, b in pairing(self.world_size, self.step, self.seed) if me in (a, b)), None
+        )
         if peer is None:
             return None  # an odd world: this rank sits the round out
         start = time.perf_counter()
@@ -67,8 +68,9 @@ class RandomPeersAverager(AveragerBase):
         for buffer, inbox in zip(buffers, inboxes):
             buffer.add_(inbox).div_(2)
         flat.unpack()
-        self.stats.record_reduction("local", sum(b.numel() * b.element_size() for b in buffers),
-                                    time.perf_counter() - start)
+        self.stats.record_reduction(
+            "local", sum(b.numel() * b.element_size() for b in buffers), time.perf_counter() - start
+        )
         return "local"
 
 
@@ -82,9 +84,15 @@ class RandomPeersPolicy(ModelAveragingPolicy):
         self.seed, self.average_buffers = int(seed), bool(average_buffers)
 
     def build_averager(self, net: nn.Module) -> RandomPeersAverager:
-        return RandomPeersAverager(self.seed, self.hook_state.warmup_steps, average_buffers=self.average_buffers,
-                                   timeout=timeout(self.timeout_s), world=self.world)
+        return RandomPeersAverager(
+            self.seed,
+            self.hook_state.warmup_steps,
+            average_buffers=self.average_buffers,
+            timeout=timeout(self.timeout_s),
+            world=self.world,
+        )
 
 
-register_policy("random_peers", lambda *, rank, world_size, device, **options: RandomPeersPolicy(device=device,
-                                                                                                   **options))
+register_policy(
+    "random_peers", lambda *, rank, world_size, device, **options: RandomPeersPolicy(device=device, **options)
+)

@@ -65,9 +65,11 @@ def main(steps: int = 40, use_ddp: bool = True) -> None:
     dist.all_gather(copies, flat)
     assert all(torch.equal(c, flat) for c in copies), "replicas differ after the final global average"
     if rank == 0:
-        print(f"WAGMA-SGD ({'DDP' if use_ddp else 'no DDP'}): {steps} steps on {world} ranks in {elapsed:.2f} s, "
-              f"loss {loss.item():.4f}, {averager.stats.global_reductions} global and "
-              f"{averager.stats.local_reductions} group averages, replicas identical after the final average")
+        print(
+            f"WAGMA-SGD ({'DDP' if use_ddp else 'no DDP'}): {steps} steps on {world} ranks in {elapsed:.2f} s, "
+            f"loss {loss.item():.4f}, {averager.stats.global_reductions} global and "
+            f"{averager.stats.local_reductions} group averages, replicas identical after the final average"
+        )
     averager.close()
     dist.destroy_process_group()
 

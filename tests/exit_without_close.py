@@ -28,7 +28,10 @@ def run_world(kind: str, world: int = 2, timeout_s: float = 60.0) -> list[tuple[
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(rank), str(world), str(port), kind],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in range(world)
     ]

@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             CHECKS[name](args.device)
         except Exception as exc:  # noqa: BLE001 - report every check, then fail
             failed.append(name)
-            print(f"FAIL {name} on {args.device} ({time.perf_counter() - t0:.1f} s): {type(exc).__name__}: {exc}",
-                  flush=True)
+            print(
+                f"FAIL {name} on {args.device} ({time.perf_counter() - t0:.1f} s): {type(exc).__name__}: {exc}",
+                flush=True,
+            )
         else:
             print(f"ok   {name} on {args.device} ({time.perf_counter() - t0:.1f} s)", flush=True)
     ran = len(args.checks or CHECKS)

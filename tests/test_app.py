@@ -43,7 +43,11 @@ def _options(group: str) -> list[str]:
 def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
     cfg = _compose()
     assert {g: cfg[g].name for g in GROUPS} == {
-        "data": "digits", "model": "mlp", "optim": "sgd", "imbalance": "none", "averaging": "wagma",
+        "data": "digits",
+        "model": "mlp",
+        "optim": "sgd",
+        "imbalance": "none",
+        "averaging": "wagma",
     }
     for key in ("steps", "batch_size", "seed", "checkpoint_every", "resume", "eval_every", "log_every"):
         assert key in cfg
@@ -53,8 +57,17 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
     assert set(_options("data")) == {"digits", "mnist", "sequences"}
     assert set(_options("optim")) == {"sgd", "adam"}
     assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo
-        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-        "wagma_ahead_conserve", "dpsgd", "sgp", "osgp", "adpsgd",
+        "allreduce",
+        "local_sgd",
+        "hierarchical",
+        "hierarchical_momentum",
+        "wagma",
+        "wagma_relaxed",
+        "wagma_ahead_conserve",
+        "dpsgd",
+        "sgp",
+        "osgp",
+        "adpsgd",
     }
     assert cfg.consensus_every == 0 and cfg.telemetry_interval_s > 0
     assert cfg.eval_every > 0 and cfg.progress and cfg.progress_every is None  # periodic evaluation by default
@@ -62,9 +75,15 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
 
 # Every averaging option and experiment preset is composed, validated and built in tests/test_policies.py.
 # data=mnist loads MNIST (5 s): in the slow phase.
-@pytest.mark.parametrize("group,option", [
-    pytest.param(g, o, marks=pytest.mark.slow) if (g, o) == ("data", "mnist") else (g, o)
-    for g in GROUPS for o in _options(g) if g != "averaging"])
+@pytest.mark.parametrize(
+    "group,option",
+    [
+        pytest.param(g, o, marks=pytest.mark.slow) if (g, o) == ("data", "mnist") else (g, o)
+        for g in GROUPS
+        for o in _options(g)
+        if g != "averaging"
+    ],
+)
 def test_every_config_option_composes_validates_and_builds(group, option):
     # Token data and the Transformer come as a pair (each alone is refused: test_data_and_model_must_match).
     pair = {"sequences": "model=transformer", "transformer": "data=sequences"}.get(option)
@@ -88,7 +107,10 @@ def test_every_config_option_composes_validates_and_builds(group, option):
     [
         (["data.name=cifar10"], "unknown dataset 'cifar10'; known datasets: digits, mnist"),
         (["model.name=resnet"], "unknown model 'resnet'; known models: cnn, mlp"),
-        (["averaging.name=gossip"], "unknown averaging policy 'gossip'; known policies: adpsgd, allreduce, dpsgd, eager_majority"),
+        (
+            ["averaging.name=gossip"],
+            "unknown averaging policy 'gossip'; known policies: adpsgd, allreduce, dpsgd, eager_majority",
+        ),
         (["optim.name=lamb"], "unknown optimizer 'lamb'"),
         (["checkpoint_every=-5"], "checkpoint_every must be an integer >= 0, got -5"),
         (["eval_every=-1", "steps=0"], r"(?s)steps must be.*eval_every must be"),
@@ -118,15 +140,22 @@ def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
         (["model=cnn", "model.hidden=abc"], ["model.hidden: expected an integer, found 'abc'"]),
         (["imbalance=random_k", "imbalance.k=two"], ["imbalance.k: expected an integer, found 'two'"]),
         (["imbalance=heavy_tail", "imbalance.max_s=abc"], ["imbalance.max_s: expected a float, found 'abc'"]),
-        (["imbalance=persistent", "imbalance.base_s=abc"],  # null in its preset: the injector says it
-         ["imbalance.base_s: expected a number of seconds or null, found 'abc'"]),
+        (
+            ["imbalance=persistent", "imbalance.base_s=abc"],  # null in its preset: the injector says it
+            ["imbalance.base_s: expected a number of seconds or null, found 'abc'"],
+        ),
         (["averaging.group_size=two"], ["averaging.group_size: expected an integer, found 'two'"]),
         (["seed=abc"], ["seed: expected an integer, found 'abc'"]),  # unchecked before: the ranks failed
         (["dist_timeout_s=abc"], ["dist_timeout_s: expected an integer, found 'abc'"]),
         # a key a check already names keeps its message, next to the type problems of the others
-        (["steps=0", "optim.lr=abc", "optim.momentum=x"],
-         ["steps must be an integer >= 1, got 0", "optim.lr: expected a float, found 'abc'",
-          "optim.momentum: expected a float, found 'x'"]),
+        (
+            ["steps=0", "optim.lr=abc", "optim.momentum=x"],
+            [
+                "steps must be an integer >= 1, got 0",
+                "optim.lr: expected a float, found 'abc'",
+                "optim.momentum: expected a float, found 'x'",
+            ],
+        ),
         (["resume=maybe"], ["resume must be true or false, got 'maybe'"]),
     ],
 )
@@ -137,13 +166,16 @@ def test_a_value_of_the_wrong_type_names_its_key_what_was_expected_and_what_was_
     assert info.value.one_line() == "invalid configuration: " + "; ".join(problems)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["rank_cpus=0.5"],  # an integer in its preset, but a float is a number of CPUs
-    ["optim.lr=1"],  # an integer where a float is expected
-    ["averaging.validated_staleness=null", "averaging.max_lead=null"],  # null: the policy's check allows it
-    ["imbalance=persistent", "imbalance.base_s=0.01"],
-    ["averaging.schedule=[[[0,1],[2,3]],[[0,2],[1,3]]]"],  # a string in its preset: anything goes to its check
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rank_cpus=0.5"],  # an integer in its preset, but a float is a number of CPUs
+        ["optim.lr=1"],  # an integer where a float is expected
+        ["averaging.validated_staleness=null", "averaging.max_lead=null"],  # null: the policy's check allows it
+        ["imbalance=persistent", "imbalance.base_s=0.01"],
+        ["averaging.schedule=[[[0,1],[2,3]],[[0,2],[1,3]]]"],  # a string in its preset: anything goes to its check
+    ],
+)
 def test_a_value_of_another_type_than_the_presets_that_its_check_accepts_passes(overrides):
     validate_config(_compose(*overrides), 4)
 
@@ -189,7 +221,9 @@ def test_policy_defaults_are_no_ops_and_allreduce_counts_reductions():
     assert restored.global_reductions == 3
     restored.load_state_dict({"global_reductions": 2})  # a checkpoint from before bytes were counted
     assert restored.global_reductions == 2 and restored.bytes_sent == 0
-    with pytest.raises(ValueError, match="known policies: adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical"):
+    with pytest.raises(
+        ValueError, match="known policies: adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical"
+    ):
         build_policy({"name": "gossip"}, rank=0, world_size=4, device=torch.device("cpu"))
 
 
@@ -242,7 +276,9 @@ def test_train_end_to_end_on_three_ranks(tmp_path):
 
 # P >= 3: gloo sums in an order set by DDP's bucket layout, which changes after DDP's first iteration.
 # 3 and 4 ranks (6 s each) in the slow phase; 2 ranks here.
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world_size", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_kill_and_resume_gives_the_same_model_as_an_uninterrupted_run(tmp_path, world_size):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     common = ("steps=40", "checkpoint_every=10", "imbalance=none", "model=cnn")
@@ -298,14 +334,18 @@ def test_wait_is_measured_on_the_ranks_that_wait(tmp_path):
     assert mean(fast, "wait_s") - mean(slow, "wait_s") > 0.025
     assert mean(fast, "compute_s") > 0 and mean(fast, "wait_s") < mean(fast, "step_s")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["expected_mean_delay_s"] == pytest.approx(0.02) and summary["expected_max_delay_s"] == pytest.approx(0.04)
+    assert summary["expected_mean_delay_s"] == pytest.approx(0.02) and summary["expected_max_delay_s"] == pytest.approx(
+        0.04
+    )
 
 
 def test_device_cuda_without_gpus_fails_on_every_rank(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     outcomes = run_workers_outcomes(_train_worker, 2, _cfg(tmp_path, "device=cuda"))
-    assert all(not o.ok and "device=cuda was requested but at least one rank has no CUDA GPU" in o.error for o in outcomes)
+    assert all(
+        not o.ok and "device=cuda was requested but at least one rank has no CUDA GPU" in o.error for o in outcomes
+    )
 
 
 def test_hydra_rank_overrides_keep_other_ranks_from_writing_hydra_files():
@@ -324,8 +364,15 @@ def test_train_without_run_dir_outside_hydra_fails_clearly():
 
 def _torchrun(cwd: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(ROOT / "train.py"), "progress=false", "averaging=allreduce", *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "train.py"),
+        "progress=false",
+        "averaging=allreduce",
+        *overrides,
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -340,8 +387,15 @@ def test_torchrun_writes_one_run_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing else, e.g. no outputs/
     names = sorted(p.name for p in run_dir.iterdir())
     assert names == [
-        ".hydra", "checkpoints", "metrics.csv", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "model.pt", "summary.json",
-        "tensorboard", "train.log",
+        ".hydra",
+        "checkpoints",
+        "metrics.csv",
+        "metrics_rank0.jsonl",
+        "metrics_rank1.jsonl",
+        "model.pt",
+        "summary.json",
+        "tensorboard",
+        "train.log",
     ]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 40 and summary["test_accuracy"] > 0.8

@@ -44,22 +44,32 @@ def _cfg(run_dir: Path | None, *overrides: str) -> DictConfig:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (("parallel=hsdp", "shard_size=3"),
-         "shard_size: expected a divisor of the world size 4 with parallel=hsdp, found 3"),
+        (
+            ("parallel=hsdp", "shard_size=3"),
+            "shard_size: expected a divisor of the world size 4 with parallel=hsdp, found 3",
+        ),
         (("parallel=hsdp", "shard_size=1"), "shard_size: expected an integer >= 2 with parallel=hsdp .*, found 1"),
         (("parallel=ddp", "shard_size=2"), "shard_size: expected 1 with parallel=ddp .*, found 2; set parallel=hsdp"),
         (("parallel=fsdp",), "parallel: expected one of ddp, hsdp, found 'fsdp'"),
-        ((*HSDP, "averaging=wagma", "averaging.group_size=4"),
-         r"group_size=4 must be a positive divisor of the world size 2.*\(parallel=hsdp: the policy averages over the "
-         r"2 replicas = 4 ranks / shard_size 2\)"),
-        ((*HSDP, "averaging=hierarchical", "averaging.local_group_size=4"),
-         r"local_group_size 4 is larger than the world \(2 ranks\).*over the 2 replicas"),
-        ((*HSDP, "averaging=reference/eager_solo_overlap"),
-         "averaging=eager_solo with averaging.overlap=true cannot run with parallel=hsdp .* use "
-         "averaging=reference/eager_solo"),
-        ((*HSDP, "averaging=allreduce", "averaging.transport=shm"),
-         "averaging=allreduce with averaging.transport=shm cannot run with parallel=hsdp .* expected "
-         "averaging.transport=default"),
+        (
+            (*HSDP, "averaging=wagma", "averaging.group_size=4"),
+            r"group_size=4 must be a positive divisor of the world size 2.*\(parallel=hsdp: the policy averages over the "
+            r"2 replicas = 4 ranks / shard_size 2\)",
+        ),
+        (
+            (*HSDP, "averaging=hierarchical", "averaging.local_group_size=4"),
+            r"local_group_size 4 is larger than the world \(2 ranks\).*over the 2 replicas",
+        ),
+        (
+            (*HSDP, "averaging=reference/eager_solo_overlap"),
+            "averaging=eager_solo with averaging.overlap=true cannot run with parallel=hsdp .* use "
+            "averaging=reference/eager_solo",
+        ),
+        (
+            (*HSDP, "averaging=allreduce", "averaging.transport=shm"),
+            "averaging=allreduce with averaging.transport=shm cannot run with parallel=hsdp .* expected "
+            "averaging.transport=default",
+        ),
     ],
 )
 def test_a_layout_or_policy_that_cannot_run_sharded_is_refused_in_one_line(overrides, match):
@@ -69,8 +79,11 @@ def test_a_layout_or_policy_that_cannot_run_sharded_is_refused_in_one_line(overr
 
 
 def test_a_policy_without_a_sharded_form_is_refused_naming_it_and_what_to_use():
-    with pytest.raises(ValueError, match="averaging=my_policy cannot run with parallel=hsdp: expected one of "
-                                         "allreduce, local_sgd, .*; use one of those, or parallel=ddp"):
+    with pytest.raises(
+        ValueError,
+        match="averaging=my_policy cannot run with parallel=hsdp: expected one of "
+        "allreduce, local_sgd, .*; use one of those, or parallel=ddp",
+    ):
         validate_hsdp({"name": "my_policy"})
     validate_config(_cfg(None, *HSDP, "averaging=wagma"), 4)  # the documented command line is valid
     validate_config(_cfg(None, "parallel=hsdp", "shard_size=4", "averaging=allreduce"), 4)  # one replica: FSDP alone
@@ -139,7 +152,8 @@ def _replicas_identical(out: list[dict[str, Any]], shard_size: int = 2) -> bool:
     """Whether every rank holds exactly the shards of the same shard index in every other replica."""
     return all(
         torch.equal(out[r]["shards"][k], out[r % shard_size]["shards"][k])
-        for r in range(len(out)) for k in out[r]["shards"]
+        for r in range(len(out))
+        for k in out[r]["shards"]
     )
 
 
@@ -152,15 +166,21 @@ def _check_run(out: list[dict[str, Any]], run_dir: Path, policy: str, accuracy: 
     held = [sum(t.numel() for t in out[r]["shards"].values()) for r in range(2)]  # replica 0's two ranks
     full = torch.load(run_dir / "model.pt", weights_only=True)  # gathered whole
     assert sum(t.numel() for t in full.values()) == sum(held) and 0 < held[1] <= held[0]
-    states = [torch.load(run_dir / "checkpoints" / f"step_{summary['steps']:08d}" / f"rank{r}.pt", weights_only=True)
-              for r in range(4)]
+    states = [
+        torch.load(run_dir / "checkpoints" / f"step_{summary['steps']:08d}" / f"rank{r}.pt", weights_only=True)
+        for r in range(4)
+    ]
     assert all(not any(type(t).__name__ == "DTensor" for t in s["model"].values()) for s in states)
 
 
 @pytest.mark.slow  # a 4-rank training, 6 s
 def test_wagma_under_hsdp_trains_on_digits_and_the_replicas_end_identical(tmp_path):
-    out = run_workers(_worker, 4, _cfg(tmp_path, *HSDP, "averaging=wagma", "steps=80", "eval_every=40",
-                                       "consensus_every=20"), timeout_s=180)
+    out = run_workers(
+        _worker,
+        4,
+        _cfg(tmp_path, *HSDP, "averaging=wagma", "steps=80", "eval_every=40", "consensus_every=20"),
+        timeout_s=180,
+    )
     _check_run(out, tmp_path, "wagma", 0.9)
     assert out[0]["summary"]["local_reductions"] > 0 and out[0]["summary"]["global_reductions"] > 0
     consensus = [r["consensus"] for r in read_metrics(tmp_path, 0) if "consensus" in r]
@@ -168,14 +188,22 @@ def test_wagma_under_hsdp_trains_on_digits_and_the_replicas_end_identical(tmp_pa
 
 
 @pytest.mark.slow  # 4-rank runs, about 10 s each
-@pytest.mark.parametrize("policy,name", [
-    ("local_sgd", "local_sgd"), ("allreduce", "allreduce"), ("hierarchical_momentum", "hierarchical_momentum"),
-    ("sgp", "sgp"), ("adpsgd", "adpsgd"), ("reference/eager_majority", "eager_majority"),
-])
+@pytest.mark.parametrize(
+    "policy,name",
+    [
+        ("local_sgd", "local_sgd"),
+        ("allreduce", "allreduce"),
+        ("hierarchical_momentum", "hierarchical_momentum"),
+        ("sgp", "sgp"),
+        ("adpsgd", "adpsgd"),
+        ("reference/eager_majority", "eager_majority"),
+    ],
+)
 def test_every_kind_of_policy_trains_under_hsdp_with_identical_replicas_at_the_end(tmp_path, policy, name):
     extra = ("averaging.local_group_size=1",) if policy == "hierarchical_momentum" else ()
-    out = run_workers(_worker, 4, _cfg(tmp_path, *HSDP, f"averaging={policy}", *extra, "steps=80", "eval_every=40"),
-                      timeout_s=180)
+    out = run_workers(
+        _worker, 4, _cfg(tmp_path, *HSDP, f"averaging={policy}", *extra, "steps=80", "eval_every=40"), timeout_s=180
+    )
     _check_run(out, tmp_path, name, 0.85)
 
 
@@ -193,8 +221,10 @@ def test_a_killed_hsdp_run_resumes_bitwise_as_the_uninterrupted_one(tmp_path, po
     x, y = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("straight", "broken"))
     assert all(torch.equal(x[k], y[k]) for k in x)
     for rank in range(4):  # the optimizer's shards of momentum too
-        sa, sb = (torch.load(tmp_path / run / "checkpoints/step_00000020" / f"rank{rank}.pt", weights_only=True)
-                  for run in ("straight", "broken"))
+        sa, sb = (
+            torch.load(tmp_path / run / "checkpoints/step_00000020" / f"rank{rank}.pt", weights_only=True)
+            for run in ("straight", "broken")
+        )
         for k, v in sa["optimizer"]["state"].items():
             assert torch.equal(v["momentum_buffer"], sb["optimizer"]["state"][k]["momentum_buffer"])
 
@@ -202,11 +232,14 @@ def test_a_killed_hsdp_run_resumes_bitwise_as_the_uninterrupted_one(tmp_path, po
 @pytest.mark.slow  # two 4-rank runs
 def test_a_resume_with_another_layout_is_refused_with_the_checkpoints_one(tmp_path):
     run_workers(_worker, 4, _cfg(tmp_path, *HSDP, "averaging=local_sgd", "steps=4"), timeout_s=180)
-    outcomes = run_workers_outcomes(_worker, 4, _cfg(tmp_path, "averaging=local_sgd", "steps=8", "resume=true"),
-                                    timeout_s=180)
+    outcomes = run_workers_outcomes(
+        _worker, 4, _cfg(tmp_path, "averaging=local_sgd", "steps=8", "resume=true"), timeout_s=180
+    )
     assert not any(o.ok for o in outcomes)
-    assert all("was written with parallel=hsdp, this run has parallel=ddp; resume with the saved parallel"
-               in o.error for o in outcomes)
+    assert all(
+        "was written with parallel=hsdp, this run has parallel=ddp; resume with the saved parallel" in o.error
+        for o in outcomes
+    )
 
 
 @pytest.mark.slow  # two 4-rank runs
@@ -234,8 +267,14 @@ def test_the_issues_command_line_trains_and_a_bad_shard_size_stops_it_in_one_lin
     env |= {"PYTHONPATH": str(root) + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
     def train_py(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(root / "train.py"), *args, "progress=false"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, str(root / "train.py"), *args, "progress=false"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     proc = train_py("parallel=hsdp", "shard_size=2", "averaging=wagma", "steps=40", f"run_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -176,8 +176,13 @@ def test_stats_round_trip_through_dict_and_json_keys():
         stats.record_contribution(staleness)
     d = stats.as_dict()
     assert d == {
-        "global_reductions": 1, "local_reductions": 1, "bytes_sent": 140, "wait_s": 0.75,
-        "fresh_contributions": 2, "stale_contributions": 1, "staleness_hist": {0: 2, 2: 1},
+        "global_reductions": 1,
+        "local_reductions": 1,
+        "bytes_sent": 140,
+        "wait_s": 0.75,
+        "fresh_contributions": 2,
+        "stale_contributions": 1,
+        "staleness_hist": {0: 2, 2: 1},
     }
     d["staleness_hist"][0] = 99  # a copy, not a view
     assert stats.staleness_hist[0] == 2
@@ -216,8 +221,14 @@ def _parity_with_torch_periodic(rank: int, world: int) -> dict:
         diffs.append((_flat_params(ref_model) - _flat_params(our_model)).abs().max().item())
         views = _gather(_flat_params(our_model))
         spread.append(max((v - views[0]).abs().max().item() for v in views))
-    return {"diffs": diffs, "kinds": kinds, "spread": spread, "stats": ours.stats.as_dict(),
-            "nbytes": sum(p.numel() * 4 for p in our_model.parameters()), "step": ours.step}
+    return {
+        "diffs": diffs,
+        "kinds": kinds,
+        "spread": spread,
+        "stats": ours.stats.as_dict(),
+        "nbytes": sum(p.numel() * 4 for p in our_model.parameters()),
+        "step": ours.step,
+    }
 
 
 def test_periodic_matches_torch_periodic_model_averager_world4():
@@ -246,8 +257,11 @@ def _hierarchical_one_level(rank: int, world: int, hier_args: tuple, period: int
         kinds.append((hier.average_parameters(a_model.parameters()), per.average_parameters(b_model.parameters())))
         equal.append(torch.equal(_flat_params(a_model), _flat_params(b_model)))
     h, p = hier.stats.as_dict(), per.stats.as_dict()
-    return {"equal": equal, "kinds": kinds, "counts": [(s["global_reductions"], s["local_reductions"],
-                                                        s["bytes_sent"]) for s in (h, p)]}
+    return {
+        "equal": equal,
+        "kinds": kinds,
+        "counts": [(s["global_reductions"], s["local_reductions"], s["bytes_sent"]) for s in (h, p)],
+    }
 
 
 @pytest.mark.parametrize(
@@ -275,8 +289,7 @@ def _set_value(tensors: list[torch.Tensor], value: float) -> None:
 def _two_level_closed_form(rank: int, world: int) -> dict:
     p32 = nn.Parameter(torch.zeros(2))
     p64 = nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    avg = HierarchicalAverager(local_group_size=3, local_period=2, global_period=6, warmup_steps=1,
-                               timeout=TIMEOUT_S)
+    avg = HierarchicalAverager(local_group_size=3, local_period=2, global_period=6, warmup_steps=1, timeout=TIMEOUT_S)
     kinds, values = [], []
     for step in range(14):
         _set_value([p32, p64], (rank + 1) * (step + 1))
@@ -288,8 +301,22 @@ def _two_level_closed_form(rank: int, world: int) -> dict:
 def test_hierarchical_two_level_schedule_and_counts_world6():
     out = run_workers(_two_level_closed_form, 6, collective_timeout_s=TIMEOUT_S)
     # s = step - 1: global at s % 6 == 0, local at other even s, nothing at odd s and in warm-up.
-    expected = [None, "global", None, "local", None, "local", None, "global", None, "local", None, "local",
-                None, "global"]
+    expected = [
+        None,
+        "global",
+        None,
+        "local",
+        None,
+        "local",
+        None,
+        "global",
+        None,
+        "local",
+        None,
+        "local",
+        None,
+        "global",
+    ]
     blocks = [[0, 1, 2], [3, 4, 5]]
     for rank, r in enumerate(out):
         assert r["blocks"] == blocks
@@ -305,7 +332,10 @@ def test_hierarchical_two_level_schedule_and_counts_world6():
             v = mean * (step + 1)
             p32, p64 = r["values"][step]
             assert p32 == pytest.approx([v] * 2, rel=1e-6) and p64 == pytest.approx([2 * v] * 3, rel=1e-12), (
-                rank, step, kind)
+                rank,
+                step,
+                kind,
+            )
         stats = r["stats"]
         assert (stats["global_reductions"], stats["local_reductions"]) == (3, 4)
         assert stats["bytes_sent"] == 7 * (2 * 4 + 3 * 8)
@@ -329,8 +359,13 @@ def _closed_form_inputs(rank: int, world: int) -> dict:
         avg.average_parameters(tensors)
         results["list"] = [t.tolist() for t in tensors]
 
-        opt = torch.optim.SGD([{"params": [nn.Parameter(torch.ones(3) * rank)]},
-                               {"params": [nn.Parameter(torch.ones(1) * 2 * rank)], "lr": 0.5}], lr=0.1)
+        opt = torch.optim.SGD(
+            [
+                {"params": [nn.Parameter(torch.ones(3) * rank)]},
+                {"params": [nn.Parameter(torch.ones(1) * 2 * rank)], "lr": 0.5},
+            ],
+            lr=0.1,
+        )
         avg.bind(opt.param_groups)
         avg.average_parameters(opt.param_groups)
         results["param_groups"] = [g["params"][0].tolist() for g in opt.param_groups]
@@ -375,8 +410,12 @@ def _buffers_averaged(rank: int, world: int) -> dict:
             model.weight.fill_(float(rank))
         with PeriodicAverager(period=1, average_buffers=flag, timeout=TIMEOUT_S) as avg:
             avg.average_parameters(model.parameters(), model.buffers())
-        out[flag] = {"mean": model.running_mean.tolist(), "var": model.running_var.tolist(),
-                     "count": model.num_batches_tracked.item(), "weight": model.weight.tolist()}
+        out[flag] = {
+            "mean": model.running_mean.tolist(),
+            "var": model.running_var.tolist(),
+            "count": model.num_batches_tracked.item(),
+            "weight": model.weight.tolist(),
+        }
     return out
 
 
@@ -384,18 +423,19 @@ def test_buffers_are_averaged_when_asked_world3():
     out = run_workers(_buffers_averaged, 3, collective_timeout_s=TIMEOUT_S)
     for rank, r in enumerate(out):
         assert r[True] == {"mean": [1.0] * 3, "var": [2.0] * 3, "count": rank, "weight": [1.0] * 3}
-        assert r[False] == {"mean": [float(rank)] * 3, "var": [float(rank + 1)] * 3, "count": rank,
-                            "weight": [1.0] * 3}
+        assert r[False] == {"mean": [float(rank)] * 3, "var": [float(rank + 1)] * 3, "count": rank, "weight": [1.0] * 3}
 
 
 # -- reduction momentum ------------------------------------------------------------------------------------
 
 
-def _momentum_sequence(rank: int, world: int, warmup: int, means: list[float], momentum: float, lr: float,
-                       nesterov: bool) -> list[float]:
+def _momentum_sequence(
+    rank: int, world: int, warmup: int, means: list[float], momentum: float, lr: float, nesterov: bool
+) -> list[float]:
     p = torch.zeros(2, dtype=torch.float64)
-    avg = ReductionMomentum(PeriodicAverager(period=1, warmup_steps=warmup, timeout=TIMEOUT_S),
-                            momentum=momentum, lr=lr, nesterov=nesterov)
+    avg = ReductionMomentum(
+        PeriodicAverager(period=1, warmup_steps=warmup, timeout=TIMEOUT_S), momentum=momentum, lr=lr, nesterov=nesterov
+    )
     out = []
     for step, mean in enumerate(means):
         # Spread the models around the wanted mean (offsets -0.3, 0, 0.3 cancel at world 3), except in
@@ -422,16 +462,18 @@ def _momentum_sequence(rank: int, world: int, warmup: int, means: list[float], m
     ids=["plain", "plain-lr", "nesterov", "no-warmup"],
 )
 def test_reduction_momentum_three_reductions_by_hand_world3(warmup, means, momentum, lr, nesterov, expected):
-    out = run_workers(_momentum_sequence, 3, warmup, means, momentum, lr, nesterov,
-                      collective_timeout_s=TIMEOUT_S)
+    out = run_workers(_momentum_sequence, 3, warmup, means, momentum, lr, nesterov, collective_timeout_s=TIMEOUT_S)
     for r in out:
         assert r == pytest.approx(expected, abs=1e-12)
 
 
 def _momentum_two_levels(rank: int, world: int, apply_to: str) -> list[float]:
     p = torch.zeros(1, dtype=torch.float64)
-    avg = ReductionMomentum(HierarchicalAverager(2, local_period=1, global_period=2, warmup_steps=1,
-                                                 timeout=TIMEOUT_S), momentum=0.5, apply_to=apply_to)
+    avg = ReductionMomentum(
+        HierarchicalAverager(2, local_period=1, global_period=2, warmup_steps=1, timeout=TIMEOUT_S),
+        momentum=0.5,
+        apply_to=apply_to,
+    )
     group_means = [(0.0, 0.0), (1.0, 3.0), (3.0, 2.0), (4.0, 2.0), (5.0, 4.0)]  # (group {0,1}, group {2,3})
     out = []
     for step, means in enumerate(group_means):
@@ -453,8 +495,7 @@ def test_reduction_momentum_local_level_world4():
     for rank in range(4):
         a = rank // 2 == 0
         assert out_all[rank] == pytest.approx([0.0, 2.0, 3.0 if a else 2.0, 4.0, 5.5 if a else 4.0], abs=1e-12)
-        assert out_global[rank] == pytest.approx([0.0, 2.0, 3.0 if a else 2.0, 4.0, 5.0 if a else 4.0],
-                                                 abs=1e-12)
+        assert out_global[rank] == pytest.approx([0.0, 2.0, 3.0 if a else 2.0, 4.0, 5.0 if a else 4.0], abs=1e-12)
 
 
 # -- state_dict round trips ----------------------------------------------------------------------------------
@@ -462,8 +503,11 @@ def test_reduction_momentum_local_level_world4():
 
 def _build(rank: int) -> tuple[nn.Module, AveragingOptimizer]:
     model = _tiny_model(with_bn=True)
-    averager = ReductionMomentum(HierarchicalAverager(2, local_period=1, global_period=3, warmup_steps=1,
-                                                      timeout=TIMEOUT_S), momentum=0.6, apply_to="all")
+    averager = ReductionMomentum(
+        HierarchicalAverager(2, local_period=1, global_period=3, warmup_steps=1, timeout=TIMEOUT_S),
+        momentum=0.6,
+        apply_to="all",
+    )
     opt = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), averager, module=model)
     return model, opt
 
@@ -500,8 +544,10 @@ def _round_trip(rank: int, world: int) -> dict:
     opt.averager.close()
     return {
         "equal": all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed)),
-        "keys": sorted(saved), "averager_keys": sorted(saved["averager"]),
-        "inner_step": saved["averager"]["averager"]["step"], "restored_step": restored_step,
+        "keys": sorted(saved),
+        "averager_keys": sorted(saved["averager"]),
+        "inner_step": saved["averager"]["averager"]["step"],
+        "restored_step": restored_step,
         "has_momentum": saved["averager"]["levels"]["global"]["velocity"] is not None,
         "stats": (stats_a, stats_b),
     }
@@ -522,17 +568,23 @@ def test_state_dict_round_trip_mid_run_continues_exactly_world4():
 
 def _optimizer_state(rank: int, world: int) -> dict:
     model = _tiny_model()
-    opt = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                             PeriodicAverager(period=2, timeout=TIMEOUT_S))
+    opt = AveragingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), PeriodicAverager(period=2, timeout=TIMEOUT_S)
+    )
     _train(model, opt, rank, range(3))
     state = opt.state_dict()
-    fresh = AveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                               PeriodicAverager(period=2, timeout=TIMEOUT_S))
+    fresh = AveragingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), PeriodicAverager(period=2, timeout=TIMEOUT_S)
+    )
     fresh.load_state_dict(state)
     with pytest.raises(ValueError, match=r"expected the keys \['averager', 'optimizer'\]"):
         fresh.load_state_dict(opt.optimizer.state_dict())
-    return {"averager": state["averager"], "fresh_step": fresh.averager.step,
-            "fresh_stats": fresh.averager.stats.as_dict(), "momentum_buffers": len(fresh.state)}
+    return {
+        "averager": state["averager"],
+        "fresh_step": fresh.averager.step,
+        "fresh_stats": fresh.averager.stats.as_dict(),
+        "momentum_buffers": len(fresh.state),
+    }
 
 
 def test_averaging_optimizer_state_dict_carries_the_averager_world3():
@@ -583,8 +635,10 @@ def test_a_missing_peer_raises_timeout_error_world3():
         (lambda: ReductionMomentum(None, momentum=-0.1), r"momentum: expected a number in \[0, 1\), found -0.1"),
         (lambda: ReductionMomentum(None, momentum=0.5, lr=0.0), r"lr: expected a number > 0, found 0.0"),
         (lambda: ReductionMomentum(None, momentum=0.5, nesterov=1), r"nesterov: expected a bool, found 1"),
-        (lambda: ReductionMomentum(None, momentum=0.5, apply_to="local"),
-         r"apply_to: expected 'global' or 'all', found 'local'"),
+        (
+            lambda: ReductionMomentum(None, momentum=0.5, apply_to="local"),
+            r"apply_to: expected 'global' or 'all', found 'local'",
+        ),
         (lambda: ReductionMomentum(object(), momentum=0.5), r"averager: expected a wagma AveragerBase"),
         (lambda: AveragingOptimizer(object(), None), r"optimizer: expected a torch.optim.Optimizer"),
         (lambda: AveragerStats.from_dict({"step": 1}), r"stats: expected the fields"),
@@ -625,7 +679,6 @@ def _world_dependent_validation(rank: int, world: int) -> bool:
 
 def test_world_dependent_bad_arguments_world3():
     assert run_workers(_world_dependent_validation, 3, collective_timeout_s=TIMEOUT_S) == [True] * 3
-
 
 
 def _destroy_worker(rank, world):
@@ -683,8 +736,8 @@ def _order_worker(rank: int, world: int, shuffle: bool) -> dict:
         "periodic": lambda: PeriodicAverager(period=1, timeout=TIMEOUT_S),
         "hierarchical": lambda: HierarchicalAverager(2, local_period=1, global_period=3, timeout=TIMEOUT_S),
         "momentum": lambda: ReductionMomentum(
-            HierarchicalAverager(2, local_period=1, global_period=2, timeout=TIMEOUT_S), momentum=0.5,
-            apply_to="all"),
+            HierarchicalAverager(2, local_period=1, global_period=2, timeout=TIMEOUT_S), momentum=0.5, apply_to="all"
+        ),
     }
     for name, build in builders.items():
         tensors = [torch.full((2,), float(10 * i + rank)) for i in range(3)]
@@ -744,14 +797,21 @@ def _binding_errors(rank: int, world: int) -> dict:
 def test_a_different_set_of_tensors_raises_naming_what_differs_world2():
     errors = run_workers(_binding_errors, 2, collective_timeout_s=TIMEOUT_S)[0]
     # 6 parameters and BatchNorm's 2 floating-point buffers, named from param_names and named_buffers().
-    assert errors["without buffers"].startswith("ValueError: PeriodicAverager.average_parameters: expected the "
-                                                "same 8 tensors the averager was bound to")
-    assert "2 bound tensor(s) missing: '1.running_mean' (3,) float32, '1.running_var' (3,) float32" in errors[
-        "without buffers"]
+    assert errors["without buffers"].startswith(
+        "ValueError: PeriodicAverager.average_parameters: expected the same 8 tensors the averager was bound to"
+    )
+    assert (
+        "2 bound tensor(s) missing: '1.running_mean' (3,) float32, '1.running_var' (3,) float32"
+        in errors["without buffers"]
+    )
     assert "1 bound tensor(s) missing: '0.weight' (3, 4) float32" in errors["one missing, one new"]
     assert "1 tensor(s) never bound: #5 (5,) float64" in errors["one missing, one new"]
-    assert "PeriodicAverager.synchronize" in errors["synchronize"] and "5 bound tensor(s) missing" in errors["synchronize"]
-    assert "ReductionMomentum.average_parameters" in errors["momentum"] and "'3.bias' (1,) float32" in errors["momentum"]
+    assert (
+        "PeriodicAverager.synchronize" in errors["synchronize"] and "5 bound tensor(s) missing" in errors["synchronize"]
+    )
+    assert (
+        "ReductionMomentum.average_parameters" in errors["momentum"] and "'3.bias' (1,) float32" in errors["momentum"]
+    )
     assert errors["steps"] == (3, 2)
 
 

@@ -19,8 +19,19 @@ from benchmarks import accuracy, collect, delayed_sgd, report, results_io, run
 from wagma.app.policies import Policy, register_policy
 
 REQUIRED = (
-    "scenario", "policy", "status", "samples_per_s", "ideal_samples_per_s", "time_to_target_s", "final_accuracy",
-    "mean_wait_s", "p95_wait_s", "global_reductions", "bytes_per_rank", "staleness_hist", "consensus",
+    "scenario",
+    "policy",
+    "status",
+    "samples_per_s",
+    "ideal_samples_per_s",
+    "time_to_target_s",
+    "final_accuracy",
+    "mean_wait_s",
+    "p95_wait_s",
+    "global_reductions",
+    "bytes_per_rank",
+    "staleness_hist",
+    "consensus",
 )
 
 
@@ -80,7 +91,12 @@ def test_policy(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_training_clock_is_the_slowest_rank_and_time_to_target_the_first_eval_at_target():
     fast = [{"step": s, "step_s": 0.1} for s in (1, 2, 3, 4)]
-    slow = [{"step": 1, "step_s": 0.3}, {"step": 2, "step_s": 0.1}, {"step": 3, "step_s": 0.1}, {"step": 4, "step_s": 0.1}]
+    slow = [
+        {"step": 1, "step_s": 0.3},
+        {"step": 2, "step_s": 0.1},
+        {"step": 3, "step_s": 0.1},
+        {"step": 4, "step_s": 0.1},
+    ]
     clock = collect.training_clock([fast, slow])
     assert clock == pytest.approx({1: 0.3, 2: 0.4, 3: 0.5, 4: 0.6})
     # A record covering several steps counts each of them.
@@ -129,10 +145,27 @@ def test_consensus_plot_only_when_recorded_and_with_exact_zeros(tmp_path):
 @pytest.mark.slow  # 5-6 s: a subprocess
 def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
     out = tmp_path / "results"
-    result = run.main([
-        "--quick", "--world", "2", "--scenarios", "random_k1", "--steps", "16", "--eval-every", "4",
-        "--target", "0.5", "--policies", "allreduce", test_policy, "no_such_policy", "--out", str(out),
-    ])
+    result = run.main(
+        [
+            "--quick",
+            "--world",
+            "2",
+            "--scenarios",
+            "random_k1",
+            "--steps",
+            "16",
+            "--eval-every",
+            "4",
+            "--target",
+            "0.5",
+            "--policies",
+            "allreduce",
+            test_policy,
+            "no_such_policy",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads((out / "results.json").read_text())
     assert saved["records"] == json.loads(json.dumps(result["records"]))
     assert saved["command"].startswith("python ") and "--quick" in saved["command"]
@@ -162,7 +195,9 @@ def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
     assert ddp["staleness_hist"] == {"0": 32}  # 2 ranks x 16 steps, all fresh
     # Every 4 steps; the summary may or may not count finalize's average (the app counts training reductions).
     assert kavg["global_reductions"] in (16 // 4, 16 // 4 + 1)
-    assert kavg["bytes_per_rank"] > 0 and kavg["ddp_ratio"] == pytest.approx(kavg["samples_per_s"] / ddp["samples_per_s"])
+    assert kavg["bytes_per_rank"] > 0 and kavg["ddp_ratio"] == pytest.approx(
+        kavg["samples_per_s"] / ddp["samples_per_s"]
+    )
     assert kavg["staleness_hist"] == {"0": 8, "1": 8, "2": 8, "3": 8}
     assert ddp["consensus"] is None or all(math.isfinite(p["consensus"]) for p in ddp["consensus"])
 
@@ -180,9 +215,21 @@ def test_quick_mode_writes_records_table_and_plots(tmp_path, test_policy):
 
 def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_failed_run():
     def rec(world, seed, policy, acc, scenario="random_k1"):
-        return {"dataset": "mnist", "model": "cnn", "world_size": world, "scenario": scenario, "rank_cpus": 0.0,
-                "seed": seed, "policy": policy, "final_accuracy": acc, "samples_per_s": 100.0 * (seed + 1),
-                "ddp_ratio": 1.0, "staleness": 0.5 if acc else None, "staleness_max": seed, "fresh_fraction": None}
+        return {
+            "dataset": "mnist",
+            "model": "cnn",
+            "world_size": world,
+            "scenario": scenario,
+            "rank_cpus": 0.0,
+            "seed": seed,
+            "policy": policy,
+            "final_accuracy": acc,
+            "samples_per_s": 100.0 * (seed + 1),
+            "ddp_ratio": 1.0,
+            "staleness": 0.5 if acc else None,
+            "staleness_max": seed,
+            "fresh_fraction": None,
+        }
 
     records = [rec(8, s, "allreduce", a) for s, a in enumerate([0.96, 0.95, 0.97])]
     records += [rec(8, s, "a", a) for s, a in enumerate([0.90, 0.955, 0.96])]  # median 0.955: gap 0.5
@@ -199,10 +246,14 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
     assert not summary["a"]["within_tolerance"]
     assert summary["b"]["missing"] == ["mnist/cnn P=16 random_k1/seed 0"] and not summary["b"]["within_tolerance"]
     assert summary["b"]["max_gap_points"] == pytest.approx(-1.0)  # better than DDP where it ran, still not a pass
-    hists = [dict(rec(8, 0, "w", 0.9), staleness_hist={"0": 1, "1": 2}), dict(rec(8, 1, "w", 0.9), staleness_hist={"5": 1}),
-             dict(rec(8, 0, "allreduce", 0.9), staleness_hist={"0": 9})]
+    hists = [
+        dict(rec(8, 0, "w", 0.9), staleness_hist={"0": 1, "1": 2}),
+        dict(rec(8, 1, "w", 0.9), staleness_hist={"5": 1}),
+        dict(rec(8, 0, "allreduce", 0.9), staleness_hist={"0": 9}),
+    ]
     assert accuracy.staleness_distribution(hists).splitlines()[2:] == [
-        "| mnist/cnn P=8 random_k1 | w | 0,1 | 25 % | 50 % | 0 % | 0 % | 25 % | 1.75 | 5 |"]  # all-fresh rows left out
+        "| mnist/cnn P=8 random_k1 | w | 0,1 | 25 % | 50 % | 0 % | 0 % | 25 % | 1.75 | 5 |"
+    ]  # all-fresh rows left out
     # A gap of exactly the tolerance passes: 0.964 - 0.954 is 1.0000000000000009 points in floats, 1.00 on the test set.
     edge = [rec(8, 0, "allreduce", 0.964), rec(8, 0, "c", 0.954), rec(8, 0, "d", 0.953)]
     verdict = accuracy.summarize(accuracy.summarize_cells(edge), tolerance=1.0)
@@ -219,15 +270,30 @@ def test_accuracy_cells_take_medians_over_seeds_and_the_summary_never_passes_a_f
 
 def test_accuracy_at_equal_wall_time_is_each_run_at_the_first_finisher_s_training_time():
     def rec(seed, policy, curve):
-        return {"dataset": "mnist", "model": "cnn", "world_size": 8, "scenario": "random_k1", "rank_cpus": 0.0,
-                "seed": seed, "policy": policy, "final_accuracy": curve[-1][1], "samples_per_s": 1.0, "ddp_ratio": 1.0,
-                "staleness": None, "staleness_max": None, "fresh_fraction": None,
-                "accuracy_curve": [{"step": 100 * (i + 1), "time_s": t, "accuracy": a} for i, (t, a) in enumerate(curve)]}
+        return {
+            "dataset": "mnist",
+            "model": "cnn",
+            "world_size": 8,
+            "scenario": "random_k1",
+            "rank_cpus": 0.0,
+            "seed": seed,
+            "policy": policy,
+            "final_accuracy": curve[-1][1],
+            "samples_per_s": 1.0,
+            "ddp_ratio": 1.0,
+            "staleness": None,
+            "staleness_max": None,
+            "fresh_fraction": None,
+            "accuracy_curve": [{"step": 100 * (i + 1), "time_s": t, "accuracy": a} for i, (t, a) in enumerate(curve)],
+        }
 
-    records = [rec(0, "allreduce", [(10.0, 0.90), (20.0, 0.96)]),  # slow: 20 s for the whole run
-               rec(0, "fast", [(4.0, 0.85), (8.0, 0.93)]),  # first to finish: the equal time is 8 s
-               rec(0, "late", [(9.0, 0.80), (18.0, 0.95)]),  # no evaluation by 8 s
-               rec(1, "allreduce", [(5.0, 0.91), (12.0, 0.95)]), rec(1, "fast", [(6.0, 0.94)])]
+    records = [
+        rec(0, "allreduce", [(10.0, 0.90), (20.0, 0.96)]),  # slow: 20 s for the whole run
+        rec(0, "fast", [(4.0, 0.85), (8.0, 0.93)]),  # first to finish: the equal time is 8 s
+        rec(0, "late", [(9.0, 0.80), (18.0, 0.95)]),  # no evaluation by 8 s
+        rec(1, "allreduce", [(5.0, 0.91), (12.0, 0.95)]),
+        rec(1, "fast", [(6.0, 0.94)]),
+    ]
     assert accuracy.accuracy_at(records[0]["accuracy_curve"], 10.0) == 0.90
     assert accuracy.accuracy_at(records[0]["accuracy_curve"], 9.99) is None and accuracy.accuracy_at(None, 5.0) is None
     cells = accuracy.summarize_cells(records)
@@ -270,11 +336,15 @@ def _absent_cells_allowed(preset: str, absent: list[str], records: list[dict[str
         if r.get("commit"):  # a record without its commit cannot say which code it ran
             key = (r["dataset"], r["model"], r["world_size"], r["seed"], r["commit"])
             by_code.setdefault(key, set()).add(r["final_accuracy"])
-    errors += [f"{preset} is not delay-independent: {key} gave {sorted(accs)} across scenarios"
-               for key, accs in by_code.items() if len(accs) != 1]
+    errors += [
+        f"{preset} is not delay-independent: {key} gave {sorted(accs)} across scenarios"
+        for key, accs in by_code.items()
+        if len(accs) != 1
+    ]
     for cell in absent:
-        ddp = [r for r in records
-               if r["policy"] == accuracy.BASELINE and accuracy._cell_name(accuracy.cell_key(r)) == cell]
+        ddp = [
+            r for r in records if r["policy"] == accuracy.BASELINE and accuracy._cell_name(accuracy.cell_key(r)) == cell
+        ]
         for r in ddp:  # the same workload, world and seed must have run elsewhere, so the cell's gap is known
             if (r["dataset"], r["model"], r["world_size"], r["seed"]) not in by_run:
                 errors.append(f"{preset} skipped {cell} seed {r['seed']} and ran its workload and world nowhere else")
@@ -352,9 +422,21 @@ def test_the_staleness_bound_stays_below_any_staleness_a_preset_lost_accuracy_at
 
 def test_the_grid_check_refuses_a_skipped_cell_a_missing_seed_and_a_delay_dependent_skipper():
     def rec(scenario: str, seed: int, policy: str, acc: float) -> dict[str, Any]:
-        return {"dataset": "mnist", "model": "cnn", "world_size": 16, "scenario": scenario, "rank_cpus": 0.125,
-                "seed": seed, "policy": policy, "final_accuracy": acc, "samples_per_s": 1.0, "ddp_ratio": 1.0,
-                "staleness": None, "staleness_max": None, "fresh_fraction": None}
+        return {
+            "dataset": "mnist",
+            "model": "cnn",
+            "world_size": 16,
+            "scenario": scenario,
+            "rank_cpus": 0.125,
+            "seed": seed,
+            "policy": policy,
+            "final_accuracy": acc,
+            "samples_per_s": 1.0,
+            "ddp_ratio": 1.0,
+            "staleness": None,
+            "staleness_max": None,
+            "fresh_fraction": None,
+        }
 
     ddp = [rec(s, seed, "allreduce", 0.96) for s in ("random_k1", "persistent") for seed in (0, 1)]
     same = [rec("random_k1", seed, "local_sgd", 0.955) for seed in (0, 1)]
@@ -371,9 +453,30 @@ def test_the_grid_check_refuses_a_skipped_cell_a_missing_seed_and_a_delay_depend
 
 @pytest.mark.slow  # real 2-rank trainings, 7.5 s
 def test_accuracy_grid_sets_each_policy_beside_ddp_at_equal_samples_and_resumes(tmp_path, test_policy):
-    argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0", "--steps", "12",
-            "--delay-s", "0.005", "--eval-every", "0", "--policies", test_policy, "no_such_policy",
-            "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work"), "--allow-dirty"]
+    argv = [
+        "--workloads",
+        "digits:mlp",
+        "--worlds",
+        "2",
+        "--scenarios",
+        "random_k1",
+        "--seeds",
+        "0",
+        "--steps",
+        "12",
+        "--delay-s",
+        "0.005",
+        "--eval-every",
+        "0",
+        "--policies",
+        test_policy,
+        "no_such_policy",
+        "--out",
+        str(tmp_path / "acc"),
+        "--work",
+        str(tmp_path / "work"),
+        "--allow-dirty",
+    ]
     out = accuracy.main(argv)
     saved = results_io.load(tmp_path / "acc" / "accuracy.json.xz")
     assert saved["records"] == json.loads(json.dumps(out["records"]))
@@ -444,15 +547,34 @@ def test_engine_latency_refuses_bad_input_and_cuda_without_a_gpu():
 
 def test_time_to_solution_counts_runs_that_never_got_there_as_slowest():
     def rec(seed, policy, curve, world=4):
-        return {"dataset": "sequences", "model": "transformer", "world_size": world, "scenario": "none",
-                "rank_cpus": 0.25, "seed": seed, "policy": policy, "final_accuracy": curve[-1][1], "samples_per_s": 1.0,
-                "ddp_ratio": 1.0, "staleness": None, "staleness_max": None, "fresh_fraction": None,
-                "accuracy_curve": [{"step": 10 * (i + 1), "time_s": t, "accuracy": a} for i, (t, a) in enumerate(curve)]}
+        return {
+            "dataset": "sequences",
+            "model": "transformer",
+            "world_size": world,
+            "scenario": "none",
+            "rank_cpus": 0.25,
+            "seed": seed,
+            "policy": policy,
+            "final_accuracy": curve[-1][1],
+            "samples_per_s": 1.0,
+            "ddp_ratio": 1.0,
+            "staleness": None,
+            "staleness_max": None,
+            "fresh_fraction": None,
+            "accuracy_curve": [{"step": 10 * (i + 1), "time_s": t, "accuracy": a} for i, (t, a) in enumerate(curve)],
+        }
 
-    records = [rec(0, "allreduce", [(10.0, 0.7), (20.0, 0.85)]), rec(1, "allreduce", [(12.0, 0.81), (24.0, 0.86)]),
-               rec(2, "allreduce", [(11.0, 0.6), (22.0, 0.79)]),  # never reaches 0.8
-               rec(0, "fast", [(5.0, 0.82)]), rec(1, "fast", [(6.0, 0.7), (12.0, 0.84)]), rec(2, "fast", [(4.0, 0.81)]),
-               rec(0, "poor", [(5.0, 0.5)]), rec(1, "poor", [(5.0, 0.5)]), rec(2, "poor", [(3.0, 0.9)])]
+    records = [
+        rec(0, "allreduce", [(10.0, 0.7), (20.0, 0.85)]),
+        rec(1, "allreduce", [(12.0, 0.81), (24.0, 0.86)]),
+        rec(2, "allreduce", [(11.0, 0.6), (22.0, 0.79)]),  # never reaches 0.8
+        rec(0, "fast", [(5.0, 0.82)]),
+        rec(1, "fast", [(6.0, 0.7), (12.0, 0.84)]),
+        rec(2, "fast", [(4.0, 0.81)]),
+        rec(0, "poor", [(5.0, 0.5)]),
+        rec(1, "poor", [(5.0, 0.5)]),
+        rec(2, "poor", [(3.0, 0.9)]),
+    ]
     cells = {c["policy"]: c for c in accuracy.summarize_cells(records, target=0.8, batch_size=16)}
     # Samples: step x P x batch where the curve does not count them.
     assert records[0]["time_to_target_s"] == 20.0 and records[0]["samples_to_target"] == 20 * 4 * 16
@@ -461,13 +583,20 @@ def test_time_to_solution_counts_runs_that_never_got_there_as_slowest():
     assert cells["poor"]["reached"] == 1 and cells["poor"]["median_time_to_target_s"] is None  # 2 of 3 never did
     assert cells["poor"]["time_to_target_x_ddp"] is None
     # A curve that counts its samples (batches by tokens) is read as it counts them.
-    assert accuracy.to_target([{"step": 3, "time_s": 1.0, "accuracy": 0.9, "samples": 123.0}], 0.8, 4, 16) == (1.0, 123.0)
+    assert accuracy.to_target([{"step": 3, "time_s": 1.0, "accuracy": 0.9, "samples": 123.0}], 0.8, 4, 16) == (
+        1.0,
+        123.0,
+    )
     assert accuracy.to_target(None, 0.8, 4, 16) == (None, None)
 
 
 def test_samples_clock_and_compute_spread_from_per_step_records():
-    a = [{"step": s, "step_s": 0.1, "samples": n, "compute_s": c} for s, n, c in [(1, 3, 1.0), (2, 5, 1.0), (3, 4, 1.0)]]
-    b = [{"step": s, "step_s": 0.1, "samples": n, "compute_s": c} for s, n, c in [(1, 2, 1.0), (2, 2, 3.0), (3, 1, 2.0)]]
+    a = [
+        {"step": s, "step_s": 0.1, "samples": n, "compute_s": c} for s, n, c in [(1, 3, 1.0), (2, 5, 1.0), (3, 4, 1.0)]
+    ]
+    b = [
+        {"step": s, "step_s": 0.1, "samples": n, "compute_s": c} for s, n, c in [(1, 2, 1.0), (2, 2, 3.0), (3, 1, 2.0)]
+    ]
     c = [{"step": s, "step_s": 0.1, "samples": 1, "compute_s": 1.0} for s in (1, 2, 3)]
     assert collect.samples_clock([a, b]) == {1: 5.0, 2: 12.0, 3: 17.0}
     assert collect.samples_clock([a, [{"step": 1, "step_s": 0.1}]]) == {}  # records without counts: no clock
@@ -484,9 +613,24 @@ def test_hsdp_benchmark_writes_step_rates_accuracy_and_memory(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "hsdp.py"), "--quick", "--steps", "12", "--compute-ms", "5",
-         "--policies", "hsdp", "hsdp_wagma", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=400, cwd=root,
+        [
+            sys.executable,
+            str(root / "benchmarks" / "hsdp.py"),
+            "--quick",
+            "--steps",
+            "12",
+            "--compute-ms",
+            "5",
+            "--policies",
+            "hsdp",
+            "hsdp_wagma",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "hsdp.json").read_text())
@@ -502,10 +646,28 @@ def test_wire_benchmark_sets_bf16_beside_float32_with_half_the_bytes(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "wire.py"), "--workloads", "digits:mlp", "--world", "2",
-         "--seeds", "0", "--steps", "20", "--policies", "wagma", "--out", str(tmp_path / "out"),
-         "--work", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=400, cwd=root,
+        [
+            sys.executable,
+            str(root / "benchmarks" / "wire.py"),
+            "--workloads",
+            "digits:mlp",
+            "--world",
+            "2",
+            "--seeds",
+            "0",
+            "--steps",
+            "20",
+            "--policies",
+            "wagma",
+            "--out",
+            str(tmp_path / "out"),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     from benchmarks.results_io import load
@@ -550,16 +712,47 @@ def test_a_resumed_grid_retries_the_invocations_in_which_a_run_failed(tmp_path, 
         seed = int(argv[argv.index("--seed") + 1])
         ddp_failed = seed == 0 and not any(c == 0 for c in calls)
         calls.append(seed)
-        ddp = ({"scenario": "random_k1", "policy": "allreduce", "status": "failed", "reason": "WorkerError: killed"}
-               if ddp_failed else {"scenario": "random_k1", "policy": "allreduce", "status": "ok", "final_accuracy": 0.9,
-                                "samples_per_s": 100.0, "ddp_ratio": 1.0})
-        mine = {"scenario": "random_k1", "policy": "wagma", "status": "ok", "final_accuracy": 0.8,
-                "samples_per_s": 120.0, "ddp_ratio": 1.2}
+        ddp = (
+            {"scenario": "random_k1", "policy": "allreduce", "status": "failed", "reason": "WorkerError: killed"}
+            if ddp_failed
+            else {
+                "scenario": "random_k1",
+                "policy": "allreduce",
+                "status": "ok",
+                "final_accuracy": 0.9,
+                "samples_per_s": 100.0,
+                "ddp_ratio": 1.0,
+            }
+        )
+        mine = {
+            "scenario": "random_k1",
+            "policy": "wagma",
+            "status": "ok",
+            "final_accuracy": 0.8,
+            "samples_per_s": 120.0,
+            "ddp_ratio": 1.2,
+        }
         return {"records": [ddp, mine]}
 
     monkeypatch.setattr(accuracy.run, "main", fake_run)
-    argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0", "1",
-            "--policies", "wagma", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work"), "--allow-dirty"]
+    argv = [
+        "--workloads",
+        "digits:mlp",
+        "--worlds",
+        "2",
+        "--scenarios",
+        "random_k1",
+        "--seeds",
+        "0",
+        "1",
+        "--policies",
+        "wagma",
+        "--out",
+        str(tmp_path / "acc"),
+        "--work",
+        str(tmp_path / "work"),
+        "--allow-dirty",
+    ]
     first = accuracy.main(argv)
     assert [r["status"] for r in first["records"] if r["seed"] == 0] == ["failed", "ok"]
     assert accuracy.main([*argv, "--resume"])["records"] == first["records"] and calls == [0, 1]  # nothing reruns
@@ -567,8 +760,14 @@ def test_a_resumed_grid_retries_the_invocations_in_which_a_run_failed(tmp_path, 
     assert calls == [0, 1, 0]  # only the invocation with the failure
     assert len(again["invocations"]) == 2  # the retried one is listed once
     assert sorted((r["seed"], r["policy"], r["status"]) for r in again["records"]) == [
-        (0, "allreduce", "ok"), (0, "wagma", "ok"), (1, "allreduce", "ok"), (1, "wagma", "ok")]
-    assert next(r for r in again["records"] if r["seed"] == 0 and r["policy"] == "wagma")["gap_points"] == pytest.approx(10)
+        (0, "allreduce", "ok"),
+        (0, "wagma", "ok"),
+        (1, "allreduce", "ok"),
+        (1, "wagma", "ok"),
+    ]
+    assert next(r for r in again["records"] if r["seed"] == 0 and r["policy"] == "wagma")[
+        "gap_points"
+    ] == pytest.approx(10)
     del first["records"][0]["status"]  # records written before they kept a status: DDP without accuracy failed
     assert accuracy._failed(first["records"][0]) and not accuracy._failed(first["records"][1])
     with pytest.raises(SystemExit):
@@ -577,10 +776,30 @@ def test_a_resumed_grid_retries_the_invocations_in_which_a_run_failed(tmp_path, 
 
 def test_the_grid_refuses_uncommitted_code_and_its_records_name_their_commit(tmp_path, monkeypatch):
     calls: list[list[str]] = []
-    monkeypatch.setattr(accuracy.run, "main", lambda argv: calls.append(argv) or {"records": [
-        {"scenario": "random_k1", "policy": "allreduce", "status": "ok", "final_accuracy": 0.9}]})
-    argv = ["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0",
-            "--policies", "allreduce", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")]
+    monkeypatch.setattr(
+        accuracy.run,
+        "main",
+        lambda argv: (
+            calls.append(argv)
+            or {"records": [{"scenario": "random_k1", "policy": "allreduce", "status": "ok", "final_accuracy": 0.9}]}
+        ),
+    )
+    argv = [
+        "--workloads",
+        "digits:mlp",
+        "--worlds",
+        "2",
+        "--scenarios",
+        "random_k1",
+        "--seeds",
+        "0",
+        "--policies",
+        "allreduce",
+        "--out",
+        str(tmp_path / "acc"),
+        "--work",
+        str(tmp_path / "work"),
+    ]
     monkeypatch.setattr(accuracy, "machine_info", lambda root: {"git_commit": "abc123+dirty"})
     with pytest.raises(SystemExit, match=r"expected a checkout whose code is committed, found abc123\+dirty"):
         accuracy.main(argv)
@@ -616,14 +835,28 @@ def test_results_written_into_the_tree_do_not_make_its_code_dirty(tmp_path):
 # --- the guard's verdict and the loss curve travel with every record ---------------------------------------------
 
 
-def _fake_run_outputs(run_dir: Path, world: int, steps: int, *, guard: Any = "absent", log_every: int = 1) -> list[float]:
+def _fake_run_outputs(
+    run_dir: Path, world: int, steps: int, *, guard: Any = "absent", log_every: int = 1
+) -> list[float]:
     """What a finished training run leaves in ``run_dir`` (metrics of every rank, rank 0's summary); rank 0's losses."""
     run_dir.mkdir(parents=True, exist_ok=True)
     losses = [2.3 * math.exp(-s / 50) + 0.1 for s in range(1, steps + 1)]
     for rank in range(world):
-        lines = [json.dumps({"step": s, "rank": rank, "loss": losses[s - 1] + rank, "step_s": 0.01, "compute_s": 0.008,
-                             "wait_s": 0.002, "samples": 32, "steps_in_record": log_every})
-                 for s in range(log_every, steps + 1, log_every)]
+        lines = [
+            json.dumps(
+                {
+                    "step": s,
+                    "rank": rank,
+                    "loss": losses[s - 1] + rank,
+                    "step_s": 0.01,
+                    "compute_s": 0.008,
+                    "wait_s": 0.002,
+                    "samples": 32,
+                    "steps_in_record": log_every,
+                }
+            )
+            for s in range(log_every, steps + 1, log_every)
+        ]
         (run_dir / f"metrics_rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
     summary = {"steps": steps, "batch_size": 32, "test_accuracy": 0.81, "samples_per_s": 1000.0, "mean_wait_s": 0.002}
     if guard != "absent":
@@ -633,8 +866,13 @@ def _fake_run_outputs(run_dir: Path, world: int, steps: int, *, guard: Any = "ab
 
 
 def test_a_runs_record_carries_the_guards_verdict_and_rank_0s_loss_curve_kept_small(tmp_path):
-    flagged = {"ok": False, "warnings": ["wagma_relaxed_overlap is not learning: the training loss rose back to 1.9 "
-                                         "and stayed there for 100 steps; staleness 1.80 rounds; try averaging=wagma"]}
+    flagged = {
+        "ok": False,
+        "warnings": [
+            "wagma_relaxed_overlap is not learning: the training loss rose back to 1.9 "
+            "and stayed there for 100 steps; staleness 1.80 rounds; try averaging=wagma"
+        ],
+    }
     losses = _fake_run_outputs(tmp_path / "a", 2, 400, guard=flagged)
     got = run.guard_and_loss_curve(tmp_path / "a")
     assert got["guard"] == flagged  # summary.json's entry as it is: the flag and its line
@@ -659,10 +897,18 @@ def test_run_py_records_and_the_accuracy_grid_keep_the_guard_and_loss_curve(tmp_
 
     from omegaconf import OmegaConf
 
-    flagged = {"ok": False, "warnings": ["eager_solo_overlap is not learning: the final test accuracy 10.00 % is at "
-                                         "chance level (10 % for 10 classes) after 400 steps; staleness 1.00 rounds"]}
-    monkeypatch.setattr(run, "_train", lambda cfg, run_dir, world, timeout_s, every: _fake_run_outputs(
-        run_dir, world, 60, guard=flagged))
+    flagged = {
+        "ok": False,
+        "warnings": [
+            "eager_solo_overlap is not learning: the final test accuracy 10.00 % is at "
+            "chance level (10 % for 10 classes) after 400 steps; staleness 1.00 rounds"
+        ],
+    }
+    monkeypatch.setattr(
+        run,
+        "_train",
+        lambda cfg, run_dir, world, timeout_s, every: _fake_run_outputs(run_dir, world, 60, guard=flagged),
+    )
     cfg = OmegaConf.create({"averaging": {"name": "wagma", "validated_staleness": 2.5}, "rank_cpus": 0})
     args = argparse.Namespace(out=tmp_path, steps=60, world=2, target=0.9, consensus_every=0)
     rec = run._run_one(cfg, "random_k1", "wagma", args, 0.0, 0.01)
@@ -680,15 +926,38 @@ def test_run_py_records_and_the_accuracy_grid_keep_the_guard_and_loss_curve(tmp_
 
     def fake_run(argv: list[str]) -> dict[str, Any]:
         base = {"scenario": "random_k1", "status": "ok", "final_accuracy": 0.9, "samples_per_s": 1.0, "ddp_ratio": 1.0}
-        return {"records": [base | {"policy": "allreduce", "guard": {"ok": True, "warnings": []}, "loss_curve": curve},
-                            base | {"policy": "wagma", "guard": flagged, "loss_curve": curve[:1]}]}
+        return {
+            "records": [
+                base | {"policy": "allreduce", "guard": {"ok": True, "warnings": []}, "loss_curve": curve},
+                base | {"policy": "wagma", "guard": flagged, "loss_curve": curve[:1]},
+            ]
+        }
 
     monkeypatch.setattr(accuracy.run, "main", fake_run)
     monkeypatch.setattr(accuracy, "machine_info", lambda root: {"git_commit": "abc123"})  # whatever the tree's state
-    out = accuracy.main(["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0",
-                         "--policies", "wagma", "--out", str(tmp_path / "acc"), "--work", str(tmp_path / "work")])
+    out = accuracy.main(
+        [
+            "--workloads",
+            "digits:mlp",
+            "--worlds",
+            "2",
+            "--scenarios",
+            "random_k1",
+            "--seeds",
+            "0",
+            "--policies",
+            "wagma",
+            "--out",
+            str(tmp_path / "acc"),
+            "--work",
+            str(tmp_path / "work"),
+        ]
+    )
     by = {r["policy"]: r for r in out["records"]}
     assert by["allreduce"]["guard"] == {"ok": True, "warnings": []} and by["allreduce"]["loss_curve"] == curve
     assert by["wagma"]["guard"] == flagged and by["wagma"]["loss_curve"] == [[10, 2.0]]
     saved = results_io.load(tmp_path / "acc" / "accuracy.json.xz")  # and so does the grid's file
-    assert {r["policy"]: r["guard"] for r in saved["records"]} == {"allreduce": {"ok": True, "warnings": []}, "wagma": flagged}
+    assert {r["policy"]: r["guard"] for r in saved["records"]} == {
+        "allreduce": {"ok": True, "warnings": []},
+        "wagma": flagged,
+    }

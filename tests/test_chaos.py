@@ -32,8 +32,10 @@ def test_a_frozen_rank_counts_as_named_only_when_a_survivor_says_it_did_not_arri
     said = "RuntimeError: step 5 failed on rank 0: rank(s) [2] did not arrive at step 5 -- they sent no report"
     assert chaos.named(said, _spec("SIGSTOP", 2))
     assert not chaos.named(said, _spec("SIGSTOP", 5)) and not chaos.named(said, _spec("SIGSTOP", 0))
-    engine = ("round 6: rank(s) [1] of group (0, 1) did not arrive: rank 1 last seen in round 5; "
-              "furthest behind: rank(s) [3]: rank 3 last seen in round 4")
+    engine = (
+        "round 6: rank(s) [1] of group (0, 1) did not arrive: rank 1 last seen in round 5; "
+        "furthest behind: rank(s) [3]: rank 3 last seen in round 4"
+    )
     assert chaos.named(engine, _spec("SIGSTOP", 3)) and chaos.named(engine, _spec("SIGSTOP", 1))
     assert not chaos.named(engine, _spec("SIGSTOP", 0)) and not chaos.named(engine, _spec("SIGSTOP", 6))
     gossip = "TimeoutError: SGPAverager: round 7: no model arrived from rank 3 within 5 s; rank 3 is slow, hung or gone"
@@ -64,9 +66,24 @@ def test_a_relaunch_that_finished_the_run_counts_as_resumed_even_from_step_0():
     assert chaos.came_back(None, None, struck, 60) == (False, None)
     assert chaos.came_back({"steps": 40, "resumed_from": 20}, struck + 30, struck, 60) == (False, None)
     assert chaos.came_back({"steps": 60, "resumed_from": None}, struck - 1, struck, 60) == (False, None)
-    records = [{"index": i, "policy": "wagma", "world_size": 8, "fault": "SIGKILL", "victim": 1, "at_s": 1.0,
-                "timeout_s": 5.0, "hung": False, "max_survivor_s": 1.0, "named_rank": True, "resumed": True,
-                "resumed_from": start, "bitwise": None} for i, start in enumerate((0, 20))]
+    records = [
+        {
+            "index": i,
+            "policy": "wagma",
+            "world_size": 8,
+            "fault": "SIGKILL",
+            "victim": 1,
+            "at_s": 1.0,
+            "timeout_s": 5.0,
+            "hung": False,
+            "max_survivor_s": 1.0,
+            "named_rank": True,
+            "resumed": True,
+            "resumed_from": start,
+            "bitwise": None,
+        }
+        for i, start in enumerate((0, 20))
+    ]
     summary = chaos.markdown(records, "cmd")
     assert "| run resumed to completion after the fault | 2 of 2 (1 from step 0" in summary
     assert "Runs that missed a target" not in summary
@@ -84,8 +101,17 @@ def test_a_fault_after_the_summary_was_written_is_not_a_fault_run():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_allreduce_rank_is_survived_named_and_resumed_to_the_uninterrupted_model(tmp_path):
-    spec = chaos.Spec(index=0, policy="allreduce", world_size=2, fault="SIGKILL", victim=1, at_s=1.0,
-                      checkpoint_every=5, restart="resume", steps=60)
+    spec = chaos.Spec(
+        index=0,
+        policy="allreduce",
+        world_size=2,
+        fault="SIGKILL",
+        victim=1,
+        at_s=1.0,
+        checkpoint_every=5,
+        restart="resume",
+        steps=60,
+    )
     record = chaos.run_one(spec, tmp_path, timeout_s=5.0)
     assert "error" not in record, record
     assert not record["hung"] and record["max_survivor_s"] <= 2 * 5.0, record
@@ -96,9 +122,21 @@ def test_a_killed_allreduce_rank_is_survived_named_and_resumed_to_the_uninterrup
 
 def test_campaigns_run_side_by_side_merge_into_one_record_list_and_summary(tmp_path):
     def record(index: int, fault: str, **changes: object) -> dict:
-        return {"index": index, "policy": "wagma", "world_size": 4, "fault": fault, "victim": 1, "at_s": 1.0,
-                "timeout_s": 5.0, "hung": False, "max_survivor_s": 1.0, "named_rank": True, "resumed": True,
-                "bitwise": None, **changes}
+        return {
+            "index": index,
+            "policy": "wagma",
+            "world_size": 4,
+            "fault": fault,
+            "victim": 1,
+            "at_s": 1.0,
+            "timeout_s": 5.0,
+            "hung": False,
+            "max_survivor_s": 1.0,
+            "named_rank": True,
+            "resumed": True,
+            "bitwise": None,
+            **changes,
+        }
 
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
     a.write_text(json.dumps([record(0, "SIGKILL"), record(1, "SIGSTOP", max_survivor_s=12.0)]))
@@ -113,8 +151,11 @@ def test_campaigns_run_side_by_side_merge_into_one_record_list_and_summary(tmp_p
 
 def test_a_campaign_finds_reference_configs_as_the_other_benchmarks_do():
     spec = chaos.plan(1, 0)[0]  # benchmarks.presets.averaging_option, tested in test_benchmarks with candidates too
-    for policy, option in (("allreduce", "allreduce"), ("eager_solo", "reference/eager_solo"),
-                           ("wagma_ahead_conserve", "wagma_ahead_conserve")):
+    for policy, option in (
+        ("allreduce", "allreduce"),
+        ("eager_solo", "reference/eager_solo"),
+        ("wagma_ahead_conserve", "wagma_ahead_conserve"),
+    ):
         assert f"averaging={option}" in chaos.overrides(dataclasses.replace(spec, policy=policy), 5.0)
 
 
@@ -150,13 +191,30 @@ def test_policies_wagma_ahead_conserve_is_accepted_and_runs(tmp_path, monkeypatc
 
     def fake_run_one(spec: chaos.Spec, root: Path, timeout_s: float) -> dict:
         ran.append(spec.policy)
-        return dataclasses.asdict(spec) | {"timeout_s": timeout_s, "hung": False, "max_survivor_s": 1.0,
-                                           "named_rank": True, "resumed": True, "resumed_from": 5, "bitwise": None}
+        return dataclasses.asdict(spec) | {
+            "timeout_s": timeout_s,
+            "hung": False,
+            "max_survivor_s": 1.0,
+            "named_rank": True,
+            "resumed": True,
+            "resumed_from": 5,
+            "bitwise": None,
+        }
 
     monkeypatch.setattr(chaos, "run_one", fake_run_one)
     out = tmp_path / "c.json"
-    argv = ["--runs", "2", "--policies", "wagma_ahead_conserve,adpsgd", "--worlds", "2", "--workdir",
-            str(tmp_path / "w"), "--out", str(out)]
+    argv = [
+        "--runs",
+        "2",
+        "--policies",
+        "wagma_ahead_conserve,adpsgd",
+        "--worlds",
+        "2",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--out",
+        str(out),
+    ]
     assert chaos.main(argv) == 0
     assert sorted(ran) == ["adpsgd", "wagma_ahead_conserve"]
     assert sorted(r["policy"] for r in json.loads(out.read_text())) == ["adpsgd", "wagma_ahead_conserve"]
@@ -166,8 +224,18 @@ def test_policies_wagma_ahead_conserve_is_accepted_and_runs(tmp_path, monkeypatc
 
 def test_an_unknown_policy_is_refused_naming_the_known_ones(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        chaos.main(["--runs", "1", "--policies", "wagma,no_such_policy", "--workdir", str(tmp_path),
-                    "--out", str(tmp_path / "c.json")])
+        chaos.main(
+            [
+                "--runs",
+                "1",
+                "--policies",
+                "wagma,no_such_policy",
+                "--workdir",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "c.json"),
+            ]
+        )
     err = capsys.readouterr().err
     assert "unknown policies ['no_such_policy']" in err
     assert all(name in err for name in ("wagma_ahead_conserve", "adpsgd", "eager_solo", "wagma_overlap"))
@@ -198,5 +266,6 @@ def test_a_new_presets_class_and_timeout_follow_from_what_it_builds(tmp_path):
     spec = chaos.plan(1, 0)[0]
     assert "averaging.timeout_s=5.0" in chaos.overrides(dataclasses.replace(spec, policy="wagma_ahead_conserve"), 5.0)
     assert "averaging.timeout_s=5.0" in chaos.overrides(dataclasses.replace(spec, policy="adpsgd"), 5.0)
-    assert not any(o.startswith("averaging.timeout_s") for o in
-                   chaos.overrides(dataclasses.replace(spec, policy="allreduce"), 5.0))
+    assert not any(
+        o.startswith("averaging.timeout_s") for o in chaos.overrides(dataclasses.replace(spec, policy="allreduce"), 5.0)
+    )

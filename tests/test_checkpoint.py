@@ -77,8 +77,9 @@ def test_checkpoint_every_step_on_four_ranks_completes_and_resumes(tmp_path, pol
     run_workers(_worker, 4, cfg, timeout_s=120)
     assert complete_steps(tmp_path) == [11, 12]
     assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == ["step_00000011", "step_00000012"]
-    cfg = _cfg(tmp_path, f"averaging={policy}", *extra, "steps=16", "checkpoint_every=1", "model.hidden=[16]",
-               "resume=true")
+    cfg = _cfg(
+        tmp_path, f"averaging={policy}", *extra, "steps=16", "checkpoint_every=1", "model.hidden=[16]", "resume=true"
+    )
     summaries = run_workers(_worker, 4, cfg, timeout_s=120)
     assert [s["resumed_from"] for s in summaries] == [12] * 4 and complete_steps(tmp_path) == [15, 16]
     for rank in range(4):
@@ -146,7 +147,9 @@ def test_a_really_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoin
     [
         (3, ("averaging=allreduce",)),
         pytest.param(  # resumed in the warm-up; 6 s, in the slow phase
-            4, ("averaging=local_sgd", "averaging.warmup_steps=16", "averaging.period=2"), marks=pytest.mark.slow,
+            4,
+            ("averaging=local_sgd", "averaging.warmup_steps=16", "averaging.period=2"),
+            marks=pytest.mark.slow,
         ),
     ],
 )
@@ -198,9 +201,7 @@ def test_a_damaged_shard_fails_every_rank_with_one_line_naming_it(saved_run, tmp
         data = data[: len(data) // 2] if damage == "truncate" else bytearray()
     shard.write_bytes(bytes(data))
     errors = _errors(run_workers_outcomes(_worker, 2, _cfg(run_dir, "steps=6", "checkpoint_every=2", "resume=true")))
-    expected = (
-        f"wagma.app.checkpoint.CheckpointError: {shard} {problem}"
-    )
+    expected = f"wagma.app.checkpoint.CheckpointError: {shard} {problem}"
     assert all(e.startswith(expected) for e in errors), errors
     assert all(e.endswith(f"delete {shard.parent} to resume from step 2") for e in errors), errors
 
@@ -220,9 +221,13 @@ def test_damaged_metadata_fails_with_one_line_naming_it(saved_run, tmp_path, con
 @pytest.mark.parametrize(
     "overrides,world_size,message",
     [
-        (("averaging=local_sgd",), 2, "was written with averaging={'bucket_cap_mb': 25, 'name': 'allreduce', "
-         "'transport': 'default', 'wire_dtype': None}, "
-         "this run has averaging={'average_buffers': True"),
+        (
+            ("averaging=local_sgd",),
+            2,
+            "was written with averaging={'bucket_cap_mb': 25, 'name': 'allreduce', "
+            "'transport': 'default', 'wire_dtype': None}, "
+            "this run has averaging={'average_buffers': True",
+        ),
         ((), 3, "was written by 2 ranks, this run has 3; resume with 2 ranks"),
         (("model.hidden=[32]",), 2, "was written with model={'hidden': [128], 'name': 'mlp'}, this run has model="),
         (("optim=adam",), 2, "was written with optim="),
@@ -255,8 +260,10 @@ def test_a_fresh_run_into_a_run_dir_with_history_is_refused(saved_run, tmp_path)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     errors = _errors(run_workers_outcomes(_worker, 2, _cfg(run_dir, "steps=6", "checkpoint_every=2")))
     assert all(
-        e.startswith(f"wagma.app.checkpoint.CheckpointError: run directory {run_dir} already holds an earlier run "
-                     "(complete checkpoints up to step 4, metrics_rank0.jsonl, metrics_rank1.jsonl, summary.json)")
+        e.startswith(
+            f"wagma.app.checkpoint.CheckpointError: run directory {run_dir} already holds an earlier run "
+            "(complete checkpoints up to step 4, metrics_rank0.jsonl, metrics_rank1.jsonl, summary.json)"
+        )
         for e in errors
     ), errors
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # nothing touched

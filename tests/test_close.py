@@ -253,6 +253,10 @@ def test_adpsgd_a_partner_that_died_is_still_named_and_close_stays_bounded():
     assert not outcomes[1].ok
     assert all(outcomes[r].ok and outcomes[r].value[0] < PROMPT_S for r in (0, 2, 3)), outcomes
     said = {r: outcomes[r].value[1] for r in (0, 2)}  # rank 1's partners
-    named = [r for r, message in said.items() if "exchange" in message
-             and ("no model arrived from rank 1" in message or "with rank 1 failed; rank 1 is probably gone" in message)]
+    named = [
+        r
+        for r, message in said.items()
+        if "exchange" in message
+        and ("no model arrived from rank 1" in message or "with rank 1 failed; rank 1 is probably gone" in message)
+    ]
     assert named, [outcomes[r].value for r in (0, 2, 3)]

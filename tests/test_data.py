@@ -35,7 +35,8 @@ def test_shard_rejects_bad_rank():
 
 
 @pytest.mark.parametrize(  # MNIST takes 4-5 s to load: in the slow phase
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "mnist" else n for n in IMAGE_DATASETS])
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "mnist" else n for n in IMAGE_DATASETS]
+)
 def test_split_shapes_and_normalisation(name):
     ds = load_dataset(name, seed=0)
     n, in_shape, classes = DATASET_INFO[name]

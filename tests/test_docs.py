@@ -59,8 +59,16 @@ def test_the_version_has_one_source():
 def test_the_wheel_metadata_is_complete(tmp_path):
     """Build the metadata the wheel would carry (no compilation) and check what a package index shows."""
     proc = subprocess.run(
-        [sys.executable, "-c", "import setuptools.build_meta as b, sys; print(b.prepare_metadata_for_build_wheel(sys.argv[1]))",
-         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import setuptools.build_meta as b, sys; print(b.prepare_metadata_for_build_wheel(sys.argv[1]))",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     meta = (tmp_path / proc.stdout.strip().splitlines()[-1] / "METADATA").read_text(encoding="utf-8")
@@ -77,12 +85,19 @@ def test_nothing_in_the_repository_points_outside_it():
     # The design is docs/design.md; a clone from anywhere must be complete. No file refers to a folder beside the
     # clone (its shared folder) or to the design notes the project started from by their old name.
     out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
-    files = [f for f in out.stdout.decode().split("\0") if f and Path(f).suffix in {".py", ".md", ".yaml", ".yml",
-                                                                                   ".sh", ".toml", ".cu", ".txt"}]
+    files = [
+        f
+        for f in out.stdout.decode().split("\0")
+        if f and Path(f).suffix in {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".cu", ".txt"}
+    ]
     if not files:
         pytest.skip("not a git checkout")
     outside = re.compile("\\.\\./" + "shared/|DESIGN" + "\\.md|DESIGN" + " §")
-    found = [f"{f}:{n}" for f in files if (ROOT / f).is_file()
-             for n, line in enumerate((ROOT / f).read_text(encoding="utf-8", errors="replace").splitlines(), 1)
-             if outside.search(line)]
+    found = [
+        f"{f}:{n}"
+        for f in files
+        if (ROOT / f).is_file()
+        for n, line in enumerate((ROOT / f).read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if outside.search(line)
+    ]
     assert not found, f"references outside the repository (use docs/design.md): {found}"

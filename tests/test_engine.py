@@ -57,8 +57,20 @@ def _schedule(world: int, group: int) -> GroupSchedule:
     return GroupSchedule.create("auto", world, group)
 
 
-def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed, max_delay_s, device="cpu",
-                   recycle=False, block=L, transport="default"):
+def _rounds_worker(
+    rank,
+    world,
+    group,
+    rounds,
+    sync_period,
+    max_lead,
+    delay_seed,
+    max_delay_s,
+    device="cpu",
+    recycle=False,
+    block=L,
+    transport="default",
+):
     rng = random.Random(delay_seed * 1000 + rank)
     sched = _schedule(world, group)
     dev = rank_device(device, rank)
@@ -76,7 +88,11 @@ def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed
         SharedMemoryAllreduce.all_reduce = counting
     sums = set()  # with recycle: the storages the sums came in
     with WaitAvoidingGroupAllreduce(
-        sched, _encode(rank, world, -1, block).to(dev), sync_period=sync_period, max_lead=max_lead, timeout=TIMEOUT,
+        sched,
+        _encode(rank, world, -1, block).to(dev),
+        sync_period=sync_period,
+        max_lead=max_lead,
+        timeout=TIMEOUT,
         transport=transport,
     ) as eng:
         for k in range(rounds):
@@ -94,7 +110,9 @@ def _rounds_worker(rank, world, group, rounds, sync_period, max_lead, delay_seed
                 sums.add(res.sum.data_ptr())
                 eng.recycle(res.sum)
     if transport == "shm":
-        assert len(shm_calls) >= rounds, f"rank {rank}: {len(shm_calls)} exchanges through shared memory, {rounds} rounds"
+        assert len(shm_calls) >= rounds, (
+            f"rank {rank}: {len(shm_calls)} exchanges through shared memory, {rounds} rounds"
+        )
     return (records, len(sums)) if recycle else records
 
 
@@ -119,10 +137,18 @@ def _check_records(records_by_rank, world, group, sync_period, max_lead, exact):
                 assert records_by_rank[j][k][3] == members
 
 
-@pytest.mark.parametrize("world,group", [
-    (2, 2), pytest.param(3, 3, marks=pytest.mark.slow), (4, 2), pytest.param(6, 2, marks=pytest.mark.slow), (6, 3),
-    pytest.param(8, 2, marks=pytest.mark.slow), pytest.param(8, 4, marks=pytest.mark.slow),  # 6.6 s each
-])
+@pytest.mark.parametrize(
+    "world,group",
+    [
+        (2, 2),
+        pytest.param(3, 3, marks=pytest.mark.slow),
+        (4, 2),
+        pytest.param(6, 2, marks=pytest.mark.slow),
+        (6, 3),
+        pytest.param(8, 2, marks=pytest.mark.slow),
+        pytest.param(8, 4, marks=pytest.mark.slow),  # 6.6 s each
+    ],
+)
 def test_sums_match_closed_form_without_delays(world, group):
     check_sums_without_delays(world, group)
 
@@ -194,16 +220,23 @@ def test_transient_stragglers_do_not_make_others_wait():
     assert stale_seen > 0
 
 
-def _accumulate_worker(rank, world, group, rounds, sync_period, seed, trigger, device="cpu", staged=False,
-                       transport="default"):
+def _accumulate_worker(
+    rank, world, group, rounds, sync_period, seed, trigger, device="cpu", staged=False, transport="default"
+):
     rng = random.Random(seed * 100 + rank)
     sched = _schedule(world, group)
     dev = rank_device(device, rank)
     passed_in = torch.zeros(world, dtype=torch.float64)
     received = torch.zeros(world, dtype=torch.float64)  # my block of every group sum I was part of
     with WaitAvoidingGroupAllreduce(
-        sched, torch.zeros(world, dtype=torch.float64, device=dev), sync_period=sync_period, timeout=TIMEOUT,
-        accumulate=True, trigger=trigger, seed=seed, transport=transport,
+        sched,
+        torch.zeros(world, dtype=torch.float64, device=dev),
+        sync_period=sync_period,
+        timeout=TIMEOUT,
+        accumulate=True,
+        trigger=trigger,
+        seed=seed,
+        transport=transport,
     ) as eng:
         for k in range(rounds):
             time.sleep(rng.random() * 0.01)
@@ -237,8 +270,9 @@ def test_accumulate_through_the_staging_buffer_counts_every_value_exactly_once()
     check_accumulate(4, 2, "any", staged=True)
 
 
-def check_accumulate(world: int, group: int, trigger: str, device: str = "cpu", staged: bool = False,
-                     transport: str = "default") -> None:
+def check_accumulate(
+    world: int, group: int, trigger: str, device: str = "cpu", staged: bool = False, transport: str = "default"
+) -> None:
     out = run_workers(_accumulate_worker, world, group, 40, 6, 3, trigger, device, staged, transport)
     for rank, (passed, received, left, left_total) in enumerate(out):
         assert left == left_total  # take() only holds this rank's own values
@@ -262,8 +296,9 @@ def test_recycled_sums_are_reused_and_never_tear_a_snapshot():
     # a wrong member or a version out of bounds. Blocks of 64k elements (2 MB tensors) make each copy long
     # enough for such a race to show.
     world, sync_period, max_lead, rounds = 4, 7, 3, 300
-    out = run_workers(_rounds_worker, world, 2, rounds, sync_period, max_lead, 5, 0.002, "cpu", True, 1 << 16,
-                      timeout_s=150)
+    out = run_workers(
+        _rounds_worker, world, 2, rounds, sync_period, max_lead, 5, 0.002, "cpu", True, 1 << 16, timeout_s=150
+    )
     _check_records([records for records, _ in out], world, 2, sync_period, max_lead, exact=False)
     for rank, (_, storages) in enumerate(out):
         # Without reuse every round allocates a new sum (300 storages); with it a handful cycle.
@@ -352,8 +387,9 @@ def _burst_worker(rank, world, engines):
     try:
         sums = [eng(torch.full((1,), float(rank))).sum.item() for eng in engs]
         shared = [len({id(eng._core.channel._sets), id(eng._core.channel._waits)}) for eng in engs]
-        own = [eng._core.channel._waits.underlying_store is not dist.distributed_c10d._get_default_store()
-               for eng in engs]
+        own = [
+            eng._core.channel._waits.underlying_store is not dist.distributed_c10d._get_default_store() for eng in engs
+        ]
     finally:
         for eng in engs:
             eng.close()
@@ -380,8 +416,9 @@ def _absent_at_start_worker(rank, world):
         time.sleep(4.0)  # never constructs its engine
         return None
     try:
-        WaitAvoidingGroupAllreduce(GroupSchedule.create("auto", world, 3), torch.zeros(1), sync_period=0,
-                                   timeout=datetime.timedelta(seconds=1))
+        WaitAvoidingGroupAllreduce(
+            GroupSchedule.create("auto", world, 3), torch.zeros(1), sync_period=0, timeout=datetime.timedelta(seconds=1)
+        )
     except TimeoutError as exc:
         return str(exc)
     return "constructed"
@@ -504,22 +541,28 @@ def test_close_joins_thread_and_rejects_later_calls():
 def _bad_use_worker(rank, world):
     sched = GroupSchedule.create("auto", world, 2)
     raised = (ValueError, RuntimeError)
-    errors = error_messages({
-        "negative sync": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=-1),
-        "lead > sync": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, max_lead=3),
-        "other world": lambda: WaitAvoidingGroupAllreduce(
-            GroupSchedule.create("auto", 8, 2), torch.zeros(2), sync_period=2
-        ),
-        "trigger": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, trigger="last"),
-    }, raised)
+    errors = error_messages(
+        {
+            "negative sync": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=-1),
+            "lead > sync": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, max_lead=3),
+            "other world": lambda: WaitAvoidingGroupAllreduce(
+                GroupSchedule.create("auto", 8, 2), torch.zeros(2), sync_period=2
+            ),
+            "trigger": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, trigger="last"),
+        },
+        raised,
+    )
     with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT) as eng:
-        errors |= error_messages({
-            "shape": lambda: eng(torch.zeros(3)),
-            "dtype": lambda: eng(torch.zeros(2, dtype=torch.float64)),
-            "take in replace mode": eng.take,
-            "collect unsubmitted": lambda: eng.collect(0),
-            "publish ahead shape": lambda: eng.publish_ahead(torch.zeros(3)),
-        }, raised)
+        errors |= error_messages(
+            {
+                "shape": lambda: eng(torch.zeros(3)),
+                "dtype": lambda: eng(torch.zeros(2, dtype=torch.float64)),
+                "take in replace mode": eng.take,
+                "collect unsubmitted": lambda: eng.collect(0),
+                "publish ahead shape": lambda: eng.publish_ahead(torch.zeros(3)),
+            },
+            raised,
+        )
         eng(torch.zeros(2))  # still usable after rejected calls
         # submit/collect: rounds collected in any order, each once.
         first, second = eng.submit(torch.zeros(2)), eng.submit(torch.zeros(2))
@@ -528,11 +571,14 @@ def _bad_use_worker(rank, world):
         errors |= error_messages({"collect twice": lambda: eng.collect(first)}, raised)
         res = eng(torch.zeros(2))
         eng.recycle(res.sum)
-        errors |= error_messages({
-            "recycle twice": lambda: eng.recycle(res.sum),
-            "recycle a view": lambda: eng.recycle(torch.zeros(4)[:2]),
-            "recycle another shape": lambda: eng.recycle(torch.zeros(3)),
-        }, raised)
+        errors |= error_messages(
+            {
+                "recycle twice": lambda: eng.recycle(res.sum),
+                "recycle a view": lambda: eng.recycle(torch.zeros(4)[:2]),
+                "recycle another shape": lambda: eng.recycle(torch.zeros(3)),
+            },
+            raised,
+        )
     with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, accumulate=True, timeout=TIMEOUT) as acc:
         errors |= error_messages({"publish ahead, accumulate": lambda: acc.publish_ahead(torch.zeros(2))}, raised)
     return errors
@@ -570,8 +616,9 @@ def _nice_worker(rank, world, increment):
     main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     before = set(_nice_of_threads())
     sched = _schedule(world, 2)
-    with WaitAvoidingGroupAllreduce(sched, _encode(rank, world, -1), sync_period=0, timeout=TIMEOUT,
-                                    progress_nice=increment) as eng:
+    with WaitAvoidingGroupAllreduce(
+        sched, _encode(rank, world, -1), sync_period=0, timeout=TIMEOUT, progress_nice=increment
+    ) as eng:
         sums = [eng(_encode(rank, world, k)).sum for k in range(3)]  # sync_period 0: every round fresh and global
         threads = _nice_of_threads()
         progress = threads[eng._core.thread.native_id][1]
@@ -596,11 +643,15 @@ def test_progress_nice_lowers_the_progress_and_gloo_threads_only():
 
 def _bad_nice_worker(rank, world):
     sched = _schedule(world, 2)
-    return error_messages({
-        repr(value): lambda value=value: WaitAvoidingGroupAllreduce(
-            sched, torch.zeros(2), sync_period=1, timeout=TIMEOUT, progress_nice=value)
-        for value in (-1, 20, "5", True, 2.0)
-    }, (ValueError,))
+    return error_messages(
+        {
+            repr(value): lambda value=value: WaitAvoidingGroupAllreduce(
+                sched, torch.zeros(2), sync_period=1, timeout=TIMEOUT, progress_nice=value
+            )
+            for value in (-1, 20, "5", True, 2.0)
+        },
+        (ValueError,),
+    )
 
 
 def test_bad_progress_nice_is_refused_before_any_group_exists():
@@ -665,8 +716,9 @@ def _contributions_worker(rank, world):
     superseded one out as the next publish's buffer)."""
     sched = GroupSchedule.create("auto", world, world)
     initial = torch.full((4,), 100.0)
-    with WaitAvoidingGroupAllreduce(sched, initial, sync_period=5, max_lead=1, timeout=TIMEOUT,
-                                    keep_contributions=True) as eng:
+    with WaitAvoidingGroupAllreduce(
+        sched, initial, sync_period=5, max_lead=1, timeout=TIMEOUT, keep_contributions=True
+    ) as eng:
         if rank == 1:
             time.sleep(0.6)  # rank 0 runs ahead: rounds 0 and 1 start without this rank's fresh tensors
         calls = 4
@@ -678,16 +730,23 @@ def _contributions_worker(rank, world):
         seen = [(r.version, r.contributed.tolist(), r.contributed.data_ptr()) for r in results]
         for r in results:
             eng.release(r)
-        errors = error_messages({
-            "twice": lambda: eng.release(results[0]),
-            "plain": lambda: eng.release(dataclasses.replace(results[0], contributed=None)),
-        })
+        errors = error_messages(
+            {
+                "twice": lambda: eng.release(results[0]),
+                "plain": lambda: eng.release(dataclasses.replace(results[0], contributed=None)),
+            }
+        )
     with WaitAvoidingGroupAllreduce(sched, initial, sync_period=5, timeout=TIMEOUT) as plain:
         contributed_by_default = plain(initial).contributed
-        errors.update(error_messages({
-            "accumulate": lambda: WaitAvoidingGroupAllreduce(sched, initial, sync_period=5, timeout=TIMEOUT,
-                                                             accumulate=True, keep_contributions=True),
-        }))
+        errors.update(
+            error_messages(
+                {
+                    "accumulate": lambda: WaitAvoidingGroupAllreduce(
+                        sched, initial, sync_period=5, timeout=TIMEOUT, accumulate=True, keep_contributions=True
+                    ),
+                }
+            )
+        )
     return seen, errors, contributed_by_default
 
 
@@ -712,12 +771,18 @@ def test_kept_contributions_stay_unchanged_until_released():
 def _staging_worker(rank, world):
     sched = GroupSchedule.create("auto", world, world)
     initial = torch.full((3,), 100.0)  # pending from the start: the first submit must add, not replace
-    with WaitAvoidingGroupAllreduce(sched, initial, sync_period=50, max_lead=0, timeout=TIMEOUT, accumulate=True) as eng:
+    with WaitAvoidingGroupAllreduce(
+        sched, initial, sync_period=50, max_lead=0, timeout=TIMEOUT, accumulate=True
+    ) as eng:
         first = eng.staging_buffer()
         assert eng.staging_buffer() is first  # the same buffer until it is submitted
         res = eng(first.fill_(1.0))
-        added = (res.sum.tolist(), res.sum.data_ptr() != first.data_ptr(), eng.staging_buffer() is first,
-                 first.tolist())
+        added = (
+            res.sum.tolist(),
+            res.sum.data_ptr() != first.data_ptr(),
+            eng.staging_buffer() is first,
+            first.tolist(),
+        )
         swapped = []
         for k in range(1, 4):
             buf = eng.staging_buffer()
@@ -725,7 +790,9 @@ def _staging_worker(rank, world):
             res = eng(buf.fill_(float(k + 1)))
             # Nothing was pending (max_lead=0: each exchange took this rank's call whole): the round sent the
             # staged buffer itself, and a different (zero) buffer is handed out next.
-            swapped.append((res.sum.tolist(), res.sum.data_ptr() == buf.data_ptr(), zero, eng.staging_buffer() is not buf))
+            swapped.append(
+                (res.sum.tolist(), res.sum.data_ptr() == buf.data_ptr(), zero, eng.staging_buffer() is not buf)
+            )
         left = eng.take().tolist()
     with WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=5, timeout=TIMEOUT) as eng:
         try:
@@ -808,8 +875,16 @@ def _freeze_worker(rank, world, how, victim, die_at, own_store, trigger="any", t
     sched = GroupSchedule.create("auto", world, 2)
     # max_lead=0: the victim's thread enters no round its main thread has not reached, so it was last seen
     # in round die_at - 1 whatever the timing.
-    eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(8), sync_period=3, max_lead=0, timeout=SHORT, store=store,
-                                     trigger=trigger, transport=transport)
+    eng = WaitAvoidingGroupAllreduce(
+        sched,
+        torch.zeros(8),
+        sync_period=3,
+        max_lead=0,
+        timeout=SHORT,
+        store=store,
+        trigger=trigger,
+        transport=transport,
+    )
     t_dead = time.monotonic()
     try:
         for k in range(100):
@@ -977,9 +1052,15 @@ def test_process_exiting_mid_collective_without_close_exits_cleanly(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     ports = [_free_port() for _ in range(2)]
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for port in ports for r in range(2)
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for port in ports
+        for r in range(2)
     ]
     try:
         outs = [procs[i].communicate(timeout=90)[0] for i in (0, 2)]

@@ -22,18 +22,33 @@ def _library_files() -> list[Path]:
 
 
 def test_the_public_api_is_importable_from_the_top_level_package():
-    for name in ("WagmaAverager", "PeriodicAverager", "HierarchicalAverager", "ReductionMomentum",
-                 "AveragingOptimizer", "PartialAllreduceState", "partial_allreduce_hook", "post_local_hook",
-                 "PostLocalState", "GroupSchedule", "WaitAvoidingGroupAllreduce", "DPSGDAverager", "SGPAverager",
-                 "ADPSGDAverager"):
+    for name in (
+        "WagmaAverager",
+        "PeriodicAverager",
+        "HierarchicalAverager",
+        "ReductionMomentum",
+        "AveragingOptimizer",
+        "PartialAllreduceState",
+        "partial_allreduce_hook",
+        "post_local_hook",
+        "PostLocalState",
+        "GroupSchedule",
+        "WaitAvoidingGroupAllreduce",
+        "DPSGDAverager",
+        "SGPAverager",
+        "ADPSGDAverager",
+    ):
         assert name in wagma.__all__ and getattr(wagma, name) is not None, name
     assert all(hasattr(wagma, name) for name in wagma.__all__)
 
 
 def test_importing_the_library_loads_no_part_of_the_application():
     code = "import sys, wagma; print('\\n'.join(sorted(sys.modules)))"
-    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                cwd=ROOT).stdout.split())
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout.split()
+    )
     assert not {m for m in loaded if m.split(".")[0] in ("hydra", "omegaconf")}
     assert not [m for m in loaded if m.startswith(APPLICATION)], sorted(m for m in loaded if m.startswith(APPLICATION))
 
@@ -43,11 +58,17 @@ def test_no_library_module_imports_the_application():
     assert len(_library_files()) > 10
     for file in _library_files():
         for node in ast.walk(ast.parse(file.read_text(), str(file))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{file.relative_to(ROOT)} imports {n}" for n in names
-                          if n.startswith(APPLICATION) or (n == "wagma" and any(
-                              a.name == "app" for a in getattr(node, "names", [])))]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
+            offenders += [
+                f"{file.relative_to(ROOT)} imports {n}"
+                for n in names
+                if n.startswith(APPLICATION)
+                or (n == "wagma" and any(a.name == "app" for a in getattr(node, "names", [])))
+            ]
     assert not offenders, offenders
 
 
@@ -63,8 +84,9 @@ LAYERS = [
 
 def test_library_imports_go_one_way_down_the_layers():
     def layer(module: str) -> int | None:
-        return next((i for i, names in enumerate(LAYERS) if any(module == n or module.startswith(n + ".")
-                                                                 for n in names)), None)
+        return next(
+            (i for i, names in enumerate(LAYERS) if any(module == n or module.startswith(n + ".") for n in names)), None
+        )
 
     offenders = []
     for file in _library_files():
@@ -85,9 +107,20 @@ def _torchrun(script: str, nproc: int, *args: str) -> str:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(ROOT / "examples" / script), *args],
-        capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(ROOT / "examples" / script),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "UserWarning" not in proc.stderr, proc.stderr[-3000:]  # a recipe trips none of the guard rails

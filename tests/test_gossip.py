@@ -25,7 +25,7 @@ N = 7  # model size (two tensors: 4 + 3)
 
 
 def _initial(rank: int) -> torch.Tensor:
-    return torch.arange(N, dtype=torch.float64) * (rank + 1) + rank ** 2
+    return torch.arange(N, dtype=torch.float64) * (rank + 1) + rank**2
 
 
 def _delta(rank: int, step: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_sgp_peers_rotate_through_the_directed_exponential_graph(world):
                 assert ins[outs[r][j]][j] == r
             assert r not in outs[r]
             seen.update((o - r) % world for o in outs[r])
-    assert seen == {2 ** i for i in range(n)}
+    assert seen == {2**i for i in range(n)}
     assert sgp_peers(0, 8, 0) == ([1, 2], [7, 6])
     assert sgp_peers(0, 8, 1) == ([4, 1], [4, 7])
 
@@ -97,7 +97,9 @@ def _dpsgd_reference(world: int, topology: str, steps: int) -> torch.Tensor:
     x = torch.stack([_initial(r) for r in range(world)])
     for step in range(steps):
         x = x + torch.stack([_delta(r, step) for r in range(world)])
-        x = torch.stack([(x[r] + sum(x[j] for j in graph(r, world))) / (len(graph(r, world)) + 1) for r in range(world)])
+        x = torch.stack(
+            [(x[r] + sum(x[j] for j in graph(r, world))) / (len(graph(r, world)) + 1) for r in range(world)]
+        )
     return x
 
 
@@ -121,7 +123,9 @@ def _sgp_reference(world: int, steps: int, overlap: bool) -> tuple[torch.Tensor,
 # -- D-PSGD on real worlds ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world,topology", [(2, "ring"), (5, "ring"), pytest.param(8, "exponential", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world,topology", [(2, "ring"), (5, "ring"), pytest.param(8, "exponential", marks=pytest.mark.slow)]
+)
 def test_dpsgd_is_its_mixing_matrix_and_keeps_the_mean(world, topology):
     check_dpsgd_mixing(world, topology)
 
@@ -194,10 +198,16 @@ def test_dpsgd_without_local_steps_contracts_the_consensus_distance_as_its_matri
 # -- SGP / OSGP on real worlds -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world,overlap", [  # the quick suite keeps two; the slow phase runs every one
-    pytest.param(2, True, marks=pytest.mark.slow), (3, False), pytest.param(4, False, marks=pytest.mark.slow), (4, True),
-    pytest.param(8, True, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "world,overlap",
+    [  # the quick suite keeps two; the slow phase runs every one
+        pytest.param(2, True, marks=pytest.mark.slow),
+        (3, False),
+        pytest.param(4, False, marks=pytest.mark.slow),
+        (4, True),
+        pytest.param(8, True, marks=pytest.mark.slow),
+    ],
+)
 def test_push_sum_matches_the_protocol_and_conserves_numerators_and_weights(world, overlap):
     check_push_sum(world, overlap)
 
@@ -307,7 +317,7 @@ def test_a_state_of_another_model_is_named_at_the_next_round():
 def test_a_dead_peer_is_named_by_its_neighbours_with_the_round(kind):
     def worker(rank, world_size):
         params = _params(rank)
-        averager = (DPSGDAverager("ring", timeout=3.0) if kind == "dpsgd" else SGPAverager(timeout=3.0))
+        averager = DPSGDAverager("ring", timeout=3.0) if kind == "dpsgd" else SGPAverager(timeout=3.0)
         for step in range(6):
             if rank == 2 and step == 3:
                 os._exit(17)  # killed for real: no goodbye to anyone
@@ -326,8 +336,11 @@ def test_a_dead_peer_is_named_by_its_neighbours_with_the_round(kind):
 def test_bad_arguments_are_one_clear_error():
     def worker(rank, world_size):
         errors = []
-        for build in (lambda: DPSGDAverager("torus"), lambda: SGPAverager(overlap="yes"),
-                      lambda: DPSGDAverager(warmup_steps=-1)):
+        for build in (
+            lambda: DPSGDAverager("torus"),
+            lambda: SGPAverager(overlap="yes"),
+            lambda: DPSGDAverager(warmup_steps=-1),
+        ):
             try:
                 build()
             except ValueError as err:
@@ -367,7 +380,10 @@ def test_adpsgd_refuses_an_odd_world():
 
 
 def _constant_params(rank: int) -> list[torch.Tensor]:
-    return [torch.full((4,), float(rank + 1), dtype=torch.float64), torch.full((3,), float(rank + 1), dtype=torch.float64)]
+    return [
+        torch.full((4,), float(rank + 1), dtype=torch.float64),
+        torch.full((3,), float(rank + 1), dtype=torch.float64),
+    ]
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
@@ -403,8 +419,7 @@ def _adpsgd_straggler_worker(rank: int, world_size: int, steps: int, device: str
 
 def check_adpsgd_mean_untorn_unwaited(world: int, device: str = "cpu") -> None:
     steps = 24
-    results = run_workers(_adpsgd_straggler_worker, world, steps, device, timeout_s=90,
-                          collective_timeout_s=TIMEOUT_S)
+    results = run_workers(_adpsgd_straggler_worker, world, steps, device, timeout_s=90, collective_timeout_s=TIMEOUT_S)
     assert not any(r[0] for r in results)
     assert max(r[1] for r in results) < 1.0  # the straggler sleeps 1.5 s twice; the others' calls never wait for it
     total = sum(7 * (r + 1) * (1 + 0.01 * steps) for r in range(world))  # Σ initial + Σ local steps
@@ -456,5 +471,7 @@ def test_adpsgd_a_dead_peer_is_named_by_the_training_loop_of_its_partner():
     outcomes = run_workers_outcomes(worker, 4, timeout_s=60, collective_timeout_s=10.0)
     assert outcomes[1].ok is False
     partners = {adpsgd_peer(1, 4, k) for k in range(4)}  # 0 and 2
-    named = [r for r in partners if not outcomes[r].ok and "rank 1" in outcomes[r].error and "exchange" in outcomes[r].error]
+    named = [
+        r for r in partners if not outcomes[r].ok and "rank 1" in outcomes[r].error and "exchange" in outcomes[r].error
+    ]
     assert named, [o.error[-400:] for o in outcomes if o.error]

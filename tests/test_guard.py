@@ -42,7 +42,9 @@ def test_a_loss_that_never_drops_is_stalled_once_patience_runs_out():
     step, line = fired[0]
     assert guard.window == 20 and guard.patience == 100 and step == 120  # first window at 20, +100 without progress
     assert line.startswith("eager_solo_overlap is not learning: the training loss")
-    assert "staleness 0.50 rounds (max 2, validated up to 1)" in line and line.endswith("; try averaging=eager_majority")
+    assert "staleness 0.50 rounds (max 2, validated up to 1)" in line and line.endswith(
+        "; try averaging=eager_majority"
+    )
 
 
 def test_a_loss_that_rises_back_and_stays_is_flagged_once_patience_runs_out():
@@ -81,13 +83,15 @@ def test_staleness_above_the_validated_bound_is_flagged_and_none_disables_the_ch
     stale = TrainingGuard("wagma", 200, validated_staleness=1.0)
     fired = _feed(stale, [1.0 / (i + 1) + 1e-3 for i in range(200)], {"staleness": 1.4, "staleness_max": 3})
     assert len(fired) == 1 and fired[0][0] == stale.patience == 50  # the early running mean is not judged
-    assert fired[0][1] == ("wagma runs staler than validated: measured at step 50; staleness 1.40 rounds (max 3, "
-                           "validated up to 1)")
+    assert fired[0][1] == (
+        "wagma runs staler than validated: measured at step 50; staleness 1.40 rounds (max 3, validated up to 1)"
+    )
     unchecked = TrainingGuard("wagma", 200, validated_staleness=None)
     assert _feed(unchecked, [1.0] * 50, {"staleness": 9.0}) == [] and unchecked.finish(staleness=9.0) == []
     at_end = TrainingGuard("wagma", 200, validated_staleness=1.0)
     assert at_end.finish(staleness=1.2, staleness_max=5) == [
-        "wagma runs staler than validated: measured over the run; staleness 1.20 rounds (max 5, validated up to 1)"]
+        "wagma runs staler than validated: measured over the run; staleness 1.20 rounds (max 5, validated up to 1)"
+    ]
 
 
 def test_chance_accuracy_at_the_end_is_flagged():

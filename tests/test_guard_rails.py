@@ -77,10 +77,18 @@ def _double_communication_worker(rank: int, world: int) -> dict[str, list[str]]:
     run("local_hook", local_hook, None, lambda net: PeriodicAverager(1, timeout=TIMEOUT_S))
     run("post_local_matched", post_local_hook, PostLocalState(3), lambda net: PeriodicAverager(1, 3, timeout=TIMEOUT_S))
     run("post_local_in_warmup", post_local_hook, PostLocalState(3), lambda net: PeriodicAverager(2, timeout=TIMEOUT_S))
-    run("allreduce_hook_momentum", allreduce_hook, None,
-        lambda net: ReductionMomentum(PeriodicAverager(2, timeout=TIMEOUT_S), momentum=0.5))
-    run("wagma_plain_ddp", None, None,
-        lambda net: WagmaAverager(2, 2, params=net.parameters(), order="step_then_average", timeout=TIMEOUT_S))
+    run(
+        "allreduce_hook_momentum",
+        allreduce_hook,
+        None,
+        lambda net: ReductionMomentum(PeriodicAverager(2, timeout=TIMEOUT_S), momentum=0.5),
+    )
+    run(
+        "wagma_plain_ddp",
+        None,
+        None,
+        lambda net: WagmaAverager(2, 2, params=net.parameters(), order="step_then_average", timeout=TIMEOUT_S),
+    )
     # Without DDP at all: nothing to warn about.
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -113,7 +121,9 @@ def test_double_communication_warns_once_and_only_when_ddp_still_allreduces() ->
         assert out["local_hook"] == []
         assert out["post_local_matched"] == []  # DDP's warm-up and the averager's warm-up do not overlap
         in_warmup = out["post_local_in_warmup"]
-        assert len(in_warmup) == 1 and "post_local_hook is still in its warm-up (step 0 < warmup_steps 3)" in in_warmup[0]
+        assert (
+            len(in_warmup) == 1 and "post_local_hook is still in its warm-up (step 0 < warmup_steps 3)" in in_warmup[0]
+        )
         assert "the same warmup_steps for PeriodicAverager" in in_warmup[0]
         momentum = out["allreduce_hook_momentum"]
         assert len(momentum) == 1 and "wagma's allreduce_hook is registered" in momentum[0]
@@ -227,15 +237,20 @@ def test_schedule_refuses_a_group_larger_than_the_world() -> None:
 def _group_size_worker(rank: int, world: int) -> dict[str, object]:
     torch.set_num_threads(1)
     net = _net()
-    errors = error_messages({
-        "wagma": lambda: WagmaAverager(8, 2, params=net.parameters(), timeout=TIMEOUT_S),
-        "group_hook": lambda: GroupAllreduceState(8, timeout=TIMEOUT_S),
-        "hierarchical": lambda: HierarchicalAverager(8, 1, 2, timeout=TIMEOUT_S),
-        "subgroups": lambda: contiguous_subgroups(8, list(range(world)), dist.default_pg_timeout),
-    })
+    errors = error_messages(
+        {
+            "wagma": lambda: WagmaAverager(8, 2, params=net.parameters(), timeout=TIMEOUT_S),
+            "group_hook": lambda: GroupAllreduceState(8, timeout=TIMEOUT_S),
+            "hierarchical": lambda: HierarchicalAverager(8, 1, 2, timeout=TIMEOUT_S),
+            "subgroups": lambda: contiguous_subgroups(8, list(range(world)), dist.default_pg_timeout),
+        }
+    )
     out: dict[str, object] = {"errors": errors}
     for name, args in {
-        "local_one": (1, 2, 4), "local_world": (world, 2, 4), "equal_periods": (2, 4, 4), "hierarchical": (2, 1, 4),
+        "local_one": (1, 2, 4),
+        "local_world": (world, 2, 4),
+        "equal_periods": (2, 4, 4),
+        "hierarchical": (2, 1, 4),
     }.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -289,7 +304,9 @@ def test_hook_classification_knows_wagma_and_torch_hooks_and_trusts_custom_ones(
     state.step = 3
     assert hook_communicates(post_local_hook, state) is None
     torch_state = types.SimpleNamespace(iter=1, start_localSGD_iter=4, post_local_gradient_allreduce=False)
-    assert "iteration 1 < start_localSGD_iter 4" in hook_communicates(post_localSGD_hook.post_localSGD_hook, torch_state)
+    assert "iteration 1 < start_localSGD_iter 4" in hook_communicates(
+        post_localSGD_hook.post_localSGD_hook, torch_state
+    )
     torch_state.iter = 4
     assert hook_communicates(post_localSGD_hook.post_localSGD_hook, torch_state) is None
 

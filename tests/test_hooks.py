@@ -88,8 +88,13 @@ def _grads_with_hook(rank: int, world: int, name: str, state_kwargs: dict) -> li
     ],
 )
 def test_group_allreduce_hook_means_inside_contiguous_groups(world, group_size, expected):
-    out = run_workers(_grads_with_hook, world, "group_allreduce", {"group_size": group_size, "timeout": TIMEOUT_S},
-                      collective_timeout_s=TIMEOUT_S)
+    out = run_workers(
+        _grads_with_hook,
+        world,
+        "group_allreduce",
+        {"group_size": group_size, "timeout": TIMEOUT_S},
+        collective_timeout_s=TIMEOUT_S,
+    )
     assert out == [pytest.approx([e, e]) for e in expected]
 
 
@@ -108,9 +113,14 @@ def _pickling(rank: int, world: int) -> dict:
     state = pickle.loads(pickle.dumps(AllreduceState(process_group=sub)))  # a ProcessGroup does not pickle
     group_state = GroupAllreduceState(3, timeout=TIMEOUT_S)
     restored = pickle.loads(pickle.dumps(group_state))
-    out = {"allreduce_group": state.process_group, "group_size": restored.group_size,
-           "blocks": restored.blocks, "subgroup": restored.subgroup, "created": restored.groups_created,
-           "original_kept": group_state.subgroup is not None}
+    out = {
+        "allreduce_group": state.process_group,
+        "group_size": restored.group_size,
+        "blocks": restored.blocks,
+        "subgroup": restored.subgroup,
+        "created": restored.groups_created,
+        "original_kept": group_state.subgroup is not None,
+    }
     with pytest.raises(RuntimeError, match=r"call state.create_groups\(\) on every rank"):
         group_allreduce_hook(restored, None)  # type: ignore[arg-type]
     restored.create_groups()  # collective: every rank rebuilds

@@ -66,8 +66,9 @@ def test_each_shard_is_the_s_plus_one_mix_of_its_groups_same_shard(replicas, sha
 
 
 def check_round0_on(device: str, replicas: int = 2, shards: int = 2) -> None:
-    out = run_workers(_round0_worker, replicas * shards, replicas, shards, device, collective_timeout_s=30,
-                      timeout_s=120)
+    out = run_workers(
+        _round0_worker, replicas * shards, replicas, shards, device, collective_timeout_s=30, timeout_s=120
+    )
     for rank, (kind, group, values, sizes, full) in enumerate(out):
         assert kind == "local" and rank in group and len(group) == 2
         assert all(r % shards == rank % shards for r in group), f"rank {rank} met another shard index: {group}"
@@ -178,8 +179,11 @@ def _dcp_worker(rank, world_size, ckpt: str, phase: str, steps: int, cut: int):
             avg.average_parameters(model.parameters())
             if step + 1 == cut and phase != "resumed":
                 model_sd, opt_sd = get_state_dict(model, opt)
-                dcp.save({"model": model_sd, "optim": opt_sd, "averager": avg.state_dict()}, checkpoint_id=replica,
-                         process_group=shard_group)
+                dcp.save(
+                    {"model": model_sd, "optim": opt_sd, "averager": avg.state_dict()},
+                    checkpoint_id=replica,
+                    process_group=shard_group,
+                )
     return _shards(model)
 
 
@@ -187,8 +191,9 @@ def _dcp_worker(rank, world_size, ckpt: str, phase: str, steps: int, cut: int):
 def test_a_dcp_checkpoint_of_sharded_model_and_averager_resumes_exactly_after_a_rank_is_killed(tmp_path):
     steps, cut = 10, 5
     reference = run_workers(_dcp_worker, 4, str(tmp_path / "ref"), "reference", steps, cut, collective_timeout_s=30)
-    killed = run_workers_outcomes(_dcp_worker, 4, str(tmp_path / "run"), "killed", steps, cut,
-                                  collective_timeout_s=5, timeout_s=60)
+    killed = run_workers_outcomes(
+        _dcp_worker, 4, str(tmp_path / "run"), "killed", steps, cut, collective_timeout_s=5, timeout_s=60
+    )
     assert killed[1].exitcode == -9 and not any(o.ok for o in killed)  # the survivors fail too, in bounded time
     resumed = run_workers(_dcp_worker, 4, str(tmp_path / "run"), "resumed", steps, cut, collective_timeout_s=30)
     for rank, (ref, res) in enumerate(zip(reference, resumed)):
@@ -228,8 +233,15 @@ def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None, dev
     fsdp.fully_shard(model, mesh=mesh["shard"])
     initial = _shards(model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the parameters move by exactly what the rounds apply
-    state = FSDPPartialAllreduce(model, world=(mesh, "replicate"), mode=mode, sync_period=4, warmup_iters=1,
-                                 timeout=TIMEOUT, wire_dtype=wire_dtype)
+    state = FSDPPartialAllreduce(
+        model,
+        world=(mesh, "replicate"),
+        mode=mode,
+        sync_period=4,
+        warmup_iters=1,
+        timeout=TIMEOUT,
+        wire_dtype=wire_dtype,
+    )
     x = torch.full((1, 5), float(rank + 1), device=dev)  # a gradient independent of the parameters: known exactly
     for step in range(steps):
         if rank == late_rank and step % 3 == 1:
@@ -243,8 +255,9 @@ def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None, dev
     return [t.cpu() for t in initial], [t.cpu() for t in _shards(model)], flushed, stats  # CPU: picklable anywhere
 
 
-@pytest.mark.parametrize("mode,wire_dtype", [("solo", None), pytest.param("majority", None, marks=pytest.mark.slow),
-                                             ("solo", "bf16")])
+@pytest.mark.parametrize(
+    "mode,wire_dtype", [("solo", None), pytest.param("majority", None, marks=pytest.mark.slow), ("solo", "bf16")]
+)
 def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_replicas_identical(mode, wire_dtype):
     check_eager_conserves_on("cpu", mode, wire_dtype)
 
@@ -315,8 +328,13 @@ def _eager_resume_worker(rank, world_size, steps_before, steps_after):
     state.load_state_dict(saved)
     train(model, opt, steps_after, steps_before)
     state.flush(opt)
-    out = (initial, _shards(model), saved["residual"] is not None and bool(saved["residual"].ne(0).any()),
-           state.iteration, state.rounds)
+    out = (
+        initial,
+        _shards(model),
+        saved["residual"] is not None and bool(saved["residual"].ne(0).any()),
+        state.iteration,
+        state.rounds,
+    )
     state.close()
     return out
 

@@ -49,8 +49,14 @@ def _lines(text: str) -> list[str]:
 def test_help_lists_the_config_groups_and_the_ways_to_launch(tmp_path):
     proc = _train(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
-    for group in ("averaging: adpsgd, allreduce, dpsgd", "data: digits, mnist", "imbalance:", "model: cnn, mlp",
-                  "experiment:", "optim: adam, sgd"):
+    for group in (
+        "averaging: adpsgd, allreduce, dpsgd",
+        "data: digits, mnist",
+        "imbalance:",
+        "model: cnn, mlp",
+        "experiment:",
+        "optim: adam, sgd",
+    ):
         assert group in proc.stdout, proc.stdout
     assert "python train.py -m averaging=wagma,allreduce" in proc.stdout
     assert "hydra/launcher=submitit_slurm" in proc.stdout
@@ -84,9 +90,14 @@ def test_a_bad_launch_argument_or_config_is_one_line_and_exit_status_2(tmp_path,
     assert not list(tmp_path.glob("outputs/*/*/metrics_rank*.jsonl"))
 
 
-@pytest.mark.parametrize("args,key", [(("--nproc", "0"), "nproc"),
-                                      pytest.param(("--nproc=2",), "nproc", marks=pytest.mark.slow),
-                                      pytest.param(("--max-restarts", "1"), "max_restarts", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (("--nproc", "0"), "nproc"),
+        pytest.param(("--nproc=2",), "nproc", marks=pytest.mark.slow),
+        pytest.param(("--max-restarts", "1"), "max_restarts", marks=pytest.mark.slow),
+    ],
+)
 def test_a_dashed_launcher_flag_is_one_line_naming_the_override(tmp_path, args, key):
     proc = _train(tmp_path, *args, timeout=60)
     assert proc.returncode == 2 and len(_lines(proc.stderr)) == 1, proc.stderr
@@ -98,21 +109,38 @@ def test_a_dashed_launcher_flag_is_one_line_naming_the_override(tmp_path, args, 
 MOVED = "(a published algorithm kept for comparison; see docs/staleness.md)"
 
 
-@pytest.mark.parametrize("name", ["eager_solo", "eager_majority", "wagma_overlap", "wagma_relaxed_overlap",
-                                  "eager_solo_overlap"])
+@pytest.mark.parametrize(
+    "name", ["eager_solo", "eager_majority", "wagma_overlap", "wagma_relaxed_overlap", "eager_solo_overlap"]
+)
 def test_a_preset_that_moved_to_reference_is_named_where_it_went(name):
     assert presets.override_problems([f"averaging={name}"]) == [
-        f"averaging={name} is not a shipped preset: it is averaging=reference/{name} {MOVED}"]
+        f"averaging={name} is not a shipped preset: it is averaging=reference/{name} {MOVED}"
+    ]
 
 
 def test_every_value_of_a_sweep_and_every_group_is_checked_and_valid_options_pass():
     assert presets.override_problems(["-m", "averaging=wagma,eager_solo", "experiment=eager_solo_random_k"]) == [
         f"averaging=eager_solo is not a shipped preset: it is averaging=reference/eager_solo {MOVED}",
         f"experiment=eager_solo_random_k is not a shipped preset: it is experiment=reference/eager_solo_random_k "
-        f"{MOVED}"]
-    assert presets.override_problems([
-        "--cfg", "job", "averaging=reference/eager_solo", "experiment=wagma_random_k", "model=cnn", "optim.lr=abc",
-        "~imbalance", "experiment=null", "hydra/job_logging=stdout", "averaging=glob(*)"]) == []
+        f"{MOVED}",
+    ]
+    assert (
+        presets.override_problems(
+            [
+                "--cfg",
+                "job",
+                "averaging=reference/eager_solo",
+                "experiment=wagma_random_k",
+                "model=cnn",
+                "optim.lr=abc",
+                "~imbalance",
+                "experiment=null",
+                "hydra/job_logging=stdout",
+                "averaging=glob(*)",
+            ]
+        )
+        == []
+    )
     # another config directory may hold the option: Hydra decides
     assert presets.override_problems(["--config-dir", "/elsewhere", "averaging=mine"]) == []
 
@@ -124,10 +152,12 @@ def test_a_typo_lists_the_closest_options_and_the_shipped_presets(tmp_path):
     (tmp_path / "config.yaml").write_text("steps: 1\n")
     assert presets.override_problems(["averaging=wagmaa"], tmp_path) == [
         "averaging=wagmaa: no such option in configs/averaging/; did you mean averaging=wagma? "
-        "shipped presets: allreduce, wagma; not shipped: candidate/wagma_next"]
+        "shipped presets: allreduce, wagma; not shipped: candidate/wagma_next"
+    ]
     assert presets.override_problems(["averaging=wagma_next"], tmp_path) == [
         "averaging=wagma_next is not a shipped preset: it is averaging=candidate/wagma_next "
-        "(a variant not yet through the accuracy grid a preset needs; see docs/application.md)"]
+        "(a variant not yet through the accuracy grid a preset needs; see docs/application.md)"
+    ]
     shipped = ", ".join(sorted(p.stem for p in (ROOT / "configs" / "averaging").glob("*.yaml")))
     (line,) = presets.override_problems(["averaging=wagmaa"])
     assert line.startswith("averaging=wagmaa: no such option in configs/averaging/; did you mean averaging=wagma ")
@@ -138,7 +168,8 @@ def test_train_py_names_where_a_moved_preset_went_in_one_line(tmp_path):
     proc = _train(tmp_path, "averaging=eager_solo", timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert _lines(proc.stderr) == [
-        f"error: averaging=eager_solo is not a shipped preset: it is averaging=reference/eager_solo {MOVED}"]
+        f"error: averaging=eager_solo is not a shipped preset: it is averaging=reference/eager_solo {MOVED}"
+    ]
     assert not list(tmp_path.iterdir())  # nothing composed, no run directory
 
 
@@ -176,8 +207,15 @@ def test_a_missing_optional_module_is_one_line_naming_the_extra(tmp_path, blocke
 
 @pytest.mark.parametrize(
     "module,extra",
-    [("tensorboard", "app"), ("matplotlib", "app"), ("submitit", "slurm"), ("cupy", "gpu"), ("pynvml", "gpu"),
-     ("sklearn.model_selection", "app"), ("hydra_plugins.hydra_submitit_launcher.config", "slurm")],
+    [
+        ("tensorboard", "app"),
+        ("matplotlib", "app"),
+        ("submitit", "slurm"),
+        ("cupy", "gpu"),
+        ("pynvml", "gpu"),
+        ("sklearn.model_selection", "app"),
+        ("hydra_plugins.hydra_submitit_launcher.config", "slurm"),
+    ],
 )
 def test_missing_dependency_names_the_extra_also_through_an_exception_chain(module, extra):
     try:
@@ -214,10 +252,19 @@ def test_a_sweep_without_matplotlib_skips_the_plots_with_one_line(tmp_path, monk
     job = tmp_path / "0_averaging=allreduce"
     job.mkdir()
     (job / "job.json").write_text(json.dumps({"num": 0, "overrides": ["averaging=allreduce"], "exit": 0}))
-    (job / "summary.json").write_text(json.dumps({
-        "policy": "allreduce", "test_accuracy": 0.9, "samples_per_s": 100.0, "mean_wait_s": 0.001,
-        "global_reductions": 5, "local_reductions": 0, "wall_s": 2.0,
-    }))
+    (job / "summary.json").write_text(
+        json.dumps(
+            {
+                "policy": "allreduce",
+                "test_accuracy": 0.9,
+                "samples_per_s": 100.0,
+                "mean_wait_s": 0.001,
+                "global_reductions": 5,
+                "local_reductions": 0,
+                "wall_s": 2.0,
+            }
+        )
+    )
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert sweep.report(tmp_path) == 0
     out = capsys.readouterr().out
@@ -248,8 +295,18 @@ def test_python_train_py_starts_its_own_ranks_and_prints_the_summary(tmp_path):
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
     assert len(run_dirs) == 1
     names = sorted(p.name for p in run_dirs[0].iterdir())
-    assert names == [".hydra", "checkpoints", "job.json", "metrics.csv", "metrics_rank0.jsonl", "metrics_rank1.jsonl",
-                     "model.pt", "summary.json", "tensorboard", "train.log"], names
+    assert names == [
+        ".hydra",
+        "checkpoints",
+        "job.json",
+        "metrics.csv",
+        "metrics_rank0.jsonl",
+        "metrics_rank1.jsonl",
+        "model.pt",
+        "summary.json",
+        "tensorboard",
+        "train.log",
+    ], names
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 40 and summary["policy"] == "local_sgd"
     assert "policy        local_sgd on 2 rank(s), 40 steps" in proc.stdout
@@ -262,14 +319,22 @@ def test_python_train_py_starts_its_own_ranks_and_prints_the_summary(tmp_path):
 @pytest.mark.timeout(480)  # two jobs of fresh ranks: about 45 s alone, several minutes on a loaded 2-core machine
 def test_a_multirun_starts_fresh_ranks_per_job_and_ends_with_a_table_and_plots(tmp_path):
     out = tmp_path / "sweep"
-    proc = _train(tmp_path, "-m", "averaging=allreduce,local_sgd", "steps=20,0", "nproc=2", "progress=false",
-                  f"hydra.sweep.dir={out}", timeout=450)
+    proc = _train(
+        tmp_path,
+        "-m",
+        "averaging=allreduce,local_sgd",
+        "steps=20,0",
+        "nproc=2",
+        "progress=false",
+        f"hydra.sweep.dir={out}",
+        timeout=450,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]  # the two steps=0 jobs fail their check, the others run
     rows = json.loads((out / "sweep.json").read_text())
     assert [(r["summary"] or {}).get("policy") for r in rows] == ["allreduce", None, "local_sgd", None]
     assert [r["exit"] for r in rows] == [0, 2, 0, 2]
     assert _lines(proc.stderr).count("job 1: error: invalid configuration: steps must be an integer >= 1, got 0") == 1
-    table = proc.stdout[proc.stdout.index("job "):]
+    table = proc.stdout[proc.stdout.index("job ") :]
     assert "0_averaging=allreduce,steps=20  allreduce" in table and "failed (exit status 2)" in table
     for png in ("accuracy_vs_time.png", "throughput.png"):
         assert (out / png).stat().st_size > 1000
@@ -280,8 +345,18 @@ def test_a_multirun_starts_fresh_ranks_per_job_and_ends_with_a_table_and_plots(t
 
 @pytest.mark.slow
 def test_a_multirun_under_torchrun_is_refused_once(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           "-m", "averaging=allreduce,local_sgd", "progress=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        "-m",
+        "averaging=allreduce,local_sgd",
+        "progress=false",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=170)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
@@ -294,8 +369,17 @@ def test_a_multirun_under_torchrun_is_refused_once(tmp_path):
 def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     out = tmp_path / "sweep"
-    proc = _train(tmp_path, "-m", "hydra/launcher=submitit_local", "averaging=allreduce,local_sgd", "nproc=1",
-                  "steps=10", "progress=false", f"hydra.sweep.dir={out}", timeout=450)
+    proc = _train(
+        tmp_path,
+        "-m",
+        "hydra/launcher=submitit_local",
+        "averaging=allreduce,local_sgd",
+        "nproc=1",
+        "steps=10",
+        "progress=false",
+        f"hydra.sweep.dir={out}",
+        timeout=450,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
     rows = json.loads((out / "sweep.json").read_text())
@@ -305,9 +389,12 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
 
 
 def test_the_accuracy_curve_follows_the_periodic_evaluations_in_training_time(tmp_path):
-    records = [{"step": 10, "step_s": 0.1}, {"step": 20, "step_s": 0.2, "test_accuracy": 0.5},
-               {"step": 30, "step_s": 0.1, "test_accuracy": 0.7}]
-    (tmp_path / "metrics_rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n{\"step\": 3")
+    records = [
+        {"step": 10, "step_s": 0.1},
+        {"step": 20, "step_s": 0.2, "test_accuracy": 0.5},
+        {"step": 30, "step_s": 0.1, "test_accuracy": 0.7},
+    ]
+    (tmp_path / "metrics_rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + '\n{"step": 3')
     row = {"dir": str(tmp_path), "summary": {"test_accuracy": 0.8, "wall_s": 9.0}}
     times, accuracies = sweep._accuracy_curve(row)
     assert times == pytest.approx([3.0, 4.0, 4.0]) and accuracies == pytest.approx([50.0, 70.0, 80.0])

@@ -129,11 +129,22 @@ def _build(code: str, out_dir: Path) -> tuple[ctypes.CDLL, set[str]]:
     pre = subprocess.run([*common, "-E", str(src)], capture_output=True, text=True, timeout=120)
     assert pre.returncode == 0, pre.stderr
     names = set(re.findall(r'extern "C" void (wagma_\w+)\s*\(', pre.stdout))
-    assert names, "no extern \"C\" kernels found in the source"
+    assert names, 'no extern "C" kernels found in the source'
     src.write_text(PRELUDE + code + LAUNCHER + "".join(f"WAGMA_EMULATE({n})\n" for n in sorted(names)))
     lib = out_dir / "averaging_host.so"
-    cmd = [*common, "-O2", "-ffp-contract=off", "-fno-fast-math", "-Wall", "-Werror", "-shared", "-fPIC",
-           "-o", str(lib), str(src)]
+    cmd = [
+        *common,
+        "-O2",
+        "-ffp-contract=off",
+        "-fno-fast-math",
+        "-Wall",
+        "-Werror",
+        "-shared",
+        "-fPIC",
+        "-o",
+        str(lib),
+        str(src),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
     return ctypes.CDLL(str(lib)), names
@@ -216,8 +227,24 @@ GUARD = 37  # elements past the end of every buffer, which no kernel may touch
 def _special_values(dtype: torch.dtype) -> list[float]:
     info = torch.finfo(dtype)
     sub = info.smallest_normal
-    return [0.0, -0.0, float("inf"), float("-inf"), float("nan"), sub, -sub, sub / 2, sub / 8, -sub / 4,
-            info.tiny / 1024, info.max, -info.max, info.eps, 1.0 + info.eps, 1.0 / 3.0]
+    return [
+        0.0,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        sub,
+        -sub,
+        sub / 2,
+        sub / 8,
+        -sub / 4,
+        info.tiny / 1024,
+        info.max,
+        -info.max,
+        info.eps,
+        1.0 + info.eps,
+        1.0 / 3.0,
+    ]
 
 
 def _buffer(n: int, dtype: torch.dtype, seed: int, special: bool = True) -> torch.Tensor:
@@ -242,8 +269,10 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     differ = (_bits(got) != _bits(want)) & ~nan_want
     if differ.any():
         i = int(differ.nonzero()[0])
-        raise AssertionError(f"{what}: {int(differ.sum())} elements differ, first at {i}: "
-                             f"kernel {got[i].item()!r}, reference {want[i].item()!r}")
+        raise AssertionError(
+            f"{what}: {int(differ.sum())} elements differ, first at {i}: "
+            f"kernel {got[i].item()!r}, reference {want[i].item()!r}"
+        )
 
 
 # name -> (dtypes of the buffers, extra arguments, the reference)
@@ -261,8 +290,11 @@ PUBLIC = {"reduction_momentum_nesterov": "reduction_momentum_", "residual_take_a
 
 
 # pack/unpack are fp32 <-> bf16 only; every other case runs in each kernel dtype.
-CASE_DTYPES = [(case, dtype) for case, (kinds, _, _) in CASES.items()
-               for dtype in ([torch.float32] if "x" not in kinds else list(K.KERNEL_DTYPES))]
+CASE_DTYPES = [
+    (case, dtype)
+    for case, (kinds, _, _) in CASES.items()
+    for dtype in ([torch.float32] if "x" not in kinds else list(K.KERNEL_DTYPES))
+]
 
 
 @pytest.mark.parametrize("case,dtype", CASE_DTYPES, ids=[f"{c}-{str(d)[6:]}" for c, d in CASE_DTYPES])
@@ -270,7 +302,7 @@ CASE_DTYPES = [(case, dtype) for case, (kinds, _, _) in CASES.items()
 def test_emulated_kernels_equal_references_bit_for_bit(emulated, case, dtype, n, sms):
     emulated.sms = sms
     _compare_with_reference(case, dtype, n, "cpu")
-    (name, grid, block), = _launches(emulated)
+    ((name, grid, block),) = _launches(emulated)
     assert name.startswith("wagma_") and block == K._BLOCK
     assert grid == max(1, min(-(-n // K._BLOCK), sms * K._BLOCKS_PER_SM))
 

@@ -61,8 +61,16 @@ def _check_ptx(text: str) -> None:
 def test_every_launched_kernel_is_exported(tmp_path):
     # The harshest flags: FTZ (which CuPy always passes) and fast math must change nothing.
     ptx = tmp_path / "averaging.ptx"
-    cmd = ["nvcc", "-arch=sm_80", "--ptx", "-ftz=true", "-use_fast_math", "-o", str(ptx),
-           str(REPO / "cuda" / K.SOURCE_FILE)]
+    cmd = [
+        "nvcc",
+        "-arch=sm_80",
+        "--ptx",
+        "-ftz=true",
+        "-use_fast_math",
+        "-o",
+        str(ptx),
+        str(REPO / "cuda" / K.SOURCE_FILE),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     _check_ptx(ptx.read_text())
@@ -128,10 +136,30 @@ def test_the_wheel_ships_every_module_and_the_cuda_sources_from_their_one_place(
     # sources that no longer reach the wheel, fail here. Built from a copy (setuptools leaves build/ behind,
     # which a later build would reuse) without isolation (setuptools from this venv).
     src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".*", "__pycache__", "build", "*.egg-info", "outputs",
-                                                              "multirun", "runs", "benchmarks", "tests"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, timeout=150)
+    shutil.copytree(
+        REPO,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".*", "__pycache__", "build", "*.egg-info", "outputs", "multirun", "runs", "benchmarks", "tests"
+        ),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=150,
+    )
     (wheel,) = tmp_path.glob("wagma-*.whl")
     import zipfile
 
@@ -404,11 +432,18 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     calls = []
     monkeypatch.setattr(K, "_use_kernel", lambda t: True)
     monkeypatch.setattr(K, "_launch", lambda name, args, n: calls.append((name, args, n)) or True)
-    scalar_types = {"inv_divisor": np.float32, "mu": np.float32, "lr": np.float32, "scale": np.float32,
-                    "nesterov": np.int32}
+    scalar_types = {
+        "inv_divisor": np.float32,
+        "mu": np.float32,
+        "lr": np.float32,
+        "scale": np.float32,
+        "nesterov": np.int32,
+    }
     for dtype, sfx in K.KERNEL_DTYPES.items():
-        t = {k: torch.zeros(5, dtype=dtype) for k in ["w", "sum", "anchor", "velocity", "average", "residual",
-                                                       "grad", "out"]}
+        t = {
+            k: torch.zeros(5, dtype=dtype)
+            for k in ["w", "sum", "anchor", "velocity", "average", "residual", "grad", "out"]
+        }
         cases = [
             (f"wagma_combine_{sfx}", lambda: K.wagma_combine_(t["w"], t["sum"], 3.0)),
             (f"wagma_momentum_{sfx}", lambda: K.reduction_momentum_(t["anchor"], t["velocity"], t["average"], 0.5)),
@@ -423,7 +458,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
         for expected_name, call in cases:
             calls.clear()
             call()
-            (name, args, n), = calls
+            ((name, args, n),) = calls
             assert name == expected_name and n == 5
             *arg_names, last = params[name]
             assert last == "n" and len(args) == len(arg_names), name

@@ -45,11 +45,24 @@ def _output(cwd: Path) -> str:
 
 
 def _torchrun(cwd: Path, *overrides: str, nproc: int, flags: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-    return _start(cwd, [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "--log-dir", str(cwd / "logs"), "--redirects", "3", *flags,
-        str(ROOT / "train.py"), "progress=false", *overrides,
-    ])
+    return _start(
+        cwd,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "--log-dir",
+            str(cwd / "logs"),
+            "--redirects",
+            "3",
+            *flags,
+            str(ROOT / "train.py"),
+            "progress=false",
+            *overrides,
+        ],
+    )
 
 
 def _wait_until(cond: Callable[[], object], timeout_s: float, what: str) -> object:
@@ -112,8 +125,15 @@ def _rank_log(cwd: Path, rank: int) -> str:
 def test_a_frozen_rank_is_named_by_every_survivor_and_in_torchruns_report(tmp_path, policy, frozen):
     run_dir = tmp_path / "run"
     timeouts = ("dist_timeout_s=8", "failure_report_s=2") + (("averaging.timeout_s=8",) if policy == "wagma" else ())
-    proc = _torchrun(tmp_path, f"averaging={policy}", "steps=1000000", "checkpoint_every=0", *timeouts,
-                     f"hydra.run.dir={run_dir}", nproc=4)
+    proc = _torchrun(
+        tmp_path,
+        f"averaging={policy}",
+        "steps=1000000",
+        "checkpoint_every=0",
+        *timeouts,
+        f"hydra.run.dir={run_dir}",
+        nproc=4,
+    )
     try:
         pids = _rank_pids(proc.pid, 4)
         _wait_until(lambda: _has_records(run_dir / f"metrics_rank{frozen}.jsonl"), 90, "training to start")
@@ -134,7 +154,7 @@ def test_a_frozen_rank_is_named_by_every_survivor_and_in_torchruns_report(tmp_pa
         log = _rank_log(tmp_path, rank)
         assert f"rank(s) [{frozen}] did not arrive at step" in log, (rank, log[-3000:])
     report = _output(tmp_path)
-    root_cause = report[report.index("Root Cause"):]
+    root_cause = report[report.index("Root Cause") :]
     assert f"rank(s) [{frozen}] did not arrive at step" in root_cause, report[-3000:]
     # The collective's timeout (8 s) plus the roll call (2 s) plus slack: no fixed extra wait on top, and no
     # teardown held by the broken group (that took about 7 s more before exit_at_once_on_failure).
@@ -196,10 +216,17 @@ def _train_freezing_in_checkpoint(rank: int, world_size: int, cfg: object) -> st
 @pytest.mark.slow  # 26 s: a real SIGSTOP in a training world
 def test_a_rank_frozen_before_a_checkpoint_is_named_too(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose("config", overrides=[
-            "averaging=allreduce", "steps=100", "progress=false", "checkpoint_every=10", "failure_report_s=1",
-            f"run_dir={tmp_path / 'run'}",
-        ])
+        cfg = compose(
+            "config",
+            overrides=[
+                "averaging=allreduce",
+                "steps=100",
+                "progress=false",
+                "checkpoint_every=10",
+                "failure_report_s=1",
+                f"run_dir={tmp_path / 'run'}",
+            ],
+        )
     outcomes = run_workers_outcomes(_train_freezing_in_checkpoint, 3, cfg, timeout_s=25, collective_timeout_s=4)
     assert not outcomes[2].ok  # frozen, then killed by the harness
     for rank in (0, 1):
@@ -233,12 +260,19 @@ def _train_freezing_in_final_phase(rank: int, world_size: int, cfg: object, wher
 def test_a_rank_frozen_in_the_final_phase_is_named_too(tmp_path, where):
     # checkpoint_every=0 and eval_every=0: the final checkpoint and the test evaluation are the only calls.
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose("config", overrides=[
-            "averaging=allreduce", "steps=20", "progress=false", "checkpoint_every=0", "eval_every=0",
-            "failure_report_s=1", f"run_dir={tmp_path / 'run'}",
-        ])
-    outcomes = run_workers_outcomes(_train_freezing_in_final_phase, 3, cfg, where, timeout_s=60,
-                                    collective_timeout_s=4)
+        cfg = compose(
+            "config",
+            overrides=[
+                "averaging=allreduce",
+                "steps=20",
+                "progress=false",
+                "checkpoint_every=0",
+                "eval_every=0",
+                "failure_report_s=1",
+                f"run_dir={tmp_path / 'run'}",
+            ],
+        )
+    outcomes = run_workers_outcomes(_train_freezing_in_final_phase, 3, cfg, where, timeout_s=60, collective_timeout_s=4)
     assert not outcomes[2].ok  # frozen, then killed by rank 0
     for rank in (0, 1):
         message = outcomes[rank].value
@@ -253,8 +287,13 @@ def test_a_rank_frozen_in_the_final_phase_is_named_too(tmp_path, where):
 def torchrun_env(monkeypatch):
     """This process as rank 1 of 2 under torchrun, with a store of its own standing in for torchrun's."""
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": f"t{time.time_ns()}"}.items():
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "TORCHELASTIC_RUN_ID": f"t{time.time_ns()}",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     return server
@@ -293,8 +332,9 @@ def test_a_failed_process_exits_without_teardown_after_flushing_its_report(tmp_p
         "    logging.getLogger('x').error('logged')\n"
         f"    raise SystemExit({code})\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "log")], env=_env(), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "log")], env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == code and proc.stdout.startswith("reported")
     assert ("teardown ran" in proc.stdout) == (code == 0)  # a failure skips the interpreter's teardown
     assert "logged" in (tmp_path / "log").read_text()
@@ -307,13 +347,20 @@ def test_a_failed_process_exits_without_teardown_after_flushing_its_report(tmp_p
 def test_max_restarts_resumes_a_job_that_lost_a_rank_and_finishes_its_steps(tmp_path):
     steps = 300
     proc = _torchrun(
-        tmp_path, "averaging=allreduce", f"steps={steps}", "checkpoint_every=20", "imbalance=persistent",
-        "imbalance.base_s=0.01", nproc=2, flags=("--max-restarts", "1"),
+        tmp_path,
+        "averaging=allreduce",
+        f"steps={steps}",
+        "checkpoint_every=20",
+        "imbalance=persistent",
+        "imbalance.base_s=0.01",
+        nproc=2,
+        flags=("--max-restarts", "1"),
     )
     try:
         pids = _rank_pids(proc.pid, 2)
-        latest = _wait_until(lambda: list(tmp_path.glob("outputs/*/*/checkpoints/step_*/meta.json")), 90,
-                             "a complete checkpoint")
+        latest = _wait_until(
+            lambda: list(tmp_path.glob("outputs/*/*/checkpoints/step_*/meta.json")), 90, "a complete checkpoint"
+        )
         os.kill(pids[1], signal.SIGKILL)
         proc.wait(timeout=150)
     finally:
@@ -357,8 +404,9 @@ def _spawned_ranks(parent: int, nproc: int) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_python_train_py_ends_every_rank(tmp_path, sig):
     run_dir = tmp_path / "run"
-    proc = _train_py(tmp_path, "nproc=2", "averaging=allreduce", "steps=1000000", f"hydra.run.dir={run_dir}",
-                     start_new_session=True)
+    proc = _train_py(
+        tmp_path, "nproc=2", "averaging=allreduce", "steps=1000000", f"hydra.run.dir={run_dir}", start_new_session=True
+    )
     try:
         _spawned_ranks(proc.pid, 2)
         _wait_until(lambda: _has_records(run_dir / "metrics_rank1.jsonl"), 90, "training to start")
@@ -382,8 +430,17 @@ def test_a_signal_to_python_train_py_ends_every_rank(tmp_path, sig):
 @pytest.mark.slow
 def test_python_train_py_max_restarts_resumes_a_job_that_lost_a_rank(tmp_path):
     steps, run_dir = 300, tmp_path / "run"
-    proc = _train_py(tmp_path, "nproc=2", "max_restarts=1", "averaging=allreduce", f"steps={steps}",
-                     "checkpoint_every=20", "imbalance=persistent", "imbalance.base_s=0.01", f"hydra.run.dir={run_dir}")
+    proc = _train_py(
+        tmp_path,
+        "nproc=2",
+        "max_restarts=1",
+        "averaging=allreduce",
+        f"steps={steps}",
+        "checkpoint_every=20",
+        "imbalance=persistent",
+        "imbalance.base_s=0.01",
+        f"hydra.run.dir={run_dir}",
+    )
     try:
         ranks = _spawned_ranks(proc.pid, 2)
         _wait_until(lambda: list(run_dir.glob("checkpoints/step_*/meta.json")), 90, "a complete checkpoint")
@@ -416,6 +473,7 @@ def _train_deleting_run_dir(rank: int, world_size: int, cfg: object) -> str:
         if done == 5 and rank == 0:
             for path in Path(cfg.run_dir).glob("metrics_rank*.jsonl"):
                 path.unlink()
+
     try:
         train(cfg, step_callback=delete_at_step_5)
     except RuntimeError as err:
@@ -425,9 +483,16 @@ def _train_deleting_run_dir(rank: int, world_size: int, cfg: object) -> str:
 
 def test_a_run_directory_deleted_mid_run_fails_every_rank_clearly(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose("config", overrides=[
-            "averaging=allreduce", "steps=60", "progress=false", "checkpoint_every=0", f"run_dir={tmp_path / 'run'}",
-        ])
+        cfg = compose(
+            "config",
+            overrides=[
+                "averaging=allreduce",
+                "steps=60",
+                "progress=false",
+                "checkpoint_every=0",
+                f"run_dir={tmp_path / 'run'}",
+            ],
+        )
     messages = [o.value for o in run_workers_outcomes(_train_deleting_run_dir, 2, cfg) if o.ok]
     assert len(messages) == 2 and all("was deleted while rank" in m for m in messages), messages
 
@@ -435,8 +500,9 @@ def test_a_run_directory_deleted_mid_run_fails_every_rank_clearly(tmp_path):
 @pytest.mark.slow
 def test_sigterm_stops_the_whole_sweep_not_only_its_current_job(tmp_path):
     out = tmp_path / "sweep"
-    proc = _train_py(tmp_path, "-m", "nproc=2", "averaging=allreduce,local_sgd", "steps=1000000",
-                     f"hydra.sweep.dir={out}")
+    proc = _train_py(
+        tmp_path, "-m", "nproc=2", "averaging=allreduce,local_sgd", "steps=1000000", f"hydra.sweep.dir={out}"
+    )
     try:
         _wait_until(lambda: list(out.glob("*/metrics_rank1.jsonl")), 90, "the first job to train")
         tree = descendants(proc.pid)
@@ -500,7 +566,11 @@ def test_a_rank_that_starts_late_does_not_fail_a_group_with_a_short_timeout(tmp_
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "5"],
-        capture_output=True, text=True, timeout=100, env=env | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env | {"OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "rank 0: sum 2" in proc.stdout and "rank 1: sum 2" in proc.stdout
@@ -520,8 +590,9 @@ def test_the_launch_config_fits_torch_versions_with_and_without_a_shutdown_timeo
     if "shutdown_timeout" in {f.name for f in dc.fields(api.LaunchConfig)}:
         assert config.shutdown_timeout == int(run.STOP_GRACE_S)
     fields = [(f.name, f.type, f) for f in dc.fields(api.LaunchConfig) if f.name != "shutdown_timeout"]
-    older = dc.make_dataclass("LaunchConfig", [(n, t, dc.field(default=f.default, default_factory=f.default_factory))
-                                               for n, t, f in fields])
+    older = dc.make_dataclass(
+        "LaunchConfig", [(n, t, dc.field(default=f.default, default_factory=f.default_factory)) for n, t, f in fields]
+    )
     monkeypatch.setattr(api, "LaunchConfig", older)
     config = run._launch_config(3, 0)
     assert type(config) is older and config.nproc_per_node == 3

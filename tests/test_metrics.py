@@ -45,7 +45,12 @@ def test_metrics_writer_appends_and_truncates_for_resume(tmp_path):
     records = read_metrics(tmp_path, 2)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert {k: v for k, v in records[1].items() if k not in ("time", "elapsed_s")} == {
-        "step": 2, "rank": 2, "loss": 0.5, "wait_s": 0.001, "extra_field": [1, 2], "bad": None,
+        "step": 2,
+        "rank": 2,
+        "loss": 0.5,
+        "wait_s": 0.001,
+        "extra_field": [1, 2],
+        "bad": None,
     }
     with MetricsWriter(tmp_path, 2, keep_through=3) as w:  # resumed from the checkpoint of step 3
         w.write(4, loss=0.1)
@@ -93,15 +98,33 @@ def test_csv_has_a_fixed_header_matches_the_jsonl_and_is_truncated_on_resume(tmp
 def test_tensorboard_events_hold_the_scalar_tags_and_a_resume_replaces_the_steps_after_its_checkpoint(tmp_path):
     with MetricsWriter(tmp_path, 0, keep_through=0, with_tensorboard=True) as w:
         for step in range(1, 11):
-            w.write(step, loss=1.0, samples_per_s=500.0, wait_s=0.002, reductions=step, staleness=0.5,
-                    staleness_hist={0: 1}, gpu_util_pct=30.0, steps_in_record=1)
+            w.write(
+                step,
+                loss=1.0,
+                samples_per_s=500.0,
+                wait_s=0.002,
+                reductions=step,
+                staleness=0.5,
+                staleness_hist={0: 1},
+                gpu_util_pct=30.0,
+                steps_in_record=1,
+            )
     with MetricsWriter(tmp_path, 0, keep_through=5, with_tensorboard=True) as w:  # resumed from step 5
         for step in range(6, 9):
             w.write(step, loss=2.0, samples_per_s=500.0, wait_s=0.002, reductions=step, staleness=0.5)
         w.add_scalars(8, {"test_accuracy": 0.9, "test_loss": 0.3, "step": 8})
     scalars = _scalars(tmp_path)
-    assert {"train/loss", "train/samples_per_s", "train/wait_s", "policy/reductions", "policy/staleness",
-            "train/elapsed_s", "gpu/util_pct", "eval/test_accuracy", "eval/test_loss"} == set(scalars)
+    assert {
+        "train/loss",
+        "train/samples_per_s",
+        "train/wait_s",
+        "policy/reductions",
+        "policy/staleness",
+        "train/elapsed_s",
+        "gpu/util_pct",
+        "eval/test_accuracy",
+        "eval/test_loss",
+    } == set(scalars)
     assert scalars["train/loss"] == [(s, 1.0) for s in range(1, 6)] + [(s, 2.0) for s in range(6, 9)]
     assert scalars["eval/test_accuracy"] == [(8, pytest.approx(0.9))]
     assert tensorboard_tag("consensus") == "eval/consensus" and tensorboard_tag("compute_s") == "train/compute_s"
@@ -109,9 +132,10 @@ def test_tensorboard_events_hold_the_scalar_tags_and_a_resume_replaces_the_steps
 
 def test_without_tensorboard_one_warning_and_the_metrics_go_on(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    with caplog.at_level(logging.WARNING, logger="wagma.app.metrics"), MetricsWriter(
-        tmp_path, 0, with_csv=True, with_tensorboard=True
-    ) as w:
+    with (
+        caplog.at_level(logging.WARNING, logger="wagma.app.metrics"),
+        MetricsWriter(tmp_path, 0, with_csv=True, with_tensorboard=True) as w,
+    ):
         for step in range(1, 4):
             w.write(step, loss=1.0)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -195,7 +219,8 @@ def test_a_default_run_evaluates_periodically_and_writes_csv_tensorboard_and_a_t
     summary = json.loads((tmp_path / "summary.json").read_text())
     periodic = next(r["test_accuracy"] for r in records if "test_accuracy" in r)
     assert scalars["eval/test_accuracy"] == [
-        (eval_every, pytest.approx(periodic)), (steps, pytest.approx(summary["test_accuracy"])),  # + the final one
+        (eval_every, pytest.approx(periodic)),
+        (steps, pytest.approx(summary["test_accuracy"])),  # + the final one
     ]
 
     assert summary["startup_s"] > 0 and summary["train_s"] > 0 and summary["finish_s"] >= 0
@@ -212,7 +237,9 @@ def _train_with_stderr(rank: int, world_size: int, cfg, path: str, terminal: boo
             return True
 
     raw = open(path, "wb")  # closed below
-    sys.stderr = _Tty(raw, encoding="utf-8", line_buffering=True) if terminal else io.TextIOWrapper(raw, line_buffering=True)
+    sys.stderr = (
+        _Tty(raw, encoding="utf-8", line_buffering=True) if terminal else io.TextIOWrapper(raw, line_buffering=True)
+    )
     try:
         return train(cfg)
     finally:
@@ -259,9 +286,21 @@ def test_a_failing_run_leaves_complete_metrics_csv_and_tensorboard_files(tmp_pat
 
 def test_the_printed_summary_separates_start_up_from_training_and_shows_the_staleness():
     summary = {
-        "policy": "wagma", "world_size": 4, "steps": 300, "test_accuracy": 0.97, "samples_per_s": 30000.0,
-        "mean_wait_s": 0.0035, "mean_step_s": 0.0042, "global_reductions": 27, "local_reductions": 273,
-        "staleness": 0.37, "staleness_max": 3, "startup_s": 2.25, "train_s": 2.5, "finish_s": 0.15, "wall_s": 4.9,
+        "policy": "wagma",
+        "world_size": 4,
+        "steps": 300,
+        "test_accuracy": 0.97,
+        "samples_per_s": 30000.0,
+        "mean_wait_s": 0.0035,
+        "mean_step_s": 0.0042,
+        "global_reductions": 27,
+        "local_reductions": 273,
+        "staleness": 0.37,
+        "staleness_max": 3,
+        "startup_s": 2.25,
+        "train_s": 2.5,
+        "finish_s": 0.15,
+        "wall_s": 4.9,
     }
     text = format_summary(summary)
     assert "mean staleness 0.37 rounds (max 3)" in text

@@ -30,10 +30,26 @@ def test_two_torchrun_agents_rendezvous_into_one_job(tmp_path):
     run_dir = tmp_path / "run"
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
-             str(ROOT / "train.py"), "averaging=wagma", "steps=12", "progress=false", f"hydra.run.dir={run_dir}"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=two-nodes",
+                str(ROOT / "train.py"),
+                "averaging=wagma",
+                "steps=12",
+                "progress=false",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for _ in range(2)
     ]

@@ -80,7 +80,8 @@ def test_check_rank_net_names_what_is_wrong_in_one_line():
     assert check_rank_net("200mb", 2).startswith("rank_net must be null (no network) or a rate: a number and kbit")
     assert check_rank_net("200mbit", 2, 4) == (
         "rank_net=200mbit puts the ranks of one host on a network of their own, but this job spans more than one host "
-        "(2 local of 4 ranks): run a multi-node job without rank_net")
+        "(2 local of 4 ranks): run a multi-node job without rank_net"
+    )
     assert "at most 253 ranks" in check_rank_net("200mbit", 300, 300)
     assert "on CUDA devices they send through NCCL" in check_rank_net("200mbit", 2, 2, device="cuda")
     for line in (check_rank_net("x", 2), check_rank_net("1gbit", 2, 4)):
@@ -98,14 +99,16 @@ def test_check_rank_net_names_a_missing_tool(monkeypatch, fresh_host_check):
     monkeypatch.setattr(network.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
     assert check_rank_net("200mbit", 2, 2) == (
         "rank_net needs the tc command(s) of iproute2, which this host does not have on PATH: install iproute2 or "
-        "run without rank_net")
+        "run without rank_net"
+    )
 
 
 def test_check_rank_net_names_a_user_without_root(monkeypatch, fresh_host_check):
     monkeypatch.setattr(network.os, "geteuid", lambda: 1000)
     assert check_rank_net("200mbit", 2, 2) == (
         "rank_net needs root (CAP_NET_ADMIN) to create network namespaces, veths and a bridge, and this process runs "
-        "as uid 1000: run as root or without rank_net")
+        "as uid 1000: run as root or without rank_net"
+    )
 
 
 @needs_net
@@ -114,14 +117,16 @@ def test_check_rank_net_names_a_host_without_tbf(monkeypatch, fresh_host_check):
 
     def no_tbf(argv, stdin=None):
         if argv[0] == "tc" and "tbf" in argv:
-            raise network.NetworkError(f"{' '.join(argv)}: Error: Specified qdisc kind is unknown.",
-                                       "Error: Specified qdisc kind is unknown.")
+            raise network.NetworkError(
+                f"{' '.join(argv)}: Error: Specified qdisc kind is unknown.", "Error: Specified qdisc kind is unknown."
+            )
         return real(argv, stdin)
 
     monkeypatch.setattr(network, "_run", no_tbf)
     assert check_rank_net("200mbit", 2, 2) == (
         "rank_net: the tbf qdisc could not be made (Error: Specified qdisc kind is unknown.); this host cannot shape "
-        "a rank's link: run without rank_net")
+        "a rank's link: run without rank_net"
+    )
     assert not [n for n in os.listdir("/sys/class/net") if n.startswith("wgt")]  # the trial's links are gone
 
 
@@ -147,8 +152,13 @@ def _where(rank: int, world: int) -> dict:
     threads = {os.stat(f"/proc/self/task/{tid}/ns/net").st_ino for tid in os.listdir("/proc/self/task")}
     data = torch.full((4,), float(rank))
     dist.all_reduce(data)
-    return {"netns": os.stat("/proc/thread-self/ns/net").st_ino, "threads": threads, "sum": float(data[0]),
-            "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "rate": network.current().rate}
+    return {
+        "netns": os.stat("/proc/thread-self/ns/net").st_ino,
+        "threads": threads,
+        "sum": float(data[0]),
+        "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "rate": network.current().rate,
+    }
 
 
 @needs_net
@@ -221,8 +231,9 @@ def test_a_killed_rank_is_removed_by_its_reaper_and_a_killed_reaper_by_the_sweep
         deadline = time.monotonic() + 20
         while namespace_name(job, 0) in leftovers(job) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert sorted(leftovers(job)) == sorted([namespace_name(job, 1), namespace_name(job, 2), veth_name(job, 1),
-                                                 veth_name(job, 2), bridge_name(job)])
+        assert sorted(leftovers(job)) == sorted(
+            [namespace_name(job, 1), namespace_name(job, 2), veth_name(job, 1), veth_name(job, 2), bridge_name(job)]
+        )
         removed = remove_stale_networks()
         assert namespace_name(job, 1) in removed and veth_name(job, 1) in removed
         assert namespace_name(job, 2) in leftovers(job)  # rank 2 is alive: not stale
@@ -264,8 +275,18 @@ def _train_noting_netns(rank: int, world_size: int, cfg) -> dict:
 
 def _quick_cfg(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        return compose("config", overrides=["progress=false", "steps=6", "eval_every=0", "checkpoint_every=0",
-                                            "averaging=allreduce", "device=cpu", *overrides])
+        return compose(
+            "config",
+            overrides=[
+                "progress=false",
+                "steps=6",
+                "eval_every=0",
+                "checkpoint_every=0",
+                "averaging=allreduce",
+                "device=cpu",
+                *overrides,
+            ],
+        )
 
 
 @needs_net
@@ -291,20 +312,41 @@ def test_train_refuses_rank_net_when_the_process_group_came_first(tmp_path):
         pytest.skip(f"cannot make rank networks here: {_WHY}")  # validate_config would refuse first
     outcomes = run_workers_outcomes(_train, 2, cfg, timeout_s=120)
     assert not any(o.ok for o in outcomes)
-    assert "rank_net=200mbit: the process group was made before train() could put this rank on its network" in \
-        outcomes[0].error
+    assert (
+        "rank_net=200mbit: the process group was made before train() could put this rank on its network"
+        in outcomes[0].error
+    )
 
 
 # Whole launches: python train.py (the elastic launcher in the process) and torchrun.
 
+
 def _launch(tmp_path: Path, *overrides: str, torchrun: int = 0) -> subprocess.Popen:
-    head = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
-            if torchrun else [sys.executable])
+    head = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+        if torchrun
+        else [sys.executable]
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
     return subprocess.Popen(
-        [*head, str(ROOT / "train.py"), "progress=false", "eval_every=0", "checkpoint_every=0", "device=cpu",
-         "averaging=allreduce", f"run_dir={tmp_path}", f"hydra.run.dir={tmp_path}/hydra", *overrides],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            *head,
+            str(ROOT / "train.py"),
+            "progress=false",
+            "eval_every=0",
+            "checkpoint_every=0",
+            "device=cpu",
+            "averaging=allreduce",
+            f"run_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}/hydra",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -372,8 +414,12 @@ def test_a_killed_rank_fails_the_job_and_leaves_no_network_and_no_cgroup(tmp_pat
         assert _ranks_on_network(job, 2), proc.stdout.read() if proc.poll() is not None else "no namespaces"
         time.sleep(1.0)
         # the rank's own environ is its spawn's; its reaper's, started from it, has RANK: the rank is its parent
-        reaper = next(pid for pid in descendants(proc.pid) if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()
-                      and b"network.py" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        reaper = next(
+            pid
+            for pid in descendants(proc.pid)
+            if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()
+            and b"network.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
         os.kill(int(Path(f"/proc/{reaper}/stat").read_text().rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
         output, _ = proc.communicate(timeout=90)
         assert proc.returncode != 0 and "rank 1 failed: Signal 9 (SIGKILL)" in output, output
@@ -415,11 +461,14 @@ def test_python_train_py_stops_with_one_line_for_a_bad_rate(tmp_path):
     output, _ = proc.communicate(timeout=170)
     assert proc.returncode == 2
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert errors == ["error: invalid configuration: rank_net must be null (no network) or a rate: a number and kbit, "
-                      "mbit or gbit, e.g. 500kbit, 100mbit, 1gbit; got 'fast'"], output
+    assert errors == [
+        "error: invalid configuration: rank_net must be null (no network) or a rate: a number and kbit, "
+        "mbit or gbit, e.g. 500kbit, 100mbit, 1gbit; got 'fast'"
+    ], output
 
 
 # The benchmarks: run.py and accuracy.py (forked ranks), chaos.py (torchrun).
+
 
 def test_the_accuracy_grid_runs_each_rate_as_a_cell_of_its_own(tmp_path, monkeypatch):
     from benchmarks import accuracy
@@ -428,14 +477,37 @@ def test_the_accuracy_grid_runs_each_rate_as_a_cell_of_its_own(tmp_path, monkeyp
 
     def fake_run(argv):
         invocations.append(argv)
-        return {"records": [{"scenario": "random_k1", "policy": p, "status": "ok", "final_accuracy": 0.9}
-                            for p in ("allreduce", "wagma")]}
+        return {
+            "records": [
+                {"scenario": "random_k1", "policy": p, "status": "ok", "final_accuracy": 0.9}
+                for p in ("allreduce", "wagma")
+            ]
+        }
 
     monkeypatch.setattr(accuracy.run, "main", fake_run)
     monkeypatch.setattr(accuracy, "check_rank_net", lambda *args: None)  # the host's ability: tested above
-    out = accuracy.main(["--workloads", "digits:mlp", "--worlds", "2", "--scenarios", "random_k1", "--seeds", "0",
-                         "--policies", "wagma", "--rank-net", "0", "200Mbit", "--out", str(tmp_path / "acc"),
-                         "--work", str(tmp_path / "work"), "--allow-dirty"])
+    out = accuracy.main(
+        [
+            "--workloads",
+            "digits:mlp",
+            "--worlds",
+            "2",
+            "--scenarios",
+            "random_k1",
+            "--seeds",
+            "0",
+            "--policies",
+            "wagma",
+            "--rank-net",
+            "0",
+            "200Mbit",
+            "--out",
+            str(tmp_path / "acc"),
+            "--work",
+            str(tmp_path / "work"),
+            "--allow-dirty",
+        ]
+    )
     assert ["rank_net=200mbit" in argv for argv in invocations] == [False, True]
     assert [r["rank_net"] for r in out["records"]] == [None, None, "200mbit", "200mbit"]
     cell = "digits/mlp P=2 random_k1"
@@ -452,8 +524,10 @@ def test_the_benchmarks_refuse_a_bad_rate_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         chaos.main(["--rank-net", "2OOmbit", "--out", str(tmp_path / "c.json")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("--rank-net: rank_net must be null (no network) or a rate: a number and kbit, mbit or "
-                            "gbit, e.g. 500kbit, 100mbit, 1gbit; got '2OOmbit'")
+    assert err[-1].endswith(
+        "--rank-net: rank_net must be null (no network) or a rate: a number and kbit, mbit or "
+        "gbit, e.g. 500kbit, 100mbit, 1gbit; got '2OOmbit'"
+    )
     assert any(line.endswith("got 'fast'") for line in err)
 
 
@@ -464,14 +538,38 @@ def test_chaos_runs_every_fault_on_the_rate_and_records_it(tmp_path, monkeypatch
 
     def fake_run_one(spec, root, timeout_s):
         assert f"rank_net={spec.rank_net}" in chaos.overrides(spec, timeout_s)
-        return dataclasses.asdict(spec) | {"timeout_s": timeout_s, "hung": False, "max_survivor_s": 1.0,
-                                           "named_rank": True, "resumed": True, "resumed_from": 5, "bitwise": None}
+        return dataclasses.asdict(spec) | {
+            "timeout_s": timeout_s,
+            "hung": False,
+            "max_survivor_s": 1.0,
+            "named_rank": True,
+            "resumed": True,
+            "resumed_from": 5,
+            "bitwise": None,
+        }
 
     monkeypatch.setattr(chaos, "run_one", fake_run_one)
     monkeypatch.setattr(chaos, "check_rank_net", lambda *args: None)
     out = tmp_path / "c.json"
-    assert chaos.main(["--runs", "2", "--policies", "wagma", "--worlds", "2", "--rank-net", "100mbit",
-                       "--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
+    assert (
+        chaos.main(
+            [
+                "--runs",
+                "2",
+                "--policies",
+                "wagma",
+                "--worlds",
+                "2",
+                "--rank-net",
+                "100mbit",
+                "--workdir",
+                str(tmp_path / "w"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert [r["rank_net"] for r in json.loads(out.read_text())] == ["100mbit", "100mbit"]
     assert "Ranks' links (`rank_net`): 100mbit." in (tmp_path / "c.md").read_text()
     spec = chaos.plan(1, 0, rank_net="100mbit")[0]
@@ -483,8 +581,26 @@ def test_chaos_runs_every_fault_on_the_rate_and_records_it(tmp_path, monkeypatch
 def test_benchmarks_run_trains_on_the_rate_records_it_and_leaves_nothing(tmp_path):
     from benchmarks import run
 
-    result = run.main(["--world", "2", "--scenarios", "none", "--steps", "8", "--eval-every", "4", "--target", "0.5",
-                       "--policies", "allreduce", "--set", "rank_net=200mbit", "--out", str(tmp_path / "out")])
+    result = run.main(
+        [
+            "--world",
+            "2",
+            "--scenarios",
+            "none",
+            "--steps",
+            "8",
+            "--eval-every",
+            "4",
+            "--target",
+            "0.5",
+            "--policies",
+            "allreduce",
+            "--set",
+            "rank_net=200mbit",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert result["settings"]["rank_net"] == "200mbit" and result["settings"]["rank_cpus"] == 0.0
     assert [(r["status"], r["rank_net"]) for r in result["records"]] == [("ok", "200mbit")]
     assert "each rank on its own 200mbit link (`rank_net`)" in (tmp_path / "out" / "results.md").read_text()
@@ -499,8 +615,18 @@ def test_benchmarks_run_trains_on_the_rate_records_it_and_leaves_nothing(tmp_pat
 def test_chaos_kills_a_rank_on_its_network_and_nothing_is_left(tmp_path):
     from benchmarks import chaos
 
-    spec = chaos.Spec(index=0, policy="allreduce", world_size=2, fault="SIGKILL", victim=1, at_s=1.0,
-                      checkpoint_every=5, restart="resume", steps=60, rank_net="200mbit")
+    spec = chaos.Spec(
+        index=0,
+        policy="allreduce",
+        world_size=2,
+        fault="SIGKILL",
+        victim=1,
+        at_s=1.0,
+        checkpoint_every=5,
+        restart="resume",
+        steps=60,
+        rank_net="200mbit",
+    )
     record = chaos.run_one(spec, tmp_path, timeout_s=5.0)
     assert "error" not in record, record
     assert not record["hung"] and record["named_rank"] and record["resumed"], record

@@ -30,11 +30,26 @@ def _model() -> nn.Module:
 
 def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(10 + rank)
-    return [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)
+    ]
 
 
-def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", momentum=0.0, overlap=False,
-           bucket_view=False, transport="default", wire_dtype=None):
+def _train(
+    rank,
+    world,
+    iters,
+    mode,
+    sleep_s,
+    max_lead,
+    seed=0,
+    device="cpu",
+    momentum=0.0,
+    overlap=False,
+    bucket_view=False,
+    transport="default",
+    wire_dtype=None,
+):
     """Train with DDP + the partial hook (or plain DDP when mode is None); record local gradients."""
     dev = rank_device(device, rank)
     model = _model().to(dev)
@@ -42,8 +57,15 @@ def _train(rank, world, iters, mode, sleep_s, max_lead, seed=0, device="cpu", mo
     state = None
     if mode is not None:
         state = PartialAllreduceState(
-            model.parameters(), mode=mode, sync_period=5, max_lead=max_lead, seed=seed, overlap=overlap,
-            timeout=TIMEOUT, transport=transport, wire_dtype=wire_dtype,
+            model.parameters(),
+            mode=mode,
+            sync_period=5,
+            max_lead=max_lead,
+            seed=seed,
+            overlap=overlap,
+            timeout=TIMEOUT,
+            transport=transport,
+            wire_dtype=wire_dtype,
         )
         assert bool(state.engine._core.shm) == (transport == "shm")
         ddp.register_comm_hook(state, partial_allreduce_hook)
@@ -131,12 +153,13 @@ def test_bf16_wire_conserves_every_gradient_up_to_the_sums_rounding(overlap):
     # Gradients travel in bfloat16 with error feedback: what a cast rounds off stays in the residual.
     # Only the rounding of the round sums themselves (bfloat16, the same on every rank) is not fed back.
     world, iters, lr = 4, 30, 0.1
-    out = run_workers(_train, world, iters, "solo", 0.03, None, 0, "cpu", 0.0, overlap, False, "default", "bf16",
-                      timeout_s=120)
+    out = run_workers(
+        _train, world, iters, "solo", 0.03, None, 0, "cpu", 0.0, overlap, False, "default", "bf16", timeout_s=120
+    )
     initial, final, total_grads, _, stats = out[0]
     rounds = stats["rounds"]
     # Each round's sum rounds by at most a few bfloat16 steps (2^-8 relative) of the largest round sum.
-    bound = rounds * lr / world * 2.0 ** -6 * float(total_grads.abs().max())
+    bound = rounds * lr / world * 2.0**-6 * float(total_grads.abs().max())
     err = (final - initial + lr * total_grads / world).abs().max().item()
     assert err <= bound, (err, bound)
     for rank in range(1, world):
@@ -186,10 +209,12 @@ def test_registry_and_pickling_drop_threads_and_groups():
 def _bad_args_worker(rank, world):
     model = _model()
     cases = {"mode": dict(mode="plurality"), "sync": dict(sync_period=-2), "warmup": dict(warmup_iters=1)}
-    return error_messages({
-        name: lambda kw=kwargs: PartialAllreduceState(model.parameters(), timeout=TIMEOUT, **kw).close()
-        for name, kwargs in cases.items()
-    })
+    return error_messages(
+        {
+            name: lambda kw=kwargs: PartialAllreduceState(model.parameters(), timeout=TIMEOUT, **kw).close()
+            for name, kwargs in cases.items()
+        }
+    )
 
 
 def test_bad_arguments_raise_value_errors():
@@ -208,7 +233,9 @@ def _resume_worker(rank, world, split):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for i, (x, y) in enumerate(batches):
         if i == split:
-            saved = pickle.loads(pickle.dumps({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}))
+            saved = pickle.loads(
+                pickle.dumps({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()})
+            )
             state.close()
             model = _model()
             model.load_state_dict(saved["model"])
@@ -418,8 +445,9 @@ def _overlap_resume_worker(rank, world, split, lr=0.1):
             time.sleep(0.03)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(ddp(x), y)
-        computed += torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()),
-                                                                            retain_graph=True)])
+        computed += torch.cat(
+            [g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)]
+        )
         loss.backward()
         opt.step()
     state.flush(opt)

@@ -31,10 +31,18 @@ AVERAGING = sorted(p.stem for p in (CONFIGS / "averaging").glob("*.yaml"))
 REFERENCE = sorted(f"reference/{p.stem}" for p in (CONFIGS / "averaging" / "reference").glob("*.yaml"))
 # Variants not yet through the accuracy grid a shipped preset needs (configs/averaging/candidate/).
 CANDIDATE = sorted(f"candidate/{p.stem}" for p in (CONFIGS / "averaging" / "candidate").glob("*.yaml"))
-EXPERIMENTS = sorted(str(p.relative_to(CONFIGS / "experiment").with_suffix("")) for p in (CONFIGS / "experiment").rglob("*.yaml"))
-PRESETS = {"wagma_relaxed": "wagma", "reference/wagma_overlap": "wagma", "reference/wagma_relaxed_overlap": "wagma",
-           "reference/eager_solo": "eager_solo", "reference/eager_solo_overlap": "eager_solo",
-           "reference/eager_majority": "eager_majority", "wagma_ahead_conserve": "wagma"}  # option -> policy name
+EXPERIMENTS = sorted(
+    str(p.relative_to(CONFIGS / "experiment").with_suffix("")) for p in (CONFIGS / "experiment").rglob("*.yaml")
+)
+PRESETS = {
+    "wagma_relaxed": "wagma",
+    "reference/wagma_overlap": "wagma",
+    "reference/wagma_relaxed_overlap": "wagma",
+    "reference/eager_solo": "eager_solo",
+    "reference/eager_solo_overlap": "eager_solo",
+    "reference/eager_majority": "eager_majority",
+    "wagma_ahead_conserve": "wagma",
+}  # option -> policy name
 CPU = torch.device("cpu")
 
 
@@ -54,17 +62,38 @@ def _options(policy: str, **changes: object) -> dict:
 
 def test_the_averaging_options_and_experiment_presets_exist():
     assert set(AVERAGING) == {
-        "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "wagma_relaxed",
-        "wagma_ahead_conserve", "dpsgd", "sgp", "osgp", "adpsgd",
+        "allreduce",
+        "local_sgd",
+        "hierarchical",
+        "hierarchical_momentum",
+        "wagma",
+        "wagma_relaxed",
+        "wagma_ahead_conserve",
+        "dpsgd",
+        "sgp",
+        "osgp",
+        "adpsgd",
     }
     assert set(REFERENCE) == {  # not shipped: they lost accuracy in the grid (or, overlap, on sequences at P = 16)
-        "reference/eager_solo", "reference/eager_solo_overlap", "reference/wagma_overlap", "reference/eager_majority",
-        "reference/wagma_relaxed_overlap"}
-    assert {"wagma_random_k", "reference/eager_solo_random_k", "reference/eager_majority_random_k",
-            "allreduce_random_k"} <= set(EXPERIMENTS)
+        "reference/eager_solo",
+        "reference/eager_solo_overlap",
+        "reference/wagma_overlap",
+        "reference/eager_majority",
+        "reference/wagma_relaxed_overlap",
+    }
+    assert {
+        "wagma_random_k",
+        "reference/eager_solo_random_k",
+        "reference/eager_majority_random_k",
+        "allreduce_random_k",
+    } <= set(EXPERIMENTS)
     wagma = _compose("averaging=wagma").averaging
     assert (wagma.group_size, wagma.order, wagma.mixing, wagma.schedule, wagma.max_lead) == (
-        2, "average_then_step", "reference", "auto", None,
+        2,
+        "average_then_step",
+        "reference",
+        "auto",
+        None,
     )
     assert wagma.sync == "barrier" and _compose("averaging=wagma_relaxed").averaging.sync == "wait_avoiding"
     assert "candidate/wagma_ahead_conserve" not in CANDIDATE  # it went through its grid and ships
@@ -77,7 +106,12 @@ def test_the_averaging_options_and_experiment_presets_exist():
     assert relaxed.max_lead == 2 and relaxed.validated_staleness > 0  # the tighter bound keeps its accuracy
     both = _compose("averaging=reference/wagma_relaxed_overlap").averaging
     assert (both.name, both.sync, both.overlap, both.progress_nice, both.mixing, both.max_lead) == (
-        "wagma", "wait_avoiding", True, 19, "conserve", None,
+        "wagma",
+        "wait_avoiding",
+        True,
+        19,
+        "conserve",
+        None,
     )
     assert _compose("averaging=reference/eager_solo_overlap").averaging.overlap is True
     assert _compose("averaging=reference/eager_solo").averaging.sync_period == 32
@@ -93,7 +127,9 @@ def test_every_averaging_option_composes_validates_and_builds(option):
     assert cfg.averaging.name == PRESETS.get(option, option.split("/")[-1])
     validate_config(cfg, 4)
     policy = build_policy(group_options(cfg, "averaging"), rank=0, world_size=4, device=CPU)
-    assert isinstance(policy, Policy) and policy.name == option.split("/")[-1]  # a preset's own name in logs and summaries
+    assert (
+        isinstance(policy, Policy) and policy.name == option.split("/")[-1]
+    )  # a preset's own name in logs and summaries
     if "progress_nice" in cfg.averaging:  # handed on to the averager or the hook state that wrap() builds
         assert policy.progress_nice == cfg.averaging.progress_nice  # type: ignore[attr-defined]
     if "transport" in cfg.averaging:
@@ -106,8 +142,9 @@ def _aliased_worker(rank: int, world_size: int, options: list[str]) -> dict[str,
     out = {}
     for option in options:
         net = build_model("cnn", (1, 8, 8), 10, channels=[4, 8], hidden=16)
-        policy = build_policy(group_options(_compose(f"averaging={option}"), "averaging"), rank=rank,
-                              world_size=world_size, device=CPU)
+        policy = build_policy(
+            group_options(_compose(f"averaging={option}"), "averaging"), rank=rank, world_size=world_size, device=CPU
+        )
         try:
             model = policy.wrap(net)
             optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -133,7 +170,8 @@ def test_model_averaging_policies_average_the_flattened_model_in_place():
 
 # The MNIST experiments load MNIST (5-6 s each): in the slow phase, their digits counterparts in the quick suite.
 @pytest.mark.parametrize(
-    "experiment", [pytest.param(e, marks=pytest.mark.slow) if "mnist" in e else e for e in EXPERIMENTS])
+    "experiment", [pytest.param(e, marks=pytest.mark.slow) if "mnist" in e else e for e in EXPERIMENTS]
+)
 def test_every_experiment_preset_composes_validates_and_builds(experiment):
     cfg = _compose(f"experiment={experiment}")
     plain = _compose()
@@ -152,8 +190,10 @@ def test_every_experiment_preset_composes_validates_and_builds(experiment):
     policy.close()
 
 
-KNOWN = ("adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical, hierarchical_momentum, local_sgd, osgp, "
-         "(random_peers, )?sgp, wagma")
+KNOWN = (
+    "adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical, hierarchical_momentum, local_sgd, osgp, "
+    "(random_peers, )?sgp, wagma"
+)
 
 
 @pytest.mark.parametrize(
@@ -167,34 +207,55 @@ KNOWN = ("adpsgd, allreduce, dpsgd, eager_majority, eager_solo, hierarchical, hi
         ("local_sgd", {"warmup_steps": -1}, r"averaging.warmup_steps must be >= 0, got -1"),
         ("local_sgd", {"perod": 4}, r"averaging 'local_sgd' takes the keys .*, got unknown keys \['perod'\]"),
         ("hierarchical", {"local_group_size": 3}, "local_group_size=3 must be a positive divisor of the world size 4"),
-        ("hierarchical", {"local_period": 4, "global_period": 6},
-         "global_period=6 must be a multiple of averaging.local_period=4"),
+        (
+            "hierarchical",
+            {"local_period": 4, "global_period": 6},
+            "global_period=6 must be a multiple of averaging.local_period=4",
+        ),
         ("hierarchical", {"local_period": 0}, "averaging.local_period must be an integer >= 1, got 0"),
         ("hierarchical_momentum", {"momentum": 1.0}, r"averaging.momentum must be a number in \[0, 1\), got 1.0"),
         ("hierarchical_momentum", {"momentum": -0.1}, r"averaging.momentum must be a number in \[0, 1\), got -0.1"),
         ("hierarchical_momentum", {"apply_to": "local"}, "averaging.apply_to must be one of global, all; got 'local'"),
         ("hierarchical_momentum", {"lr": 0}, "averaging.lr must be a number > 0, got 0"),
         ("wagma", {"group_size": 3}, "group_size=3 must be a positive divisor of the world size 4"),
-        ("wagma", {"order": "step_average"},
-         "averaging.order must be one of average_then_step, step_then_average; got 'step_average'"),
+        (
+            "wagma",
+            {"order": "step_average"},
+            "averaging.order must be one of average_then_step, step_then_average; got 'step_average'",
+        ),
         ("wagma", {"mixing": "gossip"}, "averaging.mixing must be one of reference, mean, conserve; got 'gossip'"),
         ("wagma", {"sync": "lazy"}, "averaging.sync must be one of barrier, wait_avoiding; got 'lazy'"),
         ("wagma", {"max_lead": 11}, r"averaging.max_lead must be null or an integer in \[0, sync_period=10\], got 11"),
-        ("reference/eager_solo", {"max_lead": 33}, r"averaging.max_lead must be null or an integer in \[0, sync_period=32\], got 33"),
+        (
+            "reference/eager_solo",
+            {"max_lead": 33},
+            r"averaging.max_lead must be null or an integer in \[0, sync_period=32\], got 33",
+        ),
         ("wagma", {"sync_period": -1}, "averaging.sync_period must be >= 0, got -1"),
         ("wagma", {"schedule": "ring"}, "averaging.schedule='ring' cannot be used: unknown schedule kind"),
         ("wagma", {"group_size": 1}, "averaging.schedule='auto' cannot be used"),  # groups of 1 never mix
         ("reference/eager_solo", {"mode": "all"}, "averaging.mode must be one of solo, majority; got 'all'"),
-        ("reference/eager_solo", {"mode": "majority"}, "averaging 'eager_solo' runs mode 'solo'.*use averaging=reference/eager_majority"),
+        (
+            "reference/eager_solo",
+            {"mode": "majority"},
+            "averaging 'eager_solo' runs mode 'solo'.*use averaging=reference/eager_majority",
+        ),
         ("reference/eager_majority", {"warmup_iters": 1}, "averaging.warmup_iters must be an integer >= 2, got 1"),
         ("reference/eager_majority", {"sync_period": 0}, "averaging.sync_period must be an integer >= 1, got 0"),
         ("wagma", {"progress_nice": 20}, r"averaging.progress_nice must be an integer in \[0, 19\], got 20"),
         ("wagma", {"publish_after_step": "yes"}, "averaging.publish_after_step must be true or false, got 'yes'"),
-        ("wagma", {"publish_after_step": True, "order": "step_then_average"},
-         "publish_after_step=true needs averaging.order=average_then_step and averaging.overlap=false, got "
-         "order='step_then_average'"),
+        (
+            "wagma",
+            {"publish_after_step": True, "order": "step_then_average"},
+            "publish_after_step=true needs averaging.order=average_then_step and averaging.overlap=false, got "
+            "order='step_then_average'",
+        ),
         ("wagma", {"publish_after_step": True, "overlap": True}, "publish_after_step=true needs .*overlap=True"),
-        ("reference/eager_solo", {"progress_nice": -1}, r"averaging.progress_nice must be an integer in \[0, 19\], got -1"),
+        (
+            "reference/eager_solo",
+            {"progress_nice": -1},
+            r"averaging.progress_nice must be an integer in \[0, 19\], got -1",
+        ),
         ("wagma", {"transport": "tcp"}, "averaging.transport must be one of default, shm, got 'tcp'"),
         ("allreduce", {"transport": "nccl"}, "averaging.transport must be one of default, shm, got 'nccl'"),
         ("local_sgd", {"transport": "shm"}, "transport"),  # its averages use gloo only: the key is unknown there
@@ -237,11 +298,14 @@ class _FakeAverager:
         self.calls.append("publish")
 
 
-@pytest.mark.parametrize("order,ahead,expected", [
-    ("average_then_step", False, ["average", "step", "synchronize"]),
-    ("step_then_average", False, ["step", "average", "synchronize"]),
-    ("average_then_step", True, ["average", "step", "publish", "synchronize"]),  # the stepped model, at once
-])
+@pytest.mark.parametrize(
+    "order,ahead,expected",
+    [
+        ("average_then_step", False, ["average", "step", "synchronize"]),
+        ("step_then_average", False, ["step", "average", "synchronize"]),
+        ("average_then_step", True, ["average", "step", "publish", "synchronize"]),  # the stepped model, at once
+    ],
+)
 def test_wagma_policy_averages_on_the_side_of_the_step_its_order_says(monkeypatch, order, ahead, expected):
     policy = policies.WagmaPolicy(device=CPU, group_size=2, sync_period=10, order=order, publish_after_step=ahead)
     assert policy.name == ("wagma_ahead" if ahead else "wagma")
@@ -276,7 +340,11 @@ def test_eager_policy_flushes_at_the_end_and_keeps_the_hooks_wait_apart(monkeypa
     policy.finalize(None, optimizer)  # type: ignore[arg-type]
     assert flushed == [optimizer]
     assert policy.stats() == {
-        "global_reductions": 7, "local_reductions": 0, "staleness": 0.5, "fresh_fraction": 0.75, "comm_wait_s": 0.25,
+        "global_reductions": 7,
+        "local_reductions": 0,
+        "staleness": 0.5,
+        "fresh_fraction": 0.75,
+        "comm_wait_s": 0.25,
     }
 
 
@@ -386,8 +454,13 @@ def test_local_sgd_counts_steps_over_period_global_reductions(tmp_path):
 
 def test_warmup_is_synchronous_and_reduction_momentum_keeps_global_means_identical(tmp_path):
     cfg = _cfg(
-        tmp_path, "averaging=hierarchical_momentum", "averaging.warmup_steps=3", "averaging.local_period=2",
-        "averaging.global_period=4", "steps=16", "consensus_every=1",
+        tmp_path,
+        "averaging=hierarchical_momentum",
+        "averaging.warmup_steps=3",
+        "averaging.local_period=2",
+        "averaging.global_period=4",
+        "steps=16",
+        "consensus_every=1",
     )
     summary = run_workers(_train_worker, 4, cfg)[0]
     consensus = {r["step"]: r["consensus"] for r in read_metrics(tmp_path, 0)}
@@ -418,14 +491,20 @@ def _kill_and_resume(tmp_path: Path, *common: str) -> tuple[dict, Path]:
 @pytest.mark.slow  # 6 s: a rank really exits mid-run, then a resumed run
 def test_kill_and_resume_a_model_averaging_policy_gives_the_uninterrupted_model(tmp_path):
     summary, straight = _kill_and_resume(
-        tmp_path, "averaging=hierarchical_momentum", "averaging.warmup_steps=3", "averaging.local_period=2",
-        "averaging.global_period=6", "steps=30",
+        tmp_path,
+        "averaging=hierarchical_momentum",
+        "averaging.warmup_steps=3",
+        "averaging.local_period=2",
+        "averaging.global_period=6",
+        "steps=30",
     )
     assert summary["global_reductions"] == json.loads((straight / "summary.json").read_text())["global_reductions"]
 
 
 def test_random_k_summary_shows_time_waited_and_global_reductions(tmp_path):
-    cfg = _cfg(tmp_path, "averaging=allreduce", "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.02", "steps=20")
+    cfg = _cfg(
+        tmp_path, "averaging=allreduce", "imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.02", "steps=20"
+    )
     run_workers(_train_worker, 4, cfg)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_reductions"] == 20
@@ -471,19 +550,31 @@ def test_sweep_labels_jobs_by_the_overrides_that_vary_and_tabulates_failures(tmp
     for num, policy, code in ((1, "local_sgd", 2), (0, "allreduce", 0)):
         job = tmp_path / f"{num}_job"
         job.mkdir()
-        (job / "job.json").write_text(json.dumps({"num": num, "overrides": [f"averaging={policy}", "steps=20"],
-                                                  "exit": code}))
+        (job / "job.json").write_text(
+            json.dumps({"num": num, "overrides": [f"averaging={policy}", "steps=20"], "exit": code})
+        )
         (job / "summary.json").write_text(json.dumps({"policy": policy}))
     rows = collect(tmp_path)
     assert [r["job"] for r in rows] == ["0_averaging=allreduce", "1_averaging=local_sgd"]
     assert rows[0]["summary"] == {"policy": "allreduce"} and rows[1]["summary"] is None  # failed: no summary
-    table = format_table([
-        {"job": "00_a", "exit": 0, "summary": {
-            "policy": "local_sgd", "test_accuracy": 0.97, "samples_per_s": 1000.0, "mean_wait_s": 0.002,
-            "global_reductions": 38, "local_reductions": 0, "wall_s": 9.0,
-        }},
-        {"job": "01_b", "exit": 2, "summary": None},
-    ])
+    table = format_table(
+        [
+            {
+                "job": "00_a",
+                "exit": 0,
+                "summary": {
+                    "policy": "local_sgd",
+                    "test_accuracy": 0.97,
+                    "samples_per_s": 1000.0,
+                    "mean_wait_s": 0.002,
+                    "global_reductions": 38,
+                    "local_reductions": 0,
+                    "wall_s": 9.0,
+                },
+            },
+            {"job": "01_b", "exit": 2, "summary": None},
+        ]
+    )
     lines = table.splitlines()
     assert lines[0].split()[:4] == ["job", "policy", "acc", "%"]
     assert lines[2].split() == ["00_a", "local_sgd", "97.00", "1,000", "2.00", "38", "0", "9.0"]

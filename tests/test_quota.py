@@ -38,8 +38,9 @@ def test_check_rank_cpus_names_what_is_wrong_in_one_line():
     assert check_rank_cpus(None, 8) is None and check_rank_cpus(0, 8) is None
     assert "got -1" in check_rank_cpus(-1, 2) and "got 'half'" in check_rank_cpus("half", 2)
     too_many = check_rank_cpus(0.5, 8, usable_cores=2)
-    assert too_many == ("rank_cpus=0.5 for 8 local rank(s) needs 4 CPUs, but this host has 2 usable core(s): "
-                        "use rank_cpus <= 0.25")
+    assert too_many == (
+        "rank_cpus=0.5 for 8 local rank(s) needs 4 CPUs, but this host has 2 usable core(s): use rank_cpus <= 0.25"
+    )
     assert "\n" not in too_many
 
 
@@ -107,8 +108,11 @@ def _train_noting_cgroup(rank: int, world_size: int, cfg) -> dict:
     seen = set()
 
     def note(done: int, _timings: dict) -> None:
-        seen.update(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
-                    if "cpu" in line.split(":", 2)[1].split(","))
+        seen.update(
+            line.split(":", 2)[2]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if "cpu" in line.split(":", 2)[1].split(",")
+        )
 
     summary = train(cfg, step_callback=note)
     return {"summary": summary, "seen": sorted(seen)}
@@ -117,8 +121,17 @@ def _train_noting_cgroup(rank: int, world_size: int, cfg) -> dict:
 @needs_cgroups
 def test_train_runs_each_rank_in_its_own_quota_and_records_it(tmp_path):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        cfg = compose("config", overrides=["progress=false", "steps=20", "eval_every=0", "checkpoint_every=0",
-                                           "averaging=allreduce", "rank_cpus=0.5"])
+        cfg = compose(
+            "config",
+            overrides=[
+                "progress=false",
+                "steps=20",
+                "eval_every=0",
+                "checkpoint_every=0",
+                "averaging=allreduce",
+                "rank_cpus=0.5",
+            ],
+        )
     cfg.run_dir = str(tmp_path)
     out = run_workers(_train_noting_cgroup, 2, cfg, timeout_s=120)
     job = job_name(tmp_path)

@@ -67,8 +67,19 @@ def test_a_config_names_the_module_that_registers_its_policy():
 @pytest.mark.slow  # a real 2-rank training through train.py, about 20 s
 def test_train_py_runs_the_policy_from_its_config_alone(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "train.py", "averaging=candidate/random_peers", "nproc=2", "steps=20", "progress=false",
-         f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=170,
+        [
+            sys.executable,
+            "train.py",
+            "averaging=candidate/random_peers",
+            "nproc=2",
+            "steps=20",
+            "progress=false",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

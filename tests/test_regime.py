@@ -15,8 +15,20 @@ from benchmarks import regime, results_io
 from benchmarks.simulate import Network, simulate
 from wagma.app.models import MLP
 
-REQUIRED = ("scenario", "policy", "world_size", "params", "compute_ms", "ms_per_step", "ideal_ms", "bound_ms",
-            "x_ddp", "x_ideal", "x_bound", "simulated_ms")
+REQUIRED = (
+    "scenario",
+    "policy",
+    "world_size",
+    "params",
+    "compute_ms",
+    "ms_per_step",
+    "ideal_ms",
+    "bound_ms",
+    "x_ddp",
+    "x_ideal",
+    "x_bound",
+    "simulated_ms",
+)
 
 
 @pytest.mark.parametrize("params", [250_000, 2_500_000, 25_000_000])
@@ -32,8 +44,17 @@ def test_hidden_width_sizes_the_mlp(params):
 
 
 def test_summarize_takes_medians_then_ratios():
-    reps = [{"ms_per_step": m, "ideal_ms": 100.0, "bound_ms": b, "simulated_ms": m, "loop_ms_per_step": m,
-             "real_compute_ms": 1.0} for m, b in ((150.0, 120.0), (200.0, 110.0), (160.0, 130.0))]
+    reps = [
+        {
+            "ms_per_step": m,
+            "ideal_ms": 100.0,
+            "bound_ms": b,
+            "simulated_ms": m,
+            "loop_ms_per_step": m,
+            "real_compute_ms": 1.0,
+        }
+        for m, b in ((150.0, 120.0), (200.0, 110.0), (160.0, 130.0))
+    ]
     out = regime.summarize(reps)
     assert out["ms_per_step"] == 160.0 and out["bound_ms"] == 120.0 and out["reps"] == 3
     assert out["x_ideal"] == pytest.approx(100.0 / 160.0)
@@ -44,8 +65,26 @@ def test_summarize_takes_medians_then_ratios():
 def test_tiny_run_end_to_end(tmp_path):
     """P=2, T=10 ms, 6 timed steps, three policies: every record is complete and consistent, the report is
     written, and --append replaces a record of the same key instead of duplicating it."""
-    argv = ["--worlds", "2", "--scenarios", "random_k1", "--policies", "allreduce", "wagma", "eager_solo",
-            "--compute-ms", "10", "--steps", "6", "--warmup", "2", "--reps", "1", "--out", str(tmp_path)]
+    argv = [
+        "--worlds",
+        "2",
+        "--scenarios",
+        "random_k1",
+        "--policies",
+        "allreduce",
+        "wagma",
+        "eager_solo",
+        "--compute-ms",
+        "10",
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     result = regime.main(argv)
     recs = result["records"]
     assert [r["policy"] for r in recs] == ["allreduce", "wagma", "eager_solo"]
@@ -80,16 +119,26 @@ def test_tiny_run_end_to_end(tmp_path):
             assert rep["bound_ms"] == pytest.approx(want[rep["policy"]], abs=1e-2), rep["policy"]
         if rep["policy"] == "allreduce":  # the stored traces and networks re-simulate to the stored values
             net, cpu_net = rep["network"], rep["cpu_network"]
-            own = simulate({"name": "allreduce"}, np.array(rep["trace_ms"]) / 1e3, first_step=2,
-                           nbytes=4.0 * rep["params"],
-                           network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]))
+            own = simulate(
+                {"name": "allreduce"},
+                np.array(rep["trace_ms"]) / 1e3,
+                first_step=2,
+                nbytes=4.0 * rep["params"],
+                network=Network(net["alpha_s"], net["bandwidth_Bps"], net["activation_s"]),
+            )
             assert own.ms_per_step == pytest.approx(rep["simulated_own_cores_ms"], rel=1e-3)
-            shared = simulate({"name": "allreduce"}, np.array(rep["sleeps_ms"]) / 1e3, first_step=2,
-                              nbytes=4.0 * rep["params"], cores=rep["cores"], slice_s=rep["slice_s"],
-                              cpu_s=np.array(rep["compute_cpu_ms"]) / 1e3,
-                              after_cpu_s=np.array(rep["averaging_cpu_ms"]) / 1e3,
-                              network=Network(cpu_net["alpha_s"], cpu_net["bandwidth_Bps"], cpu_net["activation_s"]),
-                              comm_scale=rep["comm_scale"])
+            shared = simulate(
+                {"name": "allreduce"},
+                np.array(rep["sleeps_ms"]) / 1e3,
+                first_step=2,
+                nbytes=4.0 * rep["params"],
+                cores=rep["cores"],
+                slice_s=rep["slice_s"],
+                cpu_s=np.array(rep["compute_cpu_ms"]) / 1e3,
+                after_cpu_s=np.array(rep["averaging_cpu_ms"]) / 1e3,
+                network=Network(cpu_net["alpha_s"], cpu_net["bandwidth_Bps"], cpu_net["activation_s"]),
+                comm_scale=rep["comm_scale"],
+            )
             assert shared.ms_per_step == pytest.approx(rep["simulated_ms"], rel=1e-3)
             assert regime.shared_cores(rep["averaging_options"], rep, 2)["simulated_ms"] == rep["simulated_ms"]
             # The CPU the model replays is the CPU the run used in its timed steps (every thread of each rank's
@@ -118,13 +167,35 @@ def test_tiny_run_end_to_end(tmp_path):
     assert regime_report._no_wait(old, {"reps": []}) is None
     assert (tmp_path / "regime.md").exists() and (tmp_path / "regime_ms_per_step.png").exists()
     assert "| 6 | wagma |" in (tmp_path / "regime.md").read_text()  # the steps column
-    again = regime.main([*argv[:5], "allreduce", "--compute-ms", "10", "--steps", "4", "--warmup", "2",
-                         "--reps", "1", "--out", str(tmp_path), "--append", "--no-report", "--slice-ms", "4"])
+    again = regime.main(
+        [
+            *argv[:5],
+            "allreduce",
+            "--compute-ms",
+            "10",
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--reps",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--append",
+            "--no-report",
+            "--slice-ms",
+            "4",
+        ]
+    )
     assert again["reps"][-1]["slice_s"] == 0.004 and again["invocations"][1]["settings"]["slice_s"] == 0.004
     assert len(again["records"]) == 3 and len(again["invocations"]) == 2
     # The replaced record's repetitions went with it: one per record, the new one from invocation 1.
     assert len(again["reps"]) == 3
-    assert [(r["policy"], r["invocation"]) for r in again["reps"]] == [("wagma", 0), ("eager_solo", 0), ("allreduce", 1)]
+    assert [(r["policy"], r["invocation"]) for r in again["reps"]] == [
+        ("wagma", 0),
+        ("eager_solo", 0),
+        ("allreduce", 1),
+    ]
     assert all(r["params"] == 250_000 and r["params_actual"] > 1000 for r in again["reps"])
     assert next(r for r in again["records"] if r["policy"] == "allreduce")["invocation"] == 1
     (tmp_path / "regime.md").unlink()
@@ -135,12 +206,36 @@ def test_tiny_run_end_to_end(tmp_path):
 
 
 def test_transport_shm_reaches_the_policies_that_have_it(tmp_path):
-    argv = ["--worlds", "2", "--scenarios", "none", "--policies", "allreduce", "eager_solo", "local_sgd",
-            "--compute-ms", "5", "--steps", "4", "--warmup", "2", "--reps", "1", "--out", str(tmp_path),
-            "--transport", "shm", "--no-report", "--slice-ms", "4"]
+    argv = [
+        "--worlds",
+        "2",
+        "--scenarios",
+        "none",
+        "--policies",
+        "allreduce",
+        "eager_solo",
+        "local_sgd",
+        "--compute-ms",
+        "5",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--transport",
+        "shm",
+        "--no-report",
+        "--slice-ms",
+        "4",
+    ]
     result = regime.main(argv)
     assert [(r["policy"], r["status"], r.get("transport")) for r in result["records"]] == [
-        ("allreduce", "ok", "shm"), ("eager_solo", "ok", "shm"), ("local_sgd", "ok", "default"),
+        ("allreduce", "ok", "shm"),
+        ("eager_solo", "ok", "shm"),
+        ("local_sgd", "ok", "default"),
     ]
     assert result["invocations"][0]["settings"]["transport"] == "shm"
     assert {r["device"] for r in result["records"]} == {"cpu"}
@@ -166,6 +261,7 @@ def test_an_override_a_policy_lacks_fails_that_policy_only():
 
     base = ["device=cpu", "imbalance=none", "averaging.progress_nice=10"]
     with initialize_config_dir(config_dir=str(regime.ROOT / "configs"), version_base=None):
+
         def compose_fn(overrides):
             return compose("config", overrides=overrides)
 
@@ -179,9 +275,28 @@ def test_a_world_of_one_rank_measures_the_step_alone(tmp_path):
     """P = 1: nothing to exchange and no rank to share the cores with, so a step is T plus the real
     forward/backward/step alone; the record is complete, and the bound with T alone is below what was measured
     by about that compute. A policy that cannot run on one rank is refused with its reason, not run."""
-    argv = ["--worlds", "1", "--scenarios", "none", "--policies", "allreduce", "wagma", "--compute-ms", "5",
-            "--steps", "4", "--warmup", "2", "--reps", "1", "--out", str(tmp_path), "--no-report",
-            "--slice-ms", "4"]
+    argv = [
+        "--worlds",
+        "1",
+        "--scenarios",
+        "none",
+        "--policies",
+        "allreduce",
+        "wagma",
+        "--compute-ms",
+        "5",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--no-report",
+        "--slice-ms",
+        "4",
+    ]
     recs = regime.main(argv)["records"]
     ddp, wagma = recs
     assert ddp["status"] == "ok" and all(ddp.get(k) is not None for k in REQUIRED), ddp
@@ -231,9 +346,29 @@ def test_rank_cpus_puts_every_rank_in_its_own_cgroup_and_leaves_nothing(tmp_path
         return traces(rank, world_size, spec)
 
     monkeypatch.setattr(regime, "_rank_traces", noting)
-    argv = ["--worlds", "2", "--scenarios", "none", "--policies", "allreduce", "--compute-ms", "5", "--steps", "3",
-            "--warmup", "2", "--reps", "1", "--out", str(tmp_path), "--no-report", "--slice-ms", "4",
-            "--rank-cpus", "0.5"]
+    argv = [
+        "--worlds",
+        "2",
+        "--scenarios",
+        "none",
+        "--policies",
+        "allreduce",
+        "--compute-ms",
+        "5",
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--no-report",
+        "--slice-ms",
+        "4",
+        "--rank-cpus",
+        "0.5",
+    ]
     result = regime.main(argv)
     (rec,) = result["records"]
     assert rec["status"] == "ok" and rec["rank_cpus"] == 0.5

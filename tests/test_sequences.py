@@ -52,14 +52,17 @@ def test_generated_data_is_deterministic_heavy_tailed_and_carries_its_label():
     assert right.mean() > 0.7 and right[lengths >= 32].mean() > right[lengths <= 12].mean()
 
 
-@pytest.mark.parametrize("options,match", [
-    ({"vocab": 4, "classes": 4}, "data.vocab must be >= classes \\+ 1 = 5"),
-    ({"min_len": 10, "max_len": 5}, "need 1 <= data.min_len <= data.max_len, got 10 and 5"),
-    ({"median_len": 500}, "data.median_len must lie in \\[min_len, max_len\\]"),
-    ({"signal": 1.5}, "0 <= data.signal <= 1"),
-    ({"examples": 3.5}, "data.examples must be an integer, got 3.5"),
-    ({"lenght": 3}, "data=sequences has no option\\(s\\) \\['lenght'\\]"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"vocab": 4, "classes": 4}, "data.vocab must be >= classes \\+ 1 = 5"),
+        ({"min_len": 10, "max_len": 5}, "need 1 <= data.min_len <= data.max_len, got 10 and 5"),
+        ({"median_len": 500}, "data.median_len must lie in \\[min_len, max_len\\]"),
+        ({"signal": 1.5}, "0 <= data.signal <= 1"),
+        ({"examples": 3.5}, "data.examples must be an integer, got 3.5"),
+        ({"lenght": 3}, "data=sequences has no option\\(s\\) \\['lenght'\\]"),
+    ],
+)
 def test_bad_options_are_named(options, match):
     with pytest.raises(ValueError, match=match):
         SequenceSpec.from_options(options)
@@ -92,7 +95,7 @@ def test_token_batches_fit_the_budget_cover_each_epoch_once_and_resume_exactly()
         assert bx.shape[1] == _lengths(bx).max()
         width = x.shape[1]
         seen.extend(rows[tuple(torch.cat([r, r.new_zeros(width - len(r))]).tolist())] for r in bx)
-        assert torch.equal(by, y[seen[-len(bx):]])
+        assert torch.equal(by, y[seen[-len(bx) :]])
         sizes.append(len(bx))
         padded += int((bx == 0).sum())
     assert it.epoch == 0 and sorted(seen) == list(range(len(x)))  # every sequence once per epoch
@@ -136,12 +139,15 @@ def test_the_transformer_ignores_padding_and_learns():
     assert accuracy > 0.7
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["data=sequences"], "model=mlp reads images: data=sequences needs model=transformer"),
-    (["model=transformer"], "model=transformer reads token data: use it with data=sequences"),
-    (["data=sequences", "model=transformer", "data.batching=words"], "data.batching must be 'samples' or 'tokens'"),
-    (["data=sequences", "model=transformer", "data.max_len=4"], "need 1 <= data.min_len <= data.max_len"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["data=sequences"], "model=mlp reads images: data=sequences needs model=transformer"),
+        (["model=transformer"], "model=transformer reads token data: use it with data=sequences"),
+        (["data=sequences", "model=transformer", "data.batching=words"], "data.batching must be 'samples' or 'tokens'"),
+        (["data=sequences", "model=transformer", "data.max_len=4"], "need 1 <= data.min_len <= data.max_len"),
+    ],
+)
 def test_a_config_that_cannot_work_is_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match):
         validate_config(_compose(*overrides), 2)
@@ -157,9 +163,19 @@ def _train_worker(rank: int, world_size: int, cfg: DictConfig) -> dict:
 
 @pytest.mark.parametrize("batching", ["samples", "tokens"])
 def test_train_on_sequences_counts_the_samples_each_step_really_had(tmp_path, batching):
-    cfg = _compose("data=sequences", "model=transformer", "averaging=allreduce", "progress=false", "steps=40",
-                   "eval_every=20", "batch_size=16", f"data.batching={batching}", "data.tokens=512",
-                   "data.examples=2000", "data.max_len=64")
+    cfg = _compose(
+        "data=sequences",
+        "model=transformer",
+        "averaging=allreduce",
+        "progress=false",
+        "steps=40",
+        "eval_every=20",
+        "batch_size=16",
+        f"data.batching={batching}",
+        "data.tokens=512",
+        "data.examples=2000",
+        "data.max_len=64",
+    )
     cfg.run_dir = str(tmp_path)
     run_workers(_train_worker, 2, cfg, timeout_s=150)
     summary = json.loads((tmp_path / "summary.json").read_text())

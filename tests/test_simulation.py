@@ -46,11 +46,15 @@ def test_bounds_match_closed_forms(first_step):
     cases = {
         "allreduce": ({"name": "allreduce"}, [True] * n),
         "local_sgd": ({"name": "local_sgd", "period": 8}, [s % 8 == 0 for s in steps]),
-        "hierarchical (global part)": ({"name": "hierarchical", "local_group_size": 8, "local_period": 4,
-                                        "global_period": 16}, [s % 4 == 0 for s in steps]),
+        "hierarchical (global part)": (
+            {"name": "hierarchical", "local_group_size": 8, "local_period": 4, "global_period": 16},
+            [s % 4 == 0 for s in steps],
+        ),
         "wagma": ({"name": "wagma", "group_size": 2, "sync_period": 10}, [s % 11 == 10 for s in steps]),
-        "eager_solo": ({"name": "eager_solo", "mode": "solo", "sync_period": 32, "warmup_iters": 2},
-                       [s < 2 or (s - 2) % 33 == 32 for s in steps]),
+        "eager_solo": (
+            {"name": "eager_solo", "mode": "solo", "sync_period": 32, "warmup_iters": 2},
+            [s < 2 or (s - 2) % 33 == 32 for s in steps],
+        ),
     }
     for name, (options, blocking) in cases.items():
         got = protocol_bound(options, T, delays, first_step=first_step)
@@ -240,8 +244,9 @@ def test_aligned_ranks_pay_their_cpu_divided_by_the_cores(p, cores):
     # The collectives of the steps, unscaled, per rank (the closing barrier not counted); a comm_scale multiplies
     # every collective's work, the barrier's too.
     assert shared.comm_s == pytest.approx([n * w] * p)
-    scaled = simulate({"name": "allreduce"}, np.full((p, n), T), cpu_s=np.full((p, n), c), network=net, cores=cores,
-                      comm_scale=3.0)
+    scaled = simulate(
+        {"name": "allreduce"}, np.full((p, n), T), cpu_s=np.full((p, n), c), network=net, cores=cores, comm_scale=3.0
+    )
     assert scaled.total_s == pytest.approx(n * (T + stretch * (c + 3 * w)) + stretch * 3 * w)
     assert scaled.comm_s == shared.comm_s
 
@@ -253,12 +258,17 @@ def test_without_shared_cores_cpu_work_is_a_duration():
     delays = _random_k_trace(p, n)
     cpu = np.random.default_rng(3).uniform(0.001, 0.01, (p, n))
     net = Network(alpha_s=1e-4, bandwidth_Bps=1e9, activation_s=2e-4)
-    for options in ({"name": "allreduce"}, {"name": "local_sgd", "period": 4},
-                    {"name": "wagma", "group_size": 2, "sync_period": 10},
-                    {"name": "wagma", "group_size": 4, "sync_period": 5, "sync": "wait_avoiding", "overlap": True},
-                    {"name": "eager_solo", "sync_period": 8, "warmup_iters": 2},
-                    {"name": "dpsgd", "topology": "exponential"}, {"name": "sgp"}, {"name": "osgp"},
-                    {"name": "adpsgd"}):
+    for options in (
+        {"name": "allreduce"},
+        {"name": "local_sgd", "period": 4},
+        {"name": "wagma", "group_size": 2, "sync_period": 10},
+        {"name": "wagma", "group_size": 4, "sync_period": 5, "sync": "wait_avoiding", "overlap": True},
+        {"name": "eager_solo", "sync_period": 8, "warmup_iters": 2},
+        {"name": "dpsgd", "topology": "exponential"},
+        {"name": "sgp"},
+        {"name": "osgp"},
+        {"name": "adpsgd"},
+    ):
         split = simulate(options, T + delays, cpu_s=cpu, network=net, nbytes=1e6)
         joined = simulate(options, T + delays + cpu, network=net, nbytes=1e6)
         assert split.total_s == pytest.approx(joined.total_s, rel=1e-12), options
@@ -285,8 +295,21 @@ def test_shared_cores_slow_wait_avoiding_rounds_but_keep_their_order():
 def test_paper_extrapolation_and_pending_validation(tmp_path):
     """A small paper-setting run writes records with simulated_ms and no measured_ms, and says the
     validation is pending when there is no regime.json."""
-    result = scale.main(["--worlds", "64", "--steps", "12", "--policies", "allreduce", "wagma",
-                         "--regime", str(tmp_path / "none.json"), "--out", str(tmp_path)])
+    result = scale.main(
+        [
+            "--worlds",
+            "64",
+            "--steps",
+            "12",
+            "--policies",
+            "allreduce",
+            "wagma",
+            "--regime",
+            str(tmp_path / "none.json"),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     recs = result["records"]
     assert {r["policy"] for r in recs} == {"allreduce", "wagma"}
     assert all(r["measured_ms"] is None and r["simulated_ms"] > 0 and r["world_size"] == 64 for r in recs)
@@ -295,8 +318,9 @@ def test_paper_extrapolation_and_pending_validation(tmp_path):
     assert wagma["x_allreduce"] > 1.0
     assert (tmp_path / "simulation.md").exists() and (tmp_path / "simulation_scale.png").exists()
     # --validate-only keeps those records (no new simulation: a different --steps would change them).
-    kept = scale.main(["--validate-only", "--steps", "3", "--regime", str(tmp_path / "none.json"),
-                       "--out", str(tmp_path)])
+    kept = scale.main(
+        ["--validate-only", "--steps", "3", "--regime", str(tmp_path / "none.json"), "--out", str(tmp_path)]
+    )
     assert kept["records"] == recs and kept["setting"]["steps"] == 12
 
 
@@ -361,9 +385,12 @@ def test_the_horizon_caps_every_protocol_at_the_no_wait_time(p):
     (the campaign's default) the ideal is less than 0.93 of the no-wait time on a typical random_k1 draw, so
     x ideal >= 0.92 needs a lucky draw or a longer run; the wait-avoiding sync's bound is the no-wait time itself."""
     relaxed = {"name": "wagma", "group_size": 2, "sync_period": 10, "sync": "wait_avoiding"}
-    others = [{"name": "allreduce"}, {"name": "wagma", "group_size": 2, "sync_period": 10},
-              {"name": "eager_solo", "mode": "solo", "sync_period": 32, "warmup_iters": 2},
-              {"name": "local_sgd", "period": 8}]
+    others = [
+        {"name": "allreduce"},
+        {"name": "wagma", "group_size": 2, "sync_period": 10},
+        {"name": "eager_solo", "mode": "solo", "sync_period": 32, "warmup_iters": 2},
+        {"name": "local_sgd", "period": 8},
+    ]
     cap = {}
     for n in (22, 200):
         ratios = []
@@ -405,8 +432,9 @@ def test_wagma_overlap_hides_group_exchanges_shorter_than_a_step():
 # -- the decentralized baselines: D-PSGD, SGP, OSGP, AD-PSGD ---------------------------------------------------------
 
 
-def _gossip_recurrence(c: np.ndarray, peers, alpha: float, overlap: bool, warmup: int = 0,
-                       first_step: int = 0) -> tuple[np.ndarray, float]:
+def _gossip_recurrence(
+    c: np.ndarray, peers, alpha: float, overlap: bool, warmup: int = 0, first_step: int = 0
+) -> tuple[np.ndarray, float]:
     """D-PSGD / SGP / OSGP as a plain max-plus recurrence (no SimPy), with messages of ``alpha`` seconds (no
     bandwidth term) that travel once both ends are there: rank r arrives at step k at A[r, k]; its round's messages
     with ``peers(r, round)`` are done at max(A[r, k], A[q, k] for q in peers) + alpha; blocking (D-PSGD, SGP), it
@@ -437,8 +465,9 @@ def _sgp_both(r: int, p: int, k: int) -> list[int]:
     return out + into  # a rank waits for its sends (the receiver must post) as well as for its receives
 
 
-@pytest.mark.parametrize("p, seed, warmup, first_step", [(2, 0, 0, 0), (6, 1, 0, 0), (8, 2, 2, 1), (8, 3, 0, 4),
-                                                        (16, 4, 0, 0)])
+@pytest.mark.parametrize(
+    "p, seed, warmup, first_step", [(2, 0, 0, 0), (6, 1, 0, 0), (8, 2, 2, 1), (8, 3, 0, 4), (16, 4, 0, 0)]
+)
 @pytest.mark.parametrize("alpha", [0.0, 2e-3])
 def test_gossip_matches_its_recurrence(p, seed, warmup, first_step, alpha):
     """On random straggler traces with jitter, D-PSGD (ring and exponential), SGP and OSGP end exactly where their
@@ -449,8 +478,11 @@ def test_gossip_matches_its_recurrence(p, seed, warmup, first_step, alpha):
     net = Network(alpha_s=alpha)
     cases = {
         "dpsgd ring": ({"name": "dpsgd", "topology": "ring"}, lambda r, k: ring_neighbours(r, p), False),
-        "dpsgd exponential": ({"name": "dpsgd", "topology": "exponential"},
-                              lambda r, k: exponential_neighbours(r, p), False),
+        "dpsgd exponential": (
+            {"name": "dpsgd", "topology": "exponential"},
+            lambda r, k: exponential_neighbours(r, p),
+            False,
+        ),
         "sgp": ({"name": "sgp"}, lambda r, k: _sgp_both(r, p, k), False),
         "osgp": ({"name": "osgp"}, lambda r, k: _sgp_both(r, p, k), True),
     }
@@ -542,8 +574,12 @@ def test_gossip_messages_share_their_senders_link():
     n, nbytes = 6, 1e6
     net = Network(alpha_s=1e-3, bandwidth_Bps=1e8)
     one = nbytes / net.bandwidth_Bps
-    for options, p, d in (({"name": "dpsgd"}, 4, 2), ({"name": "dpsgd", "topology": "exponential"}, 8, 5),
-                          ({"name": "sgp"}, 8, 2), ({"name": "sgp"}, 2, 2)):
+    for options, p, d in (
+        ({"name": "dpsgd"}, 4, 2),
+        ({"name": "dpsgd", "topology": "exponential"}, 8, 5),
+        ({"name": "sgp"}, 8, 2),
+        ({"name": "sgp"}, 2, 2),
+    ):
         got = simulate(options, np.full((p, n), T), network=net, nbytes=nbytes)
         assert got.finish_s == pytest.approx([n * (T + net.alpha_s + d * one)] * p), (options, p)
         assert got.comm_s == pytest.approx([n * d * net.p2p_s(nbytes)] * p), (options, p)
@@ -584,9 +620,16 @@ def test_gossip_bounds_lie_between_the_no_wait_time_and_allreduce(p):
         delays = _random_k_trace(p, 24, k=max(1, p // 8), seed=seed) * (1 + np.random.default_rng(seed).random())
         ddp = protocol_bound({"name": "allreduce"}, T, delays).ms_per_step
         floor = no_wait_ms(T, delays)
-        got = {name: protocol_bound(options, T, delays).ms_per_step for name, options in (
-            ("dpsgd", {"name": "dpsgd"}), ("dpsgd exponential", {"name": "dpsgd", "topology": "exponential"}),
-            ("sgp", {"name": "sgp"}), ("osgp", {"name": "osgp"}), ("adpsgd", {"name": "adpsgd"}))}
+        got = {
+            name: protocol_bound(options, T, delays).ms_per_step
+            for name, options in (
+                ("dpsgd", {"name": "dpsgd"}),
+                ("dpsgd exponential", {"name": "dpsgd", "topology": "exponential"}),
+                ("sgp", {"name": "sgp"}),
+                ("osgp", {"name": "osgp"}),
+                ("adpsgd", {"name": "adpsgd"}),
+            )
+        }
         for name, ms in got.items():
             assert floor - 1e-9 <= ms <= ddp + 1e-9, (name, seed)
         assert got["osgp"] <= got["sgp"] + 1e-9

@@ -58,8 +58,10 @@ def _fail_setup(rank: int, world_size: int) -> None:
 
 
 def test_setup_runs_in_each_child_before_its_group_and_its_failure_is_the_ranks():
-    assert run_workers(_read_setup, 2, setup=_note_setup) == ["0/2 before the group: False",
-                                                              "1/2 before the group: False"]
+    assert run_workers(_read_setup, 2, setup=_note_setup) == [
+        "0/2 before the group: False",
+        "1/2 before the group: False",
+    ]
     outs = run_workers_outcomes(_read_setup, 2, setup=_fail_setup, timeout_s=30)
     assert [o.ok for o in outs] == [False, False] and "RuntimeError: no network for rank 1" in outs[1].error
 
@@ -79,9 +81,12 @@ def test_error_messages_records_the_expected_errors_and_lets_others_through():
     def bad():
         raise ValueError("x must be > 0, got -1")
 
-    assert error_messages({"bad": bad, "fine": lambda: None}) == {"bad": "ValueError: x must be > 0, got -1",
-                                                                  "fine": None}
+    assert error_messages({"bad": bad, "fine": lambda: None}) == {
+        "bad": "ValueError: x must be > 0, got -1",
+        "fine": None,
+    }
     with pytest.raises(RuntimeError, match="other"):
         error_messages({"other": lambda: (_ for _ in ()).throw(RuntimeError("other"))})
     assert error_messages({"rt": lambda: (_ for _ in ()).throw(RuntimeError("r"))}, (RuntimeError,)) == {
-        "rt": "RuntimeError: r"}
+        "rt": "RuntimeError: r"
+    }

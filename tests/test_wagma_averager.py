@@ -100,8 +100,14 @@ def _sgd_worker(rank, world, steps, policy, device="cpu"):
         flatten_parameters(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if policy.startswith("wagma"):
-        avg = WagmaAverager(2, 0, params=model.parameters(), order="step_then_average", timeout=TIMEOUT,
-                            transport="shm" if policy == "wagma_shm" else "default")
+        avg = WagmaAverager(
+            2,
+            0,
+            params=model.parameters(),
+            order="step_then_average",
+            timeout=TIMEOUT,
+            transport="shm" if policy == "wagma_shm" else "default",
+        )
         opt = AveragingOptimizer(opt, avg)
         aliased = avg.flat_buffers(list(model.parameters())).aliased
         assert aliased == [policy == "wagma_flat"], aliased
@@ -292,10 +298,12 @@ def _bad_args_worker(rank, world):
         "publish overlap": dict(group_size=2, sync_period=2, publish_after_step=True, overlap=True),
         "publish flag": dict(group_size=2, sync_period=2, publish_after_step=1),
     }
-    return error_messages({
-        name: lambda kw=kwargs: WagmaAverager(params=model.parameters(), timeout=TIMEOUT, **kw).close()
-        for name, kwargs in cases.items()
-    })
+    return error_messages(
+        {
+            name: lambda kw=kwargs: WagmaAverager(params=model.parameters(), timeout=TIMEOUT, **kw).close()
+            for name, kwargs in cases.items()
+        }
+    )
 
 
 def test_bad_arguments_raise_value_errors():
@@ -331,10 +339,12 @@ def _order_worker(rank, world, order):
         else:  # average, then step: the averager's order, as AveragingOptimizer runs it
             avg.average_parameters(params[::-1] if order == "reversed" and rank % 2 else params)
             opt.step()
-    errors = error_messages({
-        "missing": lambda: avg.average_parameters([model.weight]),
-        "new": lambda: avg.average_parameters(params + [nn.Parameter(torch.ones(4, 4))]),
-    })
+    errors = error_messages(
+        {
+            "missing": lambda: avg.average_parameters([model.weight]),
+            "new": lambda: avg.average_parameters(params + [nn.Parameter(torch.ones(4, 4))]),
+        }
+    )
     avg.close()
     return [p.detach().clone() for p in params], errors
 
@@ -457,8 +467,7 @@ def test_wait_avoiding_sync_bounds_staleness_with_a_persistently_slow_rank(world
     point 3 holds at every sync round: the fresh ranks hold the same mean m, a late rank (w + P m)/(P + 1),
     so the consensus distance after a sync round is at most max ||w_late - m||^2 / (P + 1)^2."""
     rounds, sync_period, lead, delay = 16, 3, 2, 0.08
-    out = run_workers(_relaxed_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead,
-                      timeout_s=90)
+    out = run_workers(_relaxed_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead, timeout_s=90)
     for rank, (_, stats) in enumerate(out):
         hist = {int(k): v for k, v in stats["staleness_hist"].items()}
         assert max(hist) <= lead, (rank, hist)
@@ -503,7 +512,9 @@ def test_wait_avoiding_sync_rounds_do_not_wait_for_a_late_rank():
     sleeps = _random_sleeper(world, rounds, delay)
     out = run_workers(_relaxed_worker, world, rounds, sleeps, sync_period, sync_period, timeout_s=90)
     sync_waits = [
-        rec[1] for rank, (records, _) in enumerate(out) for step, rec in enumerate(records)
+        rec[1]
+        for rank, (records, _) in enumerate(out)
+        for step, rec in enumerate(records)
         if rec[0] == "global" and sleeps(rank, step) == 0.0
     ]
     assert len(sync_waits) == (world - 1) * rounds // (sync_period + 1)
@@ -605,8 +616,22 @@ def test_overlap_keeps_sync_rounds_blocking_and_fresh_and_leaves_no_round_behind
     out = run_workers(_overlap_run_worker, world, steps, sync_period)
     # Rounds 4, 9 are sync rounds (applied at once); every other call applies the round before it, except
     # the call after a sync round and the first call, which have none.
-    expected = [None, "local", "local", "local", "global", None, "local", "local", "local", "global",
-                None, "local", "local", "local"]
+    expected = [
+        None,
+        "local",
+        "local",
+        "local",
+        "global",
+        None,
+        "local",
+        "local",
+        "local",
+        "global",
+        None,
+        "local",
+        "local",
+        "local",
+    ]
     for kinds, synced, final, stats, left in out:
         assert kinds == expected
         assert left == {0: 0}  # synchronize() collected the round in flight
@@ -623,8 +648,15 @@ def test_overlap_keeps_sync_rounds_blocking_and_fresh_and_leaves_no_round_behind
 def _relaxed_overlap_worker(rank, world, rounds, sleeps, sync_period, max_lead):
     model = _tagged(rank)
     kinds, waits = [], []
-    with WagmaAverager(2, sync_period, params=model.parameters(), max_lead=max_lead, sync="wait_avoiding",
-                       overlap=True, timeout=TIMEOUT) as avg:
+    with WagmaAverager(
+        2,
+        sync_period,
+        params=model.parameters(),
+        max_lead=max_lead,
+        sync="wait_avoiding",
+        overlap=True,
+        timeout=TIMEOUT,
+    ) as avg:
         for step in range(rounds):
             time.sleep(sleeps(rank, step))
             with torch.no_grad():
@@ -646,8 +678,9 @@ def test_wait_avoiding_sync_with_overlap_bounds_staleness_by_max_lead_plus_one()
     point 1), never more (from then on the fast ranks' lead bound holds them, as it must). Each call k >= 1 applies
     round k - 1, whose kind (global every sync_period + 1 rounds) it returns."""
     world, rounds, sync_period, lead, delay = 4, 16, 3, 2, 0.08
-    out = run_workers(_relaxed_overlap_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead,
-                      timeout_s=90)
+    out = run_workers(
+        _relaxed_overlap_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead, timeout_s=90
+    )
     expected = [None] + ["global" if k % (sync_period + 1) == sync_period else "local" for k in range(rounds - 1)]
     for rank, (kinds, waits, _, stats, left) in enumerate(out):
         assert kinds == expected, (rank, kinds)
@@ -677,8 +710,9 @@ def test_wait_avoiding_sync_with_overlap_waits_for_no_late_rank():
 def _conserve_late_worker(rank, world, overlap):
     """Rank 1 sleeps before its first step, so its thread runs round 0 with the initial (tagged) model: late."""
     model = _tagged(rank)
-    with WagmaAverager(2, 5, params=model.parameters(), max_lead=1, mixing="conserve", overlap=overlap,
-                       timeout=TIMEOUT) as avg:
+    with WagmaAverager(
+        2, 5, params=model.parameters(), max_lead=1, mixing="conserve", overlap=overlap, timeout=TIMEOUT
+    ) as avg:
         if rank == 1:
             time.sleep(0.5)
         with torch.no_grad():
@@ -723,8 +757,17 @@ def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_l
     model = _tagged(rank).to(rank_device(device, rank))
     initial, steps = _flat(model), torch.zeros_like(_flat(model))
     gen = torch.Generator().manual_seed(1000 + rank)
-    with WagmaAverager(2, sync_period, params=model.parameters(), max_lead=max_lead, sync="wait_avoiding",
-                       mixing=mixing, overlap=overlap, publish_after_step=publish, timeout=TIMEOUT) as avg:
+    with WagmaAverager(
+        2,
+        sync_period,
+        params=model.parameters(),
+        max_lead=max_lead,
+        sync="wait_avoiding",
+        mixing=mixing,
+        overlap=overlap,
+        publish_after_step=publish,
+        timeout=TIMEOUT,
+    ) as avg:
         for step in range(rounds):
             time.sleep(sleeps(rank, step))
             offset = 0
@@ -732,7 +775,7 @@ def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_l
                 for p in model.parameters():
                     delta = torch.randn(p.shape, generator=gen).to(p.device)
                     p.add_(delta)
-                    steps[offset:offset + p.numel()] += delta.reshape(-1)
+                    steps[offset : offset + p.numel()] += delta.reshape(-1)
                     offset += p.numel()
             if publish and step:  # after the step that followed the previous round (none before the first)
                 avg.publish(model.parameters())
@@ -763,8 +806,19 @@ def check_conserve_sum(overlap: bool, device: str = "cpu", publish: bool = False
     world, rounds, sync_period, lead, delay = 4, 16, 3, 2, 0.06
     sums = {}
     for mixing in ("conserve", "reference"):
-        out = run_workers(_sum_worker, world, rounds, _persistent(world - 1, delay), mixing, overlap, sync_period,
-                          lead, device, publish, timeout_s=90)
+        out = run_workers(
+            _sum_worker,
+            world,
+            rounds,
+            _persistent(world - 1, delay),
+            mixing,
+            overlap,
+            sync_period,
+            lead,
+            device,
+            publish,
+            timeout_s=90,
+        )
         initial = sum(o[0] for o in out)
         steps = sum(o[1] for o in out)
         final = sum(o[2] for o in out)

@@ -40,12 +40,17 @@ def test_wire_dtype_names_and_errors() -> None:
 def _accumulate_worker(rank: int, world: int, rounds: int, error_feedback: bool, device: str = "cpu") -> dict:
     # Rank 0 contributes c = 3 + 2^-8 every round, which bfloat16 cannot hold (its step at 3 is 2^-6); the others
     # contribute zeros, so every round's sum is exactly what rank 0 sent and the books can be checked bit for bit.
-    c = 3.0 + 2.0 ** -8
+    c = 3.0 + 2.0**-8
     schedule = GroupSchedule.from_partitions([[list(range(world))]], name="global")
     dev = rank_device(device, rank)
     engine = WaitAvoidingGroupAllreduce(
-        schedule, torch.zeros(64, device=dev), sync_period=1000, timeout=TIMEOUT, accumulate=True,
-        wire_dtype="bf16", error_feedback=error_feedback,
+        schedule,
+        torch.zeros(64, device=dev),
+        sync_period=1000,
+        timeout=TIMEOUT,
+        accumulate=True,
+        wire_dtype="bf16",
+        error_feedback=error_feedback,
     )
     total = torch.zeros(64, dtype=torch.float64)
     for _ in range(rounds):
@@ -86,7 +91,12 @@ def _replace_worker(rank: int, world: int, device: str = "cpu") -> list[list[flo
     schedule = GroupSchedule.from_partitions([[list(range(world))]], name="global")
     model = torch.full((8,), 100.0, device=rank_device(device, rank))
     engine = WaitAvoidingGroupAllreduce(
-        schedule, model + rank, sync_period=1, max_lead=0, timeout=TIMEOUT, wire_dtype=torch.bfloat16,
+        schedule,
+        model + rank,
+        sync_period=1,
+        max_lead=0,
+        timeout=TIMEOUT,
+        wire_dtype=torch.bfloat16,
     )
     sums = []
     for k in range(4):
@@ -143,8 +153,12 @@ def _averager_worker(rank: int, world: int, kind: str, wire: str | None, steps: 
             after_global.append(model.detach().clone())
         if step == steps // 2:
             state = averager.state_dict()
-    out = {"model": model.detach().clone(), "after_global": after_global, "bytes": averager.stats.bytes_sent,
-           "state_keys": sorted(state or {})}
+    out = {
+        "model": model.detach().clone(),
+        "after_global": after_global,
+        "bytes": averager.stats.bytes_sent,
+        "state_keys": sorted(state or {}),
+    }
     if kind == "wagma":  # an exact global mean at the end (evaluation, checkpoints): the replicas become equal
         averager.synchronize([model])
         out["synchronized"] = model.detach().clone()
@@ -208,5 +222,5 @@ def test_allreduce_hook_on_a_bf16_wire_on_gloo() -> None:
     narrow = run_workers(_ddp_worker, 2, "bf16")
     wide = run_workers(_ddp_worker, 2, None)
     assert torch.equal(narrow[0], narrow[1])
-    torch.testing.assert_close(narrow[0], wide[0], rtol=2 ** -7, atol=0)  # two roundings: the cast, the sum
+    torch.testing.assert_close(narrow[0], wide[0], rtol=2**-7, atol=0)  # two roundings: the cast, the sum
     assert not torch.equal(narrow[0], wide[0])  # it really went through bfloat16 (1 + 1/3 is not exact in it)

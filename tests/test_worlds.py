@@ -47,8 +47,18 @@ def _family_worker(rank, world_size):
 
     copy = pickle.loads(pickle.dumps(rep))  # a state that holds a world pickles: without the group
     assert copy.family == rep.family and copy.rank == rep.rank and copy.group is None and rep.group is not None
-    return (rep.family, rep.ranks, rep.rank, shard.family, exchanged.family, exchanged.rank, rep.describe(1),
-            as_world(None).whole_job, as_world(None).key, rep.key != as_world((mesh, "replicate")).key)
+    return (
+        rep.family,
+        rep.ranks,
+        rep.rank,
+        shard.family,
+        exchanged.family,
+        exchanged.rank,
+        rep.describe(1),
+        as_world(None).whole_job,
+        as_world(None).key,
+        rep.key != as_world((mesh, "replicate")).key,
+    )
 
 
 def test_a_mesh_dimension_and_exchanged_groups_name_the_same_families_on_every_rank():
@@ -70,8 +80,13 @@ def _bad_family_worker(rank, world_size, layout):
     return str(err.value)
 
 
-@pytest.mark.parametrize("layout,said", [("overlap", "expected disjoint worlds, found rank 1 in [0, 1] and [1, 2]"),
-                                         ("sizes", "expected worlds of one size")])
+@pytest.mark.parametrize(
+    "layout,said",
+    [
+        ("overlap", "expected disjoint worlds, found rank 1 in [0, 1] and [1, 2]"),
+        ("sizes", "expected worlds of one size"),
+    ],
+)
 def test_worlds_that_overlap_or_differ_in_size_are_refused_naming_them(layout, said):
     for message in run_workers(_bad_family_worker, 4, layout, collective_timeout_s=20):
         assert said in message
@@ -269,8 +284,9 @@ def _device_worlds_worker(rank, world_size, device):
     world = as_world(groups[rank % 2])
     x = torch.full((1000,), float(rank + 1), device=dev)
     sums = []
-    with WaitAvoidingGroupAllreduce(GroupSchedule.butterfly(2, 2), x, sync_period=2, max_lead=0, timeout=TIMEOUT,
-                                    world=world) as engine:
+    with WaitAvoidingGroupAllreduce(
+        GroupSchedule.butterfly(2, 2), x, sync_period=2, max_lead=0, timeout=TIMEOUT, world=world
+    ) as engine:
         for _ in range(5):
             res = engine(x)
             sums.append((float(res.sum[0]), str(res.sum.device)))
@@ -296,7 +312,9 @@ def test_two_worlds_on_exchanged_groups_sum_their_own_ranks():
 def _disagree_worker(rank, world_size):
     mesh = _mesh()
     world = as_world((mesh, "replicate"))
-    with pytest.raises(ValueError, match=r"rank 0 creates the group of world ranks \[0,1\] while rank 1 creates \[1,0\]"):
+    with pytest.raises(
+        ValueError, match=r"rank 0 creates the group of world ranks \[0,1\] while rank 1 creates \[1,0\]"
+    ):
         world.new_group([0, 1] if rank % 2 == 0 else [1, 0], TIMEOUT)
     return True
 

@@ -336,8 +336,10 @@ class WaitAvoidingGroupAllreduce:
         """
         self._check_usable()
         if self.accumulate:
-            raise RuntimeError("publish_ahead() needs accumulate=False: in accumulate mode a call adds to what is "
-                               "pending, and nothing can be added ahead of it")
+            raise RuntimeError(
+                "publish_ahead() needs accumulate=False: in accumulate mode a call adds to what is "
+                "pending, and nothing can be added ahead of it"
+            )
         self._check_tensor(tensor)
         self._core.publish(tensor, self._calls, arrive=False)
 
@@ -417,9 +419,14 @@ class WaitAvoidingGroupAllreduce:
         """:meth:`recycle` once the engine is known to be usable."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"recycle: expected a torch.Tensor, got {type(tensor).__name__}")
-        if (tensor.shape != self.shape or tensor.dtype != self.dtype or tensor.device != self.device
-                or not tensor.is_contiguous() or tensor.storage_offset() != 0
-                or tensor.untyped_storage().nbytes() != tensor.nbytes):
+        if (
+            tensor.shape != self.shape
+            or tensor.dtype != self.dtype
+            or tensor.device != self.device
+            or not tensor.is_contiguous()
+            or tensor.storage_offset() != 0
+            or tensor.untyped_storage().nbytes() != tensor.nbytes
+        ):
             raise ValueError(
                 f"recycle: expected a result sum of this engine (shape {tuple(self.shape)}, dtype {self.dtype} on "
                 f"{self.device}, its own contiguous storage), got shape {tuple(tensor.shape)}, dtype {tensor.dtype} "
@@ -485,8 +492,9 @@ class WaitAvoidingGroupAllreduce:
         """
         self._check_usable()
         if self.accumulate:
-            raise RuntimeError("published() needs accumulate=False: in accumulate mode what is pending is a sum "
-                               "(see pending())")
+            raise RuntimeError(
+                "published() needs accumulate=False: in accumulate mode what is pending is a sum (see pending())"
+            )
         core = self._core
         with core.cond:
             snapshot, event = core.snapshot, core.snapshot_event

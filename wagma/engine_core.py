@@ -51,6 +51,7 @@ class EngineSettings(Protocol):
     wire_dtype: torch.dtype | None
     error_feedback: bool
 
+
 __all__ = ["Done", "EngineCore", "EngineSettings", "initiator_of", "is_sync"]
 
 #: How many spare CPU buffers an engine keeps for reuse (superseded snapshots, sums handed back by ``recycle``).
@@ -99,9 +100,7 @@ class EngineCore:
     its finalizer (:meth:`shutdown`) stops the thread. Fields below ``cond`` are guarded by it.
     """
 
-    def __init__(
-        self, eng: EngineSettings, initial: torch.Tensor, store: dist.Store, prefix: str, start: int
-    ) -> None:
+    def __init__(self, eng: EngineSettings, initial: torch.Tensor, store: dist.Store, prefix: str, start: int) -> None:
         self.rank, self.world_size, self.schedule = eng.rank, eng.world_size, eng.schedule
         self.sync_period, self.max_lead, self.accumulate = eng.sync_period, eng.max_lead, eng.accumulate
         self.timeout, self.device = eng.timeout, eng.device
@@ -110,7 +109,8 @@ class EngineCore:
         # CPU only: how much nicer than the caller the progress thread and the communicators' threads run.
         self.nice = eng.progress_nice if not self.cuda and PER_THREAD_NICE else 0
         self.trigger_phase = (
-            "waiting for any rank to trigger round {k}" if eng.trigger == "any"
+            "waiting for any rank to trigger round {k}"
+            if eng.trigger == "any"
             else "waiting for round {k} to be triggered by its initiator, rank {i}"
         )
         self.seed = eng.seed
@@ -153,8 +153,15 @@ class EngineCore:
         # The first progress record is written before the communicators: their creation is collective, so
         # every rank's record exists by the time any thread reads them.
         self.channel = ActivationChannel(
-            store, prefix, self.rank, self.world_size, start, self.timeout,
-            self.on_activated, self.next_wait, self.on_watch_error,
+            store,
+            prefix,
+            self.rank,
+            self.world_size,
+            start,
+            self.timeout,
+            self.on_activated,
+            self.next_wait,
+            self.on_watch_error,
             None if eng.world.whole_job else eng.world.ranks,
         )
         self.shm: dict[tuple[int, ...], SharedMemoryAllreduce] = {}  # transport 'shm': by group
@@ -165,7 +172,9 @@ class EngineCore:
             self.channel.meet()
             # Gloo starts a group's worker and I/O threads in its constructor, and a thread starts with its
             # creator's nice value: built from a niced helper thread, they run at the progress thread's priority.
-            deadline = self.channel.connect_s + (len(self.schedule.distinct_groups()) + 1) * self.timeout.total_seconds()
+            deadline = (
+                self.channel.connect_s + (len(self.schedule.distinct_groups()) + 1) * self.timeout.total_seconds()
+            )
             self.groups, self.global_pg = _niced(
                 self.nice, lambda: _communicators(self.schedule, self.rank, self.timeout, eng.world), deadline
             )
@@ -548,4 +557,3 @@ def _communicators(
         if rank in members:
             groups[members] = pg
     return groups, world.new_group(None, timeout, wait=False)
-

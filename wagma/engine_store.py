@@ -201,9 +201,7 @@ class ActivationChannel:
         self._floor = start_round  # rank 0's collector: act keys below it are deleted
         self.record(start_round - 1, start_round, start_round - 1)
         self._on_activated, self._next_wait, self._on_error = on_activated, next_wait, on_error
-        self._watcher = threading.Thread(
-            target=self._watch, name=f"wagma-watch-{prefix.strip('/')}", daemon=True
-        )
+        self._watcher = threading.Thread(target=self._watch, name=f"wagma-watch-{prefix.strip('/')}", daemon=True)
 
     def start(self) -> None:
         """Start the watcher thread (after every rank has written its first progress record)."""
@@ -310,15 +308,18 @@ class ActivationChannel:
             )
 
         def where(ranks: list[int]) -> str:
-            return ", ".join(f"{self._name(r)} last seen in round {seen[r][0]} (its main thread at call "
-                             f"{seen[r][1]})" for r in ranks)
+            return ", ".join(
+                f"{self._name(r)} last seen in round {seen[r][0]} (its main thread at call {seen[r][1]})" for r in ranks
+            )
 
         missing = [r for r in group if r != self.rank and seen[r][0] < k]
         if missing:
             text = f"{self._names(missing)} of group {self._group_name(group)} did not arrive: {where(missing)}"
         else:
-            text = (f"every member of group {self._group_name(group)} had reached round {k}, so one of them failed during the "
-                    f"exchange")
+            text = (
+                f"every member of group {self._group_name(group)} had reached round {k}, so one of them failed during the "
+                f"exchange"
+            )
         low = min(e for e, _ in seen.values())
         behind = [r for r, (e, _) in seen.items() if e == low and e < k and r not in missing]
         if behind:

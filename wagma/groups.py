@@ -166,9 +166,7 @@ def contiguous_subgroups(
         raise ValueError(f"group_size: expected a positive integer, found {group_size!r}")
     check_group_fits(group_size, len(ranks))
     if len(ranks) % group_size != 0:
-        raise ValueError(
-            f"group_size: expected a divisor of the number of ranks ({len(ranks)}), found {group_size}"
-        )
+        raise ValueError(f"group_size: expected a divisor of the number of ranks ({len(ranks)}), found {group_size}")
     me = dist.get_rank()
     blocks = [list(ranks[i : i + group_size]) for i in range(0, len(ranks), group_size)]
     mine: dist.ProcessGroup | None = None

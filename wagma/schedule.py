@@ -157,9 +157,7 @@ class GroupSchedule:
         )
 
     @classmethod
-    def from_partitions(
-        cls, partitions: Sequence[Sequence[Sequence[int]]], *, name: str = "custom"
-    ) -> GroupSchedule:
+    def from_partitions(cls, partitions: Sequence[Sequence[Sequence[int]]], *, name: str = "custom") -> GroupSchedule:
         """An explicit schedule: ``partitions[j]`` is used in round ``j`` of the period.
 
         Groups may have unequal sizes here (then :attr:`group_size` is ``None``). Validated as in the
@@ -326,13 +324,9 @@ def _normalize(partitions: Any) -> tuple[tuple[Partition, ...], int]:
     try:
         raw_rounds = list(partitions)
     except TypeError:
-        raise ValueError(
-            f"partitions must be a sequence of partitions, got {type(partitions).__name__}"
-        ) from None
+        raise ValueError(f"partitions must be a sequence of partitions, got {type(partitions).__name__}") from None
     if not raw_rounds:
-        raise ValueError(
-            "partitions must hold at least one round: expected a non-empty list, got an empty one"
-        )
+        raise ValueError("partitions must hold at least one round: expected a non-empty list, got an empty one")
     rounds: list[Partition] = []
     world_size = 0
     for j, raw in enumerate(raw_rounds):
@@ -368,8 +362,7 @@ def _normalize(partitions: Any) -> tuple[tuple[Partition, ...], int]:
             world_size = count
         elif count != world_size and set(owner) == set(range(count)):
             raise ValueError(
-                f"rounds have different world sizes: round 0 covers {world_size} ranks, "
-                f"round {j} covers {count}"
+                f"rounds have different world sizes: round 0 covers {world_size} ranks, round {j} covers {count}"
             )
         missing = sorted(set(range(world_size)) - set(owner))
         outside = sorted(x for x in owner if not 0 <= x < world_size)

@@ -116,8 +116,10 @@ class SharedMemoryAllreduce:
         if failure is not None:
             raise failure
         if not name.any():
-            raise ValueError(f"transport 'shm': rank {self.ranks[0]} could not create the group's shared segment "
-                             f"of {nbytes / 2**20:.1f} MiB in {SHM_DIR} (its error names why)")
+            raise ValueError(
+                f"transport 'shm': rank {self.ranks[0]} could not create the group's shared segment "
+                f"of {nbytes / 2**20:.1f} MiB in {SHM_DIR} (its error names why)"
+            )
         if self.index != 0:
             path = os.path.join(SHM_DIR, bytes(name[name.ne(0)].tolist()).decode("ascii"))
         try:
@@ -193,4 +195,3 @@ class SharedMemoryAllreduce:
 
     def __repr__(self) -> str:
         return f"SharedMemoryAllreduce(ranks={self.ranks}, capacity={self.capacity}, dtype={self.dtype})"
-

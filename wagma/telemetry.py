@@ -205,9 +205,7 @@ class GpuTelemetry:
             raise RuntimeError("GpuTelemetry.start: this instance is closed; create a new one")
         if not self.available or self._thread is not None:
             return self
-        self._thread = threading.Thread(
-            target=self._run, name=f"wagma-gpu-telemetry-{self.device_index}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"wagma-gpu-telemetry-{self.device_index}", daemon=True)
         self._thread.start()
         return self
 

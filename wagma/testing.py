@@ -236,15 +236,11 @@ def run_workers_outcomes(
                     )
                 else:
                     outcomes[rank] = (
-                        RankOutcome(rank, True, value=value)
-                        if kind == "ok"
-                        else RankOutcome(rank, False, error=value)
+                        RankOutcome(rank, True, value=value) if kind == "ok" else RankOutcome(rank, False, error=value)
                     )
                 pending.discard(rank)
         for rank in pending:
-            outcomes[rank] = RankOutcome(
-                rank, False, error=f"did not finish within {timeout_s:.0f} s (killed)"
-            )
+            outcomes[rank] = RankOutcome(rank, False, error=f"did not finish within {timeout_s:.0f} s (killed)")
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
@@ -277,7 +273,12 @@ def run_workers(
         WorkerError: naming every rank that raised, died or timed out, with its traceback.
     """
     outcomes = run_workers_outcomes(
-        fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, backend=backend,
+        fn,
+        world_size,
+        *args,
+        timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s,
+        backend=backend,
         setup=setup,
     )
     failed = [o for o in outcomes if not o.ok]

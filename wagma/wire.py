@@ -27,9 +27,14 @@ __all__ = ["WIRE_DTYPES", "WireDtype", "as_wire_dtype", "narrow_for", "wire_dtyp
 
 #: Names ``wire_dtype`` accepts (besides a ``torch.dtype``); ``None`` and ``"float32"``: no compression.
 WIRE_DTYPES: dict[str, torch.dtype | None] = {
-    "float32": None, "fp32": None, "none": None,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": None,
+    "fp32": None,
+    "none": None,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 WireDtype = torch.dtype | str | None

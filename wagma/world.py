@@ -62,7 +62,9 @@ class World:
         self.group = group if self.ranks else None
         self.whole_job: bool = whole_job
         #: Prefix for this world's keys in the c10d store ("" for the whole job: keys as before worlds existed).
-        self.key: str = "" if whole_job else "w" + hashlib.sha1(",".join(map(str, self.ranks)).encode()).hexdigest()[:10] + "/"
+        self.key: str = (
+            "" if whole_job else "w" + hashlib.sha1(",".join(map(str, self.ranks)).encode()).hexdigest()[:10] + "/"
+        )
 
     @property
     def is_member(self) -> bool:
@@ -178,7 +180,9 @@ def as_world(world: WorldLike, timeout: datetime.timedelta | float = DEFAULT_TIM
 def _mesh_world(mesh: Any, dim: str) -> World:
     names = getattr(mesh, "mesh_dim_names", None)
     if not hasattr(mesh, "mesh") or names is None:
-        raise ValueError(f"world: expected (DeviceMesh with named dimensions, dim_name), found ({type(mesh).__name__}, {dim!r})")
+        raise ValueError(
+            f"world: expected (DeviceMesh with named dimensions, dim_name), found ({type(mesh).__name__}, {dim!r})"
+        )
     if dim not in names:
         raise ValueError(f"world: the mesh has the dimensions {tuple(names)}, found {dim!r}")
     d = names.index(dim)

@@ -56,8 +56,18 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "RESETTABLE", "CheckpointError", "capture_rng_state", "checkpoint_dir", "complete_steps", "ensure_no_history",
-    "latest_step", "load_checkpoint", "read_meta", "restore_rng_state", "resume_checkpoint", "save_checkpoint",
+    "RESETTABLE",
+    "CheckpointError",
+    "capture_rng_state",
+    "checkpoint_dir",
+    "complete_steps",
+    "ensure_no_history",
+    "latest_step",
+    "load_checkpoint",
+    "read_meta",
+    "restore_rng_state",
+    "resume_checkpoint",
+    "save_checkpoint",
 ]
 
 FORMAT = 1
@@ -175,7 +185,10 @@ def _commit(
     errors = [r for r in reports if isinstance(r, str)]
     if not errors:
         meta = {
-            "format": FORMAT, "step": step, "world_size": len(reports), "fingerprint": fingerprint,
+            "format": FORMAT,
+            "step": step,
+            "world_size": len(reports),
+            "fingerprint": fingerprint,
             "shards": {f"rank{r}.pt": report for r, report in enumerate(reports)},
         }
         final, aside = _step_dir(root, step), root / f".replaced_step_{step:08d}"

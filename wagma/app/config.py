@@ -28,13 +28,25 @@ from wagma.app.presets import CONFIGS_DIR
 from wagma.app.quota import check_rank_cpus
 
 __all__ = [
-    "ConfigError", "KNOWN_OPTIMIZERS", "build_optimizer", "group_options", "validate_config", "validate_launch",
+    "ConfigError",
+    "KNOWN_OPTIMIZERS",
+    "build_optimizer",
+    "group_options",
+    "validate_config",
+    "validate_launch",
 ]
 
 KNOWN_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
 _GROUPS: tuple[str, ...] = ("data", "model", "optim", "imbalance", "averaging")
 _TOP_LEVEL: tuple[str, ...] = (
-    "steps", "batch_size", "seed", "device", "checkpoint_every", "resume", "eval_every", "log_every",
+    "steps",
+    "batch_size",
+    "seed",
+    "device",
+    "checkpoint_every",
+    "resume",
+    "eval_every",
+    "log_every",
 )
 
 
@@ -161,9 +173,16 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     if info is None:  # the model is checked against some data all the same
         info = DataInfo(*DATASET_INFO["digits"])
     model = dict(plain["model"])
-    _attempt(found["model"], lambda: build_model(
-        str(model.pop("name", None)), info.in_shape, info.num_classes, **model,
-        **({} if info.vocab_size is None else {"vocab_size": info.vocab_size})))
+    _attempt(
+        found["model"],
+        lambda: build_model(
+            str(model.pop("name", None)),
+            info.in_shape,
+            info.num_classes,
+            **model,
+            **({} if info.vocab_size is None else {"vocab_size": info.vocab_size}),
+        ),
+    )
     _attempt(found["optim"], lambda: build_optimizer(plain["optim"], [torch.nn.Parameter(torch.zeros(1))]))
     if world_size >= 1:
         _attempt(found["imbalance"], lambda: build_imbalance(plain["imbalance"], 0, world_size))
@@ -215,8 +234,14 @@ def _check_averaging(plain: Mapping[str, Any], world_size: int, found: dict[str,
             validate_hsdp(plain["averaging"])
         validate_policy_config(plain["averaging"], replicas)
     except (ValueError, TypeError) as exc:
-        where = (f" (parallel=hsdp: the policy averages over the {replicas} replicas = {world_size} ranks / "
-                 f"shard_size {plain.get('shard_size')})") if hsdp and "parallel=hsdp" not in str(exc) else ""
+        where = (
+            (
+                f" (parallel=hsdp: the policy averages over the {replicas} replicas = {world_size} ranks / "
+                f"shard_size {plain.get('shard_size')})"
+            )
+            if hsdp and "parallel=hsdp" not in str(exc)
+            else ""
+        )
         found["averaging"].append(f"{exc}{where}")
 
 
@@ -264,8 +289,9 @@ def _kind(example: Any) -> tuple[Callable[[Any], bool], str] | None:
     if isinstance(example, bool):
         return (lambda v: isinstance(v, bool)), "true or false"
     if isinstance(example, (int, float)):  # an integer key may take a float (rank_cpus=0.5): its check says
-        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), \
-            ("an integer" if isinstance(example, int) else "a float")
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), (
+            "an integer" if isinstance(example, int) else "a float"
+        )
     if isinstance(example, list):
         item = next((k for k in map(_kind, example) if k is not None), None)
         if item is None:
@@ -325,8 +351,11 @@ def _with_types(found: dict[str, list[str]], plain: Mapping[str, Any]) -> list[s
                 messages = [m for m in messages if m not in keyless] + [text for text, _ in wrong.values()]
         problems += messages
         for path, (text, null) in wrong.items():
-            if not null and text not in problems and not any(_names(m, path) or _names(m, path.split(".")[-1])
-                                                             for m in messages):
+            if (
+                not null
+                and text not in problems
+                and not any(_names(m, path) or _names(m, path.split(".")[-1]) for m in messages)
+            ):
                 problems.append(text)
     return problems
 

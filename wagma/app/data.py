@@ -28,8 +28,18 @@ import torch
 from wagma.app.epochs import EpochBatches
 from wagma.app.sequences import SequenceSpec, TokenBatchIterator, generate, trim_padding
 
-__all__ = ["BatchIterator", "DATASET_INFO", "DataInfo", "Dataset", "IMAGE_DATASETS", "KNOWN_DATASETS", "dataset_info",
-           "load_dataset", "make_batches", "train_split_size"]
+__all__ = [
+    "BatchIterator",
+    "DATASET_INFO",
+    "DataInfo",
+    "Dataset",
+    "IMAGE_DATASETS",
+    "KNOWN_DATASETS",
+    "dataset_info",
+    "load_dataset",
+    "make_batches",
+    "train_split_size",
+]
 
 
 def _load_digits() -> tuple[np.ndarray, np.ndarray, int]:
@@ -83,8 +93,10 @@ def dataset_info(options: dict[str, Any]) -> DataInfo:
     if name in DATASET_INFO:
         n, shape, classes = DATASET_INFO[str(name)]
         if options.get("batching", "samples") != "samples":
-            raise ValueError(f"data.batching={options.get('batching')!r} needs token data (data=sequences); "
-                             f"{name!r} batches by samples")
+            raise ValueError(
+                f"data.batching={options.get('batching')!r} needs token data (data=sequences); "
+                f"{name!r} batches by samples"
+            )
         return DataInfo(n, shape, classes)
     if name == "sequences":
         spec = SequenceSpec.from_options(options)
@@ -170,9 +182,15 @@ def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2, **opti
         t_tr, t_te, l_tr, l_te = train_test_split(
             tokens, labels, test_size=test_fraction, random_state=seed, stratify=labels, shuffle=True
         )
-        return Dataset(name=name, x_train=torch.from_numpy(t_tr), y_train=torch.from_numpy(l_tr),
-                       x_test=torch.from_numpy(t_te), y_test=torch.from_numpy(l_te), num_classes=spec.classes,
-                       vocab_size=spec.vocab)
+        return Dataset(
+            name=name,
+            x_train=torch.from_numpy(t_tr),
+            y_train=torch.from_numpy(l_tr),
+            x_test=torch.from_numpy(t_te),
+            y_test=torch.from_numpy(l_te),
+            num_classes=spec.classes,
+            vocab_size=spec.vocab,
+        )
     dataset_info({"name": name, **options})  # images take no options but batching=samples
     images, labels, _ = _LOADERS[name]()
     x_tr, x_te, y_tr, y_te = train_test_split(

@@ -14,7 +14,11 @@ import sys
 from collections.abc import Iterator
 
 __all__ = [
-    "MISSING_DEPENDENCY_EXIT_CODE", "OPTIONAL", "missing_dependency", "reported_missing_dependencies", "require",
+    "MISSING_DEPENDENCY_EXIT_CODE",
+    "OPTIONAL",
+    "missing_dependency",
+    "reported_missing_dependencies",
+    "require",
 ]
 
 #: Exit status of a run stopped by a missing optional dependency.

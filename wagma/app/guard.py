@@ -64,9 +64,11 @@ class TrainingGuard:
         start_step: int = 0,
         chance_loss: float | None = None,
     ) -> None:
-        if validated_staleness is not None and (isinstance(validated_staleness, bool)
-                                                or not isinstance(validated_staleness, (int, float))
-                                                or validated_staleness < 0):
+        if validated_staleness is not None and (
+            isinstance(validated_staleness, bool)
+            or not isinstance(validated_staleness, (int, float))
+            or validated_staleness < 0
+        ):
             raise ValueError(f"validated_staleness: expected null or a number >= 0, found {validated_staleness!r}")
         self.window = max(10, steps // 20) if window is None else int(window)
         self.patience = max(5 * self.window, steps // 4) if patience is None else int(patience)
@@ -113,8 +115,12 @@ class TrainingGuard:
             new = self._window_done(step, self._sum / self._count)
             self._sum, self._count = 0.0, 0
         # The running mean of the first rounds is noisy: judge it once a quarter of the run (patience) is in.
-        if (self.validated_staleness is not None and self._staleness is not None
-                and self._staleness > self.validated_staleness and step - self._start >= self.patience):
+        if (
+            self.validated_staleness is not None
+            and self._staleness is not None
+            and self._staleness > self.validated_staleness
+            and step - self._start >= self.patience
+        ):
             new = self._warn("stale", f"measured at step {step}") or new
         return new
 
@@ -130,17 +136,28 @@ class TrainingGuard:
         progress = reference - self._best
         self._above = self._above + 1 if progress > 0.1 * reference and mean >= self._best + 0.5 * progress else 0
         if self._above * self.window >= self.patience:
-            return self._warn("stalled", f"the training loss rose back to {mean:.3g} and stayed there for "
-                                         f"{self._above * self.window} steps (best {self._best:.3g} at step "
-                                         f"{self._best_step}, first {self._first:.3g})")
+            return self._warn(
+                "stalled",
+                f"the training loss rose back to {mean:.3g} and stayed there for "
+                f"{self._above * self.window} steps (best {self._best:.3g} at step "
+                f"{self._best_step}, first {self._first:.3g})",
+            )
         if step - self._best_step >= self.patience and self._best >= 0.5 * reference:
-            return self._warn("stalled", f"the training loss ({mean:.3g} over the last {self.window} steps, first "
-                                         f"{self._first:.3g}) has not improved since step {self._best_step}")
+            return self._warn(
+                "stalled",
+                f"the training loss ({mean:.3g} over the last {self.window} steps, first "
+                f"{self._first:.3g}) has not improved since step {self._best_step}",
+            )
         return None
 
     def finish(
-        self, *, staleness: float | None = None, staleness_max: int | None = None, test_accuracy: float | None = None,
-        num_classes: int | None = None, steps: int | None = None,
+        self,
+        *,
+        staleness: float | None = None,
+        staleness_max: int | None = None,
+        test_accuracy: float | None = None,
+        num_classes: int | None = None,
+        steps: int | None = None,
     ) -> list[str]:
         """The run's end: check its final numbers (the mean staleness over the ranks, the final test accuracy)
         and return every warning line."""
@@ -148,13 +165,18 @@ class TrainingGuard:
             self._staleness = float(staleness)
         if staleness_max is not None:
             self._staleness_max = int(staleness_max)
-        if (self.validated_staleness is not None and self._staleness is not None
-                and self._staleness > self.validated_staleness):
+        if (
+            self.validated_staleness is not None
+            and self._staleness is not None
+            and self._staleness > self.validated_staleness
+        ):
             self._warn("stale", "measured over the run")
         if test_accuracy is not None and num_classes and test_accuracy <= 1.5 / num_classes:
-            self._warn("stalled", f"the final test accuracy {100 * test_accuracy:.2f} % is at chance level "
-                                  f"({100 / num_classes:.0f} % for {num_classes} classes)"
-                                  + (f" after {steps} steps" if steps else ""))
+            self._warn(
+                "stalled",
+                f"the final test accuracy {100 * test_accuracy:.2f} % is at chance level "
+                f"({100 / num_classes:.0f} % for {num_classes} classes)" + (f" after {steps} steps" if steps else ""),
+            )
         return list(self.warnings)
 
     def _staleness_text(self) -> str:
@@ -170,7 +192,9 @@ class TrainingGuard:
             return None
         self._kinds.add(kind)
         label = {"diverged": "diverged", "stalled": "is not learning", "stale": "runs staler than validated"}[kind]
-        line = f"{self.policy} {label}: {what}; {self._staleness_text()}" + (f"; try {self.remedy}" if self.remedy else "")
+        line = f"{self.policy} {label}: {what}; {self._staleness_text()}" + (
+            f"; try {self.remedy}" if self.remedy else ""
+        )
         self.warnings.append(line)
         return line
 

@@ -28,7 +28,13 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "HeavyTail", "Imbalance", "KNOWN_IMBALANCES", "NoImbalance", "Persistent", "RandomK", "build_imbalance",
+    "HeavyTail",
+    "Imbalance",
+    "KNOWN_IMBALANCES",
+    "NoImbalance",
+    "Persistent",
+    "RandomK",
+    "build_imbalance",
 ]
 
 
@@ -214,9 +220,7 @@ class HeavyTail(Imbalance):
         return float(self._monte_carlo().max(axis=1).mean())
 
 
-_IMBALANCES: dict[str, type[Imbalance]] = {
-    cls.name: cls for cls in (NoImbalance, RandomK, Persistent, HeavyTail)
-}
+_IMBALANCES: dict[str, type[Imbalance]] = {cls.name: cls for cls in (NoImbalance, RandomK, Persistent, HeavyTail)}
 KNOWN_IMBALANCES: tuple[str, ...] = tuple(sorted(_IMBALANCES))
 
 

@@ -45,9 +45,21 @@ import torch.distributed as dist
 from wagma.app.procs import process_start_time
 
 __all__ = [
-    "SHARED_FAILURE_EXIT_CODE", "DistContext", "env_rank", "env_world_size", "exit_at_once_on_failure",
-    "failures_reported_by_rank0", "hydra_rank_overrides", "init_distributed", "meet", "register_resolvers",
-    "release_stderr", "restart_count", "shared_start_time", "shutdown", "under_launcher",
+    "SHARED_FAILURE_EXIT_CODE",
+    "DistContext",
+    "env_rank",
+    "env_world_size",
+    "exit_at_once_on_failure",
+    "failures_reported_by_rank0",
+    "hydra_rank_overrides",
+    "init_distributed",
+    "meet",
+    "register_resolvers",
+    "release_stderr",
+    "restart_count",
+    "shared_start_time",
+    "shutdown",
+    "under_launcher",
 ]
 
 #: Exit status of a failure every rank shares (a config :func:`wagma.app.config.validate_config` rejects).
@@ -198,8 +210,11 @@ def shutdown(ctx: DistContext) -> None:
 def _torchrun_store(timeout_s: float) -> dist.Store:
     """A client of the c10d store torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT``."""
     return dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
     )
 
 

@@ -62,12 +62,15 @@ class CNN(nn.Sequential):
             raise ValueError(f"CNN needs two positive channel counts and hidden >= 1, got {list(channels)}, {hidden}")
         c1, c2 = int(channels[0]), int(channels[1])
         super().__init__(
-            nn.Conv2d(int(in_shape[0]), c1, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(int(in_shape[0]), c1, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
             nn.AdaptiveAvgPool2d(4),
             nn.Flatten(),
-            nn.Linear(c2 * 16, hidden), nn.ReLU(),
+            nn.Linear(c2 * 16, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )
 
@@ -78,8 +81,15 @@ class Transformer(nn.Module):
     square), which is what makes ``data=sequences`` imbalanced by its data."""
 
     def __init__(
-        self, in_shape: Sequence[int], num_classes: int, *, vocab_size: int, d_model: int = 64, heads: int = 4,
-        layers: int = 2, ff: int = 128,
+        self,
+        in_shape: Sequence[int],
+        num_classes: int,
+        *,
+        vocab_size: int,
+        d_model: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        ff: int = 128,
     ) -> None:
         """
         Args:
@@ -93,13 +103,16 @@ class Transformer(nn.Module):
         if len(in_shape) != 1 or int(in_shape[0]) < 1:
             raise ValueError(f"Transformer needs token rows of shape (max_len,), got {tuple(in_shape)}")
         if min(vocab_size, d_model, heads, layers, ff) < 1 or d_model % heads:
-            raise ValueError(f"Transformer needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
-                             f"d_model={d_model}, heads={heads}, layers={layers}, ff={ff}")
+            raise ValueError(
+                f"Transformer needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
+                f"d_model={d_model}, heads={heads}, layers={layers}, ff={ff}"
+            )
         self.max_len = int(in_shape[0])
         self.embed = nn.Embedding(int(vocab_size), int(d_model), padding_idx=0)
         self.position = nn.Parameter(torch.randn(self.max_len, int(d_model)) * 0.02)
-        layer = nn.TransformerEncoderLayer(int(d_model), int(heads), int(ff), dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            int(d_model), int(heads), int(ff), dropout=0.0, batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, int(layers), enable_nested_tensor=False)
         self.norm = nn.LayerNorm(int(d_model))
         self.head = nn.Linear(int(d_model), int(num_classes))
@@ -133,8 +146,11 @@ def build_model(name: str, in_shape: Sequence[int], num_classes: int, **kwargs: 
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}")
     if (name == "transformer") != ("vocab_size" in kwargs):
-        raise ValueError("model=transformer reads token data: use it with data=sequences" if name == "transformer"
-                         else f"model={name} reads images: data=sequences needs model=transformer")
+        raise ValueError(
+            "model=transformer reads token data: use it with data=sequences"
+            if name == "transformer"
+            else f"model={name} reads images: data=sequences needs model=transformer"
+        )
     try:
         return _MODELS[name](tuple(in_shape), int(num_classes), **kwargs)
     except TypeError as exc:  # an unexpected keyword from a config

@@ -60,9 +60,25 @@ from pathlib import Path
 # Standard library only: the reaper runs this file as a script (python -I network.py reap ...), without wagma.
 
 __all__ = [
-    "BURST_S", "INNER_IFNAME", "LATENCY", "NetworkError", "RankNetwork", "SUBNETS", "bridge_name", "check_rank_net",
-    "current", "namespace_name", "network_job", "parse_rate", "rate_name", "remove_job_networks",
-    "remove_stale_networks", "tbf_burst", "unsent_bytes", "veth_name", "worker_setup",
+    "BURST_S",
+    "INNER_IFNAME",
+    "LATENCY",
+    "NetworkError",
+    "RankNetwork",
+    "SUBNETS",
+    "bridge_name",
+    "check_rank_net",
+    "current",
+    "namespace_name",
+    "network_job",
+    "parse_rate",
+    "rate_name",
+    "remove_job_networks",
+    "remove_stale_networks",
+    "tbf_burst",
+    "unsent_bytes",
+    "veth_name",
+    "worker_setup",
 ]
 
 #: The interface of a rank inside its namespace.
@@ -174,8 +190,10 @@ def _run(argv: list[str], stdin: str | None = None) -> str:
 def _batch(tool: str, lines: list[str], netns: str | None = None, force: bool = False) -> None:
     """Run ``lines`` as one ``ip``/``tc`` batch (in ``netns``); ``force`` goes on past failed lines."""
     if lines:
-        _run([tool, *(["-n", netns] if netns else []), *(["-force"] if force else []), "-batch", "-"],
-             "\n".join(lines) + "\n")
+        _run(
+            [tool, *(["-n", netns] if netns else []), *(["-force"] if force else []), "-batch", "-"],
+            "\n".join(lines) + "\n",
+        )
 
 
 @contextlib.contextmanager
@@ -241,7 +259,7 @@ def _live_namespaces() -> set[int]:
 
 def _names_of(namespace: str) -> tuple[str, str]:
     """(tag, rank) of a rank namespace's name."""
-    tag, _, rank = namespace[len(_NS_PREFIX):].partition("-r")
+    tag, _, rank = namespace[len(_NS_PREFIX) :].partition("-r")
     return tag, rank
 
 
@@ -267,8 +285,9 @@ def _stale_locked() -> list[str]:
     dead = [n for n in _our_namespaces() if _inode(_NETNS_DIR / n) not in live]
     removed = _remove_locked(dead, [], [])
     names = set(_our_namespaces())
-    orphans = [v for v in _links("wgv") if (_SYS_NET / v).exists()
-               and f"{_NS_PREFIX}{v[3:11]}-r{v[12:]}" not in names]  # a veth whose namespace is gone
+    orphans = [
+        v for v in _links("wgv") if (_SYS_NET / v).exists() and f"{_NS_PREFIX}{v[3:11]}-r{v[12:]}" not in names
+    ]  # a veth whose namespace is gone
     return removed + _remove_locked([], _unused_bridges_locked(), orphans)
 
 
@@ -322,8 +341,9 @@ def _host_routes() -> list[ipaddress.IPv4Network]:
     routes = json.loads(_run(["ip", "-j", "-4", "route", "show", "table", "all"]) or "[]")
     addrs = json.loads(_run(["ip", "-j", "-4", "addr", "show"]) or "[]")
     nets = []
-    for dst in [r.get("dst", "") for r in routes] + [f"{a['local']}/{a['prefixlen']}" for i in addrs
-                                                     for a in i.get("addr_info", [])]:
+    for dst in [r.get("dst", "") for r in routes] + [
+        f"{a['local']}/{a['prefixlen']}" for i in addrs for a in i.get("addr_info", [])
+    ]:
         with contextlib.suppress(ValueError):
             if dst not in ("default", ""):
                 nets.append(ipaddress.ip_network(dst, strict=False))
@@ -335,7 +355,7 @@ def _bridge_locked(tag: str) -> ipaddress.IPv4Interface:
     bridge = f"wgb{tag}"
     if (_SYS_NET / bridge).exists():
         info = json.loads(_run(["ip", "-j", "-4", "addr", "show", "dev", bridge]) or "[]")
-        for a in (info[0].get("addr_info", []) if info else []):
+        for a in info[0].get("addr_info", []) if info else []:
             return ipaddress.IPv4Interface(f"{a['local']}/{a['prefixlen']}")
         _batch("ip", [f"link del {bridge}"])  # a bridge without its address: half made, make it again
     used = _host_routes()
@@ -393,8 +413,10 @@ class RankNetwork:
             with _host_lock():
                 _stale_locked()
                 if self.namespace in _our_namespaces(tag):  # a namespace in use (a dead one was just swept)
-                    raise NetworkError(f"rank {rank}: network namespace {self.namespace} is in use by another process "
-                                       "(another job with the same run directory?)")
+                    raise NetworkError(
+                        f"rank {rank}: network namespace {self.namespace} is in use by another process "
+                        "(another job with the same run directory?)"
+                    )
                 self.gateway = _bridge_locked(tag)
                 self.address = ipaddress.IPv4Interface(f"{self.gateway.network[rank + 2]}/24")
                 try:
@@ -421,20 +443,39 @@ class RankNetwork:
         use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         # torchrun's agent store listens on every address of the root namespace: the bridge's is one; without it
         # rank 0 hosts the store, in its own namespace.
-        self.store_host = str(self.gateway.ip if use_agent_store or "MASTER_ADDR" not in os.environ
-                              else self.gateway.network[2])
-        self._set_env({"GLOO_SOCKET_IFNAME": INNER_IFNAME,
-                       **({"MASTER_ADDR": self.store_host} if "MASTER_ADDR" in os.environ else {})})
+        self.store_host = str(
+            self.gateway.ip if use_agent_store or "MASTER_ADDR" not in os.environ else self.gateway.network[2]
+        )
+        self._set_env(
+            {
+                "GLOO_SOCKET_IFNAME": INNER_IFNAME,
+                **({"MASTER_ADDR": self.store_host} if "MASTER_ADDR" in os.environ else {}),
+            }
+        )
 
     def _create_locked(self) -> None:
         burst, rate = tbf_burst(self.bits_per_s), f"{self.bits_per_s}bit"
         shaper = f"qdisc replace dev {{}} root tbf rate {rate} burst {burst} latency {LATENCY}"
-        _batch("ip", [f"netns add {self.namespace}",
-                      f"link add {self.veth} type veth peer name {INNER_IFNAME} netns {self.namespace}",
-                      f"link set {self.veth} master {self.bridge}", f"link set {self.veth} up"])
+        _batch(
+            "ip",
+            [
+                f"netns add {self.namespace}",
+                f"link add {self.veth} type veth peer name {INNER_IFNAME} netns {self.namespace}",
+                f"link set {self.veth} master {self.bridge}",
+                f"link set {self.veth} up",
+            ],
+        )
         # no IPv6 link-local address inside: gloo takes the interface's first address
-        _batch("ip", ["link set lo up", f"link set {INNER_IFNAME} addrgenmode none",
-                      f"addr add {self.address} dev {INNER_IFNAME}", f"link set {INNER_IFNAME} up"], self.namespace)
+        _batch(
+            "ip",
+            [
+                "link set lo up",
+                f"link set {INNER_IFNAME} addrgenmode none",
+                f"addr add {self.address} dev {INNER_IFNAME}",
+                f"link set {INNER_IFNAME} up",
+            ],
+            self.namespace,
+        )
         _batch("tc", [shaper.format(self.veth)])  # what the rank receives
         _batch("tc", [shaper.format(INNER_IFNAME)], self.namespace)  # what it sends
 
@@ -496,7 +537,10 @@ def _start_reaper(tag: str, rank: int, ns_fd: int) -> subprocess.Popen[bytes]:
     """Start the rank's reaper (in the root namespace: call it before entering), holding ``ns_fd``."""
     return subprocess.Popen(
         [sys.executable, "-I", str(Path(__file__).resolve()), "reap", tag, str(rank), str(ns_fd)],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(ns_fd,), start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        pass_fds=(ns_fd,),
+        start_new_session=True,
     )
 
 
@@ -565,11 +609,29 @@ def _trial() -> str | None:
     """Try a bridge, a namespace, a veth into it and tbf on it; the first line of what failed, or None."""
     name = f"wgt{os.getpid() % 10**8}"  # apart from the rank networks' names: no sweep takes them
     netns = f"wgcheck-{os.getpid()}"
-    steps = [("a network namespace", ["ip", "netns", "add", netns]),
-             ("a bridge", ["ip", "link", "add", f"{name}b", "type", "bridge"]),
-             ("a veth pair", ["ip", "link", "add", f"{name}v", "type", "veth", "peer", "name", "t0", "netns", netns]),
-             ("the tbf qdisc", ["tc", "qdisc", "add", "dev", f"{name}v", "root", "tbf", "rate", "200mbit",
-                                "burst", "64kb", "latency", LATENCY])]
+    steps = [
+        ("a network namespace", ["ip", "netns", "add", netns]),
+        ("a bridge", ["ip", "link", "add", f"{name}b", "type", "bridge"]),
+        ("a veth pair", ["ip", "link", "add", f"{name}v", "type", "veth", "peer", "name", "t0", "netns", netns]),
+        (
+            "the tbf qdisc",
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                f"{name}v",
+                "root",
+                "tbf",
+                "rate",
+                "200mbit",
+                "burst",
+                "64kb",
+                "latency",
+                LATENCY,
+            ],
+        ),
+    ]
     try:
         for what, argv in steps:
             try:
@@ -585,11 +647,15 @@ def _trial() -> str | None:
 def _host_problem() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        return (f"rank_net needs the {' and '.join(missing)} command(s) of iproute2, which this host does not have "
-                "on PATH: install iproute2 or run without rank_net")
+        return (
+            f"rank_net needs the {' and '.join(missing)} command(s) of iproute2, which this host does not have "
+            "on PATH: install iproute2 or run without rank_net"
+        )
     if os.geteuid() != 0:
-        return (f"rank_net needs root (CAP_NET_ADMIN) to create network namespaces, veths and a bridge, and this "
-                f"process runs as uid {os.geteuid()}: run as root or without rank_net")
+        return (
+            f"rank_net needs root (CAP_NET_ADMIN) to create network namespaces, veths and a bridge, and this "
+            f"process runs as uid {os.geteuid()}: run as root or without rank_net"
+        )
     with _host_lock():  # ranks checking at once: one trial at a time (the first may mount /run/netns)
         problem = _trial()
     if problem is not None:
@@ -612,13 +678,17 @@ def check_rank_net(rate: object, local_ranks: int, world_size: int | None = None
     if name is None:
         return None
     if world_size is not None and local_ranks < world_size:
-        return (f"rank_net={name} puts the ranks of one host on a network of their own, but this job spans more than "
-                f"one host ({local_ranks} local of {world_size} ranks): run a multi-node job without rank_net")
+        return (
+            f"rank_net={name} puts the ranks of one host on a network of their own, but this job spans more than "
+            f"one host ({local_ranks} local of {world_size} ranks): run a multi-node job without rank_net"
+        )
     if local_ranks > 253:
         return f"rank_net={name} gives a host at most 253 ranks (one /24), got {local_ranks}"
     if device == "cuda":
-        return (f"rank_net={name} shapes the ranks' sockets (gloo), and on CUDA devices they send through NCCL, "
-                "which it cannot shape: use device=cpu with rank_net")
+        return (
+            f"rank_net={name} shapes the ranks' sockets (gloo), and on CUDA devices they send through NCCL, "
+            "which it cannot shape: use device=cpu with rank_net"
+        )
     return _host_problem()
 
 

@@ -30,15 +30,30 @@ from torch import nn
 from wagma.averaging.tensors import local_tensor
 
 __all__ = [
-    "PARALLELS", "Layout", "build_layout", "check_parallel", "full_model_state", "is_dtensor", "load_local_model_state",
-    "load_local_optimizer_state", "local_state", "replica_count", "shard_model", "shard_units",
+    "PARALLELS",
+    "Layout",
+    "build_layout",
+    "check_parallel",
+    "full_model_state",
+    "is_dtensor",
+    "load_local_model_state",
+    "load_local_optimizer_state",
+    "local_state",
+    "replica_count",
+    "shard_model",
+    "shard_units",
 ]
 
 #: The values of the root config key ``parallel``.
 PARALLELS: tuple[str, ...] = ("ddp", "hsdp")
 #: Modules that are one FSDP2 unit each under HSDP (their own all-gather and reduce-scatter), outermost first.
 _UNITS: tuple[type[nn.Module], ...] = (
-    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
 )
 
 
@@ -54,12 +69,15 @@ def check_parallel(parallel: Any, shard_size: Any, world_size: int) -> list[str]
         return [f"shard_size: expected an integer, found {shard_size!r}"]
     if parallel == "ddp":
         if shard_size != 1:
-            return [f"shard_size: expected 1 with parallel=ddp (each rank holds the whole model), found {shard_size}; "
-                    "set parallel=hsdp to shard the model"]
+            return [
+                f"shard_size: expected 1 with parallel=ddp (each rank holds the whole model), found {shard_size}; "
+                "set parallel=hsdp to shard the model"
+            ]
         return []
     if shard_size < 2:
-        return [f"shard_size: expected an integer >= 2 with parallel=hsdp (ranks sharing one replica), "
-                f"found {shard_size}"]
+        return [
+            f"shard_size: expected an integer >= 2 with parallel=hsdp (ranks sharing one replica), found {shard_size}"
+        ]
     if world_size >= 1 and world_size % shard_size:
         return [f"shard_size: expected a divisor of the world size {world_size} with parallel=hsdp, found {shard_size}"]
     return []
@@ -110,8 +128,12 @@ def build_layout(parallel: str, shard_size: int, world_size: int, device: torch.
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = datetime.timedelta(seconds=float(timeout_s))
         override = {"replicate": ("gloo", options), "shard": ("gloo", options)}
-    mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"),
-                            backend_override=override)
+    mesh = init_device_mesh(
+        device.type,
+        (world_size // shard_size, shard_size),
+        mesh_dim_names=("replicate", "shard"),
+        backend_override=override,
+    )
     return Layout(parallel, shard_size, world_size, mesh)
 
 
@@ -178,8 +200,9 @@ def load_local_model_state(net: nn.Module, state: Mapping[str, torch.Tensor]) ->
     own = net.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ValueError(f"expected the keys of this model's state dict, found missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"expected the keys of this model's state dict, found missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     for name, tensor in own.items():
         target = local_tensor(tensor)
         if target.shape != state[name].shape:
@@ -209,9 +232,11 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str
             continue
         shard_shape = local_tensor(param).shape
         rebuilt[index] = {
-            key: DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                    stride=param.stride())
-            if isinstance(value, torch.Tensor) and key != "step" and value.shape == shard_shape else value
+            key: DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+            if isinstance(value, torch.Tensor) and key != "step" and value.shape == shard_shape
+            else value
             for key, value in per_param.items()
         }
     optimizer.load_state_dict({**state, "state": rebuilt})

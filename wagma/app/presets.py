@@ -43,8 +43,11 @@ def shipped_options(group: str, configs_dir: Path = CONFIGS_DIR) -> list[str]:
 
 
 def _unshipped_options(group: str, configs_dir: Path) -> list[str]:
-    return [f"{folder}/{path.stem}" for folder in UNSHIPPED
-            for path in sorted((configs_dir / group / folder).glob("*.yaml"))]
+    return [
+        f"{folder}/{path.stem}"
+        for folder in UNSHIPPED
+        for path in sorted((configs_dir / group / folder).glob("*.yaml"))
+    ]
 
 
 def option_problem(group: str, name: str, configs_dir: Path = CONFIGS_DIR) -> str | None:
@@ -99,8 +102,11 @@ def override_problems(overrides: Sequence[str], configs_dir: Path = CONFIGS_DIR)
         if group not in groups or override.type == OverrideType.DEL or override.package is not None:
             continue
         try:
-            names = list(override.sweep_string_iterator()) if override.is_sweep_override() \
+            names = (
+                list(override.sweep_string_iterator())
+                if override.is_sweep_override()
                 else [override.get_value_element_as_str()]
+            )
         except Exception:  # noqa: BLE001 - a sweep Hydra expands itself (glob, range)
             continue
         for name in names:

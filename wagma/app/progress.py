@@ -50,7 +50,13 @@ class Progress:
     """
 
     def __init__(
-        self, *, total: int, initial: int, every: int, samples_per_step: int, enabled: bool = True,
+        self,
+        *,
+        total: int,
+        initial: int,
+        every: int,
+        samples_per_step: int,
+        enabled: bool = True,
         stream: TextIO | None = None,
     ) -> None:
         """

@@ -26,8 +26,15 @@ from pathlib import Path
 from wagma.app.procs import sigterm_exits
 
 __all__ = [
-    "PERIOD_US", "QuotaError", "RankQuota", "check_rank_cpus", "cgroup_root", "job_name", "remove_job_cgroups",
-    "remove_stale_cgroups", "quota_job",
+    "PERIOD_US",
+    "QuotaError",
+    "RankQuota",
+    "check_rank_cpus",
+    "cgroup_root",
+    "job_name",
+    "remove_job_cgroups",
+    "remove_stale_cgroups",
+    "quota_job",
 ]
 
 #: The CFS period every quota is expressed in (100 ms, the kernel's default).
@@ -59,15 +66,22 @@ def check_rank_cpus(cpus: object, local_ranks: int, usable_cores: int | None = N
         return None
     if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
         return f"rank_cpus must be null, 0 (no quota) or a number of CPUs > 0, got {cpus!r}"
-    cores = usable_cores if usable_cores is not None else (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    cores = (
+        usable_cores
+        if usable_cores is not None
+        else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    )
     if local_ranks * cpus > cores + 1e-9:
-        return (f"rank_cpus={cpus:g} for {local_ranks} local rank(s) needs {local_ranks * cpus:g} CPUs, but this host "
-                f"has {cores} usable core(s): use rank_cpus <= {cores / local_ranks:g}")
+        return (
+            f"rank_cpus={cpus:g} for {local_ranks} local rank(s) needs {local_ranks * cpus:g} CPUs, but this host "
+            f"has {cores} usable core(s): use rank_cpus <= {cores / local_ranks:g}"
+        )
     root = cgroup_root()
     if not (root / "cpu.cfs_quota_us").exists():
-        return (f"rank_cpus needs the cgroup v1 cpu controller at {root} (cpu.cfs_quota_us), which this host does not "
-                "have (cgroup v2-only hosts are not supported yet); run without rank_cpus")
+        return (
+            f"rank_cpus needs the cgroup v1 cpu controller at {root} (cpu.cfs_quota_us), which this host does not "
+            "have (cgroup v2-only hosts are not supported yet); run without rank_cpus"
+        )
     if not os.access(root, os.W_OK):
         return f"rank_cpus needs write access to {root} (root, or a delegated cgroup); run as root or without rank_cpus"
     return None
@@ -174,8 +188,10 @@ def remove_job_cgroups(job: str, root: Path | None = None) -> list[Path]:
 def _empty(job_folder: Path) -> bool:
     """Whether no process is left in ``job_folder`` or any of its rank cgroups (unreadable counts as not empty)."""
     try:
-        return all(not (sub / "cgroup.procs").read_text().split()
-                   for sub in [job_folder, *(p for p in job_folder.iterdir() if p.is_dir())])
+        return all(
+            not (sub / "cgroup.procs").read_text().split()
+            for sub in [job_folder, *(p for p in job_folder.iterdir() if p.is_dir())]
+        )
     except OSError:
         return False
 

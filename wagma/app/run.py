@@ -41,7 +41,13 @@ from wagma.app.quota import job_name, quota_job
 from wagma.app.sweep import JOB_FILE
 
 __all__ = [
-    "STOP_GRACE_S", "LocalRun", "format_summary", "launch_local", "rank_main", "run_job", "stopping_signal",
+    "STOP_GRACE_S",
+    "LocalRun",
+    "format_summary",
+    "launch_local",
+    "rank_main",
+    "run_job",
+    "stopping_signal",
 ]
 
 #: Seconds the ranks get to stop after SIGTERM/SIGINT before the elastic agent kills them.
@@ -94,9 +100,17 @@ def _launch_config(nproc: int, max_restarts: int) -> Any:
         # torch >= 2.12: the agent's grace between SIGTERM and SIGKILL; before, its fixed 30 s.
         options["shutdown_timeout"] = int(STOP_GRACE_S)
     return LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.1,
-        start_method="spawn", logs_specs=DefaultLogsSpecs(), **options,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(),
+        **options,
     )
 
 
@@ -182,9 +196,12 @@ def launch_local(
     try:
         # quota_job, network_job: no cgroup, namespace, veth or bridge left behind by the ranks, by this job's end or
         # by an earlier job's killed launcher
-        with quota_job(job_name(directory), enabled=bool(cfg.get("rank_cpus"))), \
-                network_job(job_name(directory), enabled=rate_name(cfg.get("rank_net")) is not None), \
-                _quiet_elastic_logs(), _signal_handlers_restored():
+        with (
+            quota_job(job_name(directory), enabled=bool(cfg.get("rank_cpus"))),
+            network_job(job_name(directory), enabled=rate_name(cfg.get("rank_net")) is not None),
+            _quiet_elastic_logs(),
+            _signal_handlers_restored(),
+        ):
             elastic_launch(_launch_config(int(cfg.nproc), int(cfg.max_restarts)), rank_main)(job, logging_config)
     except SignalException as exc:
         return LocalRun(128 + int(exc.sigval), None, directory, f"stopped by {signal.Signals(exc.sigval).name}")
@@ -285,8 +302,11 @@ def run_job(cfg: DictConfig) -> int:
     result = launch_local(cfg, directory, logging_config=logging_config)  # type: ignore[arg-type]
     _write_job_file(directory, record | {"exit": result.exit_code, "error": result.error})
     if (stopped := stopping_signal(result.exit_code)) is not None:
-        print(f"wagma: stopped by {stopped.name}; the ranks were ended; the newest complete checkpoint in "
-              f"{directory} is kept (resume=true continues from it)", file=sys.stderr)
+        print(
+            f"wagma: stopped by {stopped.name}; the ranks were ended; the newest complete checkpoint in "
+            f"{directory} is kept (resume=true continues from it)",
+            file=sys.stderr,
+        )
         sys.exit(result.exit_code)
     if result.summary is None:
         print(f"{prefix}error: {result.error} (exit status {result.exit_code}); see {directory}", file=sys.stderr)

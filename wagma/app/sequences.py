@@ -82,8 +82,10 @@ class SequenceSpec:
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= data.min_len <= data.max_len, got {self.min_len} and {self.max_len}")
         if not self.min_len <= self.median_len <= self.max_len:
-            raise ValueError(f"data.median_len must lie in [min_len, max_len] = [{self.min_len}, {self.max_len}], "
-                             f"got {self.median_len}")
+            raise ValueError(
+                f"data.median_len must lie in [min_len, max_len] = [{self.min_len}, {self.max_len}], "
+                f"got {self.median_len}"
+            )
         if self.sigma < 0 or not 0.0 <= self.signal <= 1.0:
             raise ValueError(f"need data.sigma >= 0 and 0 <= data.signal <= 1, got {self.sigma} and {self.signal}")
         if self.examples < 2 * self.classes:
@@ -138,8 +140,9 @@ class TokenBatchIterator(EpochBatches):
         if len(x) != len(y) or len(x) == 0:
             raise ValueError(f"x and y must be non-empty and of one length, got {len(x)} and {len(y)}")
         if x.dtype != torch.int64 or x.dim() != 2:
-            raise ValueError(f"batching by tokens needs (N, L) int64 token rows (data=sequences), got {x.dtype} "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"batching by tokens needs (N, L) int64 token rows (data=sequences), got {x.dtype} {tuple(x.shape)}"
+            )
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"data.tokens must be a positive integer, got {tokens!r}")
         self.x, self.y, self.tokens = x, y, tokens

@@ -59,11 +59,18 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         if s is None:
             lines.append((str(row["job"]), f"failed (exit status {row['exit']})", "", "", "", "", "", ""))
             continue
-        lines.append((
-            str(row["job"]), str(s["policy"]), f"{100 * float(s['test_accuracy']):.2f}",
-            f"{float(s['samples_per_s'] or 0.0):,.0f}", f"{1e3 * float(s['mean_wait_s'] or 0.0):.2f}",
-            str(s["global_reductions"]), str(s.get("local_reductions", 0)), f"{float(s['wall_s']):.1f}",
-        ))
+        lines.append(
+            (
+                str(row["job"]),
+                str(s["policy"]),
+                f"{100 * float(s['test_accuracy']):.2f}",
+                f"{float(s['samples_per_s'] or 0.0):,.0f}",
+                f"{1e3 * float(s['mean_wait_s'] or 0.0):.2f}",
+                str(s["global_reductions"]),
+                str(s.get("local_reductions", 0)),
+                f"{float(s['wall_s']):.1f}",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

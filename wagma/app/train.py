@@ -163,9 +163,11 @@ def _join_rank_net(rate: object, job: str) -> RankNetwork | None:
         return None
     if joined is not None or (dist.is_available() and dist.is_initialized()):
         where = f"on {joined.rate} of job {joined.job}" if joined is not None else "in no network of its own"
-        raise ConfigError(f"rank_net={name}: the process group was made before train() could put this rank on its "
-                          f"network, and the rank is {where}: make the network before the group "
-                          "(wagma.testing.run_workers(..., setup=wagma.app.network.worker_setup(rate, job)))")
+        raise ConfigError(
+            f"rank_net={name}: the process group was made before train() could put this rank on its "
+            f"network, and the rank is {where}: make the network before the group "
+            "(wagma.testing.run_workers(..., setup=wagma.app.network.worker_setup(rate, job)))"
+        )
     return RankNetwork(name, job=job, rank=launch.env_rank())
 
 
@@ -200,26 +202,36 @@ def _train(
     # Data: the same split on every rank, a disjoint shard of the training split per rank.
     data_cfg = group_options(cfg, "data")
     data_options = {k: v for k, v in data_cfg.items() if k not in ("name", "test_fraction")}
-    dataset = load_dataset(data_cfg["name"], seed=seed, test_fraction=float(data_cfg.get("test_fraction", 0.2)),
-                           **data_options)
+    dataset = load_dataset(
+        data_cfg["name"], seed=seed, test_fraction=float(data_cfg.get("test_fraction", 0.2)), **data_options
+    )
     x_shard, y_shard = dataset.shard(rank, world_size)
     batches = make_batches(x_shard.to(device), y_shard.to(device), data_options, batch_size, seed=seed, rank=rank)
     x_test, y_test = dataset.x_test.to(device), dataset.y_test.to(device)
 
     # Model: built from each rank's seed, then made identical by rank 0's broadcast.
     model_cfg = group_options(cfg, "model")
-    net = build_model(model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg,
-                      **dataset.model_options()).to(device)
+    net = build_model(
+        model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg, **dataset.model_options()
+    ).to(device)
     if rank == 0:  # rank 0 writes the events; importing them before this collective keeps step 1 unaffected
         preload_tensorboard()
     _broadcast_from_rank0(net)
 
     # Ranks' layout: whole replicas (ddp), or an HSDP mesh whose replicas the policy averages (hsdp).
-    layout = build_layout(str(cfg.get("parallel", "ddp")), int(cfg.get("shard_size", 1)), world_size, device,
-                          float(cfg.get("dist_timeout_s", 300.0)))
+    layout = build_layout(
+        str(cfg.get("parallel", "ddp")),
+        int(cfg.get("shard_size", 1)),
+        world_size,
+        device,
+        float(cfg.get("dist_timeout_s", 300.0)),
+    )
     policy = build_policy(
-        group_options(cfg, "averaging"), device=device, mesh=layout.mesh,
-        rank=layout.mesh.get_local_rank("replicate") if layout.sharded else rank, world_size=layout.replicas,
+        group_options(cfg, "averaging"),
+        device=device,
+        mesh=layout.mesh,
+        rank=layout.mesh.get_local_rank("replicate") if layout.sharded else rank,
+        world_size=layout.replicas,
     )
     meter: ConsensusMeter | None = None
     gpu = GpuMetrics(device, float(cfg.get("telemetry_interval_s", 0.0)))
@@ -241,10 +253,14 @@ def _train(
             if writer is not None:
                 totals.elapsed_s = writer.elapsed_s
             state = {
-                "step": step, "world_size": world_size, "model": local_state(net.state_dict()),  # shards under hsdp
-                "optimizer": local_state(optimizer.state_dict()), "data": batches.state_dict(),
+                "step": step,
+                "world_size": world_size,
+                "model": local_state(net.state_dict()),  # shards under hsdp
+                "optimizer": local_state(optimizer.state_dict()),
+                "data": batches.state_dict(),
                 "rng": capture_rng_state(),
-                "policy_state": policy.state_dict(), "counters": dataclasses.asdict(totals),
+                "policy_state": policy.state_dict(),
+                "counters": dataclasses.asdict(totals),
             }
             save_checkpoint(run_dir, step, state, fingerprint=fingerprint)
 
@@ -269,9 +285,15 @@ def _train(
         if rank == 0:
             log.info(
                 "training %s on %s, %d rank(s)%s, device %s, policy %s, steps %d..%d, run dir %s",
-                cfg.model.name, dataset.name, world_size,
+                cfg.model.name,
+                dataset.name,
+                world_size,
                 f" (hsdp: {layout.replicas} replicas x {layout.shard_size} shards)" if layout.sharded else "",
-                device, policy.name, start_step, steps, run_dir,
+                device,
+                policy.name,
+                start_step,
+                steps,
+                run_dir,
             )
 
         # The loop.
@@ -284,18 +306,29 @@ def _train(
         roll_call = RollCall(rank, world_size, report_s=float(cfg.get("failure_report_s", 3.0)))
         # Rank 0 also writes metrics.csv and TensorBoard events; closed (flushed) in the finally below.
         writer = MetricsWriter(
-            run_dir, rank, keep_through=start_step, elapsed_s=totals.elapsed_s, with_csv=rank == 0,
+            run_dir,
+            rank,
+            keep_through=start_step,
+            elapsed_s=totals.elapsed_s,
+            with_csv=rank == 0,
             with_tensorboard=rank == 0,
         )
         progress = Progress(
-            total=steps, initial=start_step, every=progress_every(cfg.get("progress_every"), steps),
+            total=steps,
+            initial=start_step,
+            every=progress_every(cfg.get("progress_every"), steps),
             samples_per_step=batch_size * world_size if isinstance(batches, BatchIterator) else 0,
             enabled=rank == 0 and bool(cfg.get("progress", True)),
         )
         averaging_cfg = group_options(cfg, "averaging")
-        guard = TrainingGuard(policy.name, steps, validated_staleness=averaging_cfg.get("validated_staleness"),
-                              remedy=policy.remedy, start_step=start_step,
-                              chance_loss=math.log(dataset.num_classes))
+        guard = TrainingGuard(
+            policy.name,
+            steps,
+            validated_staleness=averaging_cfg.get("validated_staleness"),
+            remedy=policy.remedy,
+            start_step=start_step,
+            chance_loss=math.log(dataset.num_classes),
+        )
         first_step = time.perf_counter()
         with roll_call.watching():
             for step in range(start_step, steps):
@@ -342,14 +375,29 @@ def _train(
             test_accuracy, test_loss = evaluate(net, x_test, y_test, rank, world_size)
             writer.add_scalars(steps, {"test_accuracy": test_accuracy, "test_loss": test_loss})
         summary = _summary(
-            cfg, policy, trained_stats, imbalance, totals, world_size, test_accuracy, test_loss, run_dir, started,
-            phases, layout,
+            cfg,
+            policy,
+            trained_stats,
+            imbalance,
+            totals,
+            world_size,
+            test_accuracy,
+            test_loss,
+            run_dir,
+            started,
+            phases,
+            layout,
         )
         summary["resumed_from"] = resume_from
         summary["restarts"] = launch.restart_count()
         before = len(guard.warnings)
-        warnings = guard.finish(staleness=summary["staleness"], staleness_max=summary["staleness_max"],
-                                test_accuracy=test_accuracy, num_classes=dataset.num_classes, steps=steps)
+        warnings = guard.finish(
+            staleness=summary["staleness"],
+            staleness_max=summary["staleness_max"],
+            test_accuracy=test_accuracy,
+            num_classes=dataset.num_classes,
+            steps=steps,
+        )
         summary["guard"] = TrainingGuard.summary_field(warnings)
         final_state = full_model_state(net) if layout.sharded else net.state_dict()  # collective under hsdp
         if rank == 0:
@@ -359,8 +407,14 @@ def _train(
             write_summary(run_dir, summary)
             log.info(
                 "test accuracy %.4f, %.0f samples/s, mean wait %.2f ms/step, wall %.1f s (start-up %.1f s, "
-                "training %.1f s) -> %s", test_accuracy, summary["samples_per_s"], 1e3 * summary["mean_wait_s"],
-                summary["wall_s"], summary["startup_s"], summary["train_s"], run_dir,
+                "training %.1f s) -> %s",
+                test_accuracy,
+                summary["samples_per_s"],
+                1e3 * summary["mean_wait_s"],
+                summary["wall_s"],
+                summary["startup_s"],
+                summary["train_s"],
+                run_dir,
             )
         return summary
     finally:
@@ -385,8 +439,14 @@ def _fingerprint(cfg: DictConfig, layout: Layout) -> dict[str, Any]:
 
 
 def _restore(
-    state: dict[str, Any], net: nn.Module, optimizer: torch.optim.Optimizer,
-    batches: BatchIterator | TokenBatchIterator, policy: Policy, changed: list[str], rank: int, run_dir: Path,
+    state: dict[str, Any],
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: BatchIterator | TokenBatchIterator,
+    policy: Policy,
+    changed: list[str],
+    rank: int,
+    run_dir: Path,
     layout: Layout,
 ) -> tuple[_Totals, int]:
     """Load this rank's checkpointed state into the (already wrapped) module, optimizer, data and policy.
@@ -410,8 +470,10 @@ def _restore(
     batches.load_state_dict(state["data"])
     if "averaging" in changed:
         if rank == 0:
-            log.warning("resume_policy_change=true: the averaging policy changed; its state starts fresh "
-                        "(round counters, residuals, momentum); model, optimizer, data order and RNG are restored")
+            log.warning(
+                "resume_policy_change=true: the averaging policy changed; its state starts fresh "
+                "(round counters, residuals, momentum); model, optimizer, data order and RNG are restored"
+            )
     else:
         policy.load_state_dict(state["policy_state"])
     restore_rng_state(state["rng"])
@@ -424,8 +486,10 @@ def _restored_totals(counters: dict[str, Any], batches: BatchIterator | TokenBat
     counters = dict(counters)
     if "samples" not in counters:
         if not isinstance(batches, BatchIterator):
-            raise CheckpointError("the checkpoint predates counted samples and so cannot have batched by tokens; "
-                                  "resume it with data.batching=samples")
+            raise CheckpointError(
+                "the checkpoint predates counted samples and so cannot have batched by tokens; "
+                "resume it with data.batching=samples"
+            )
         counters["samples"] = int(counters["steps"]) * batches.batch_size
     return _Totals(**counters)
 
@@ -577,9 +641,18 @@ def _policy_fields(policy: Policy) -> dict[str, Any]:
 
 
 def _summary(
-    cfg: DictConfig, policy: Policy, trained_stats: dict[str, Any], imbalance: Imbalance, totals: _Totals,
-    world_size: int, test_accuracy: float, test_loss: float, run_dir: Path, started: float,
-    phases: tuple[float, float], layout: Layout,
+    cfg: DictConfig,
+    policy: Policy,
+    trained_stats: dict[str, Any],
+    imbalance: Imbalance,
+    totals: _Totals,
+    world_size: int,
+    test_accuracy: float,
+    test_loss: float,
+    run_dir: Path,
+    started: float,
+    phases: tuple[float, float],
+    layout: Layout,
 ) -> dict[str, Any]:
     """Rank totals gathered on every rank, reduced to the run's numbers.
 

@@ -78,7 +78,7 @@ def _offsets(world_size: int) -> list[int]:
             f"adpsgd: the active / passive split pairs even ranks with odd ones, so the world must be even; "
             f"found {world_size} ranks"
         )
-    return [1] + [1 + 2 ** i for i in range(1, int(math.log2(world_size - 1)) + 1) if 1 + 2 ** i < world_size]
+    return [1] + [1 + 2**i for i in range(1, int(math.log2(world_size - 1)) + 1) if 1 + 2**i < world_size]
 
 
 def adpsgd_peer(rank: int, world_size: int, exchange: int) -> int:
@@ -427,7 +427,9 @@ class ADPSGDAverager(AveragerBase):
             ValueError: if a key is missing or the thread already runs.
         """
         if "exchanges" not in state_dict:
-            raise ValueError(f"state_dict: expected the keys ['exchanges', 'stats', 'step'], found {sorted(state_dict)}")
+            raise ValueError(
+                f"state_dict: expected the keys ['exchanges', 'stats', 'step'], found {sorted(state_dict)}"
+            )
         if self._thread is not None:
             raise ValueError("ADPSGDAverager.load_state_dict: load the state before the first average_parameters call")
         super().load_state_dict(state_dict)

@@ -74,6 +74,7 @@ __all__ = [
 #: Kind of reduction an averager ran at a step: among a subset of ranks, or among all of them.
 Reduction = Literal["local", "global"]
 
+
 def check_int(name: str, value: object, minimum: int) -> int:
     """Return ``value`` if it is an integer no less than ``minimum``; raise ``ValueError`` otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -489,9 +490,11 @@ class AveragerBase(ModelAverager):
         self.step = check_int("state_dict['step']", state_dict["step"], 0)
         self.stats = AveragerStats.from_dict(state_dict["stats"])
         references = state_dict.get("wire_references")
-        self._wire_refs = [] if references is None or self.wire_dtype is None else [
-            None if t is None else t.clone() for t in references
-        ]
+        self._wire_refs = (
+            []
+            if references is None or self.wire_dtype is None
+            else [None if t is None else t.clone() for t in references]
+        )
 
     @property
     def closed(self) -> bool:

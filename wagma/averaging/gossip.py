@@ -463,5 +463,7 @@ class SGPAverager(AveragerBase):
             self._loaded = {"numerator": state_dict["numerator"], "last": state_dict["last"]}
 
     def __repr__(self) -> str:
-        return (f"SGPAverager(overlap={self.overlap}, warmup_steps={self.warmup_steps}, step={self.step}, "
-                f"weight={self.weight:.4f})")
+        return (
+            f"SGPAverager(overlap={self.overlap}, warmup_steps={self.warmup_steps}, step={self.step}, "
+            f"weight={self.weight:.4f})"
+        )

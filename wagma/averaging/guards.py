@@ -25,7 +25,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
-    "DoubleCommunicationGuard", "ddp_gradient_communication", "hook_communicates", "order_ignored_by_caller",
+    "DoubleCommunicationGuard",
+    "ddp_gradient_communication",
+    "hook_communicates",
+    "order_ignored_by_caller",
     "warn_at_caller",
 ]
 
@@ -221,4 +224,3 @@ def order_ignored_by_caller(order: str | None, owner: str, *, depth: int = 6) ->
             )
         frame = frame.f_back
     return None
-

@@ -97,8 +97,9 @@ class HierarchicalAverager(AveragerBase):
             raise ValueError(
                 f"local_group_size: expected a divisor of the number of ranks ({world_size}), found {local_group_size}"
             )
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=resolved,
-                         wire_dtype=wire_dtype)
+        super().__init__(
+            process_group, average_buffers=average_buffers, timeout=timeout, world=resolved, wire_dtype=wire_dtype
+        )
         self._global_every = local_period if local_group_size == world_size else global_period
         self._has_local = 1 < local_group_size < world_size
         self.local_group: dist.ProcessGroup | None = None

@@ -48,8 +48,9 @@ class PeriodicAverager(AveragerBase):
     ) -> None:
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=world,
-                         wire_dtype=wire_dtype)
+        super().__init__(
+            process_group, average_buffers=average_buffers, timeout=timeout, world=world, wire_dtype=wire_dtype
+        )
 
     def reduction_at(self, step: int) -> Reduction | None:
         """The reduction the call with this ``step`` runs: ``"global"`` or ``None``."""

@@ -125,7 +125,7 @@ def reduced_parameters(params: ParamsLike) -> tuple[list[torch.Tensor], torch.dt
     kinds = {(p.dtype, p.device) for p in grads}
     if len(kinds) != 1:
         raise ValueError(f"params: expected one dtype and device, found {sorted(map(str, kinds))}")
-    (dtype, device), = kinds
+    ((dtype, device),) = kinds
     return grads, dtype, device
 
 
@@ -389,8 +389,11 @@ def _consecutive_view(tensors: Sequence[torch.Tensor], numel: int) -> torch.Tens
     storage, start = first.untyped_storage(), first.storage_offset()
     expected = start
     for tensor in tensors:
-        if (not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() != storage.data_ptr()
-                or tensor.storage_offset() != expected):
+        if (
+            not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+            or tensor.storage_offset() != expected
+        ):
             return None
         expected += tensor.numel()
     with torch.no_grad():
@@ -403,9 +406,7 @@ def _extent(tensor: torch.Tensor) -> int:
     return (last + 1) * tensor.element_size()
 
 
-def flatten_parameters(
-    module: torch.nn.Module, *, buffers: bool = True
-) -> list[torch.Tensor]:
+def flatten_parameters(module: torch.nn.Module, *, buffers: bool = True) -> list[torch.Tensor]:
     """Move ``module``'s parameters (and floating-point buffers) into one contiguous storage per (dtype, device).
 
     Each parameter stays the same ``Parameter`` object (optimizers, DDP and hooks that hold it see no change);
@@ -435,7 +436,8 @@ def flatten_parameters(
         named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
     spans = sorted(
         (t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + _extent(t), name)
-        for name, t in named if t.numel()
+        for name, t in named
+        if t.numel()
     )
     for a, b in zip(spans, spans[1:]):
         if a[:2] == b[:2] and b[2] < a[3]:

@@ -257,9 +257,17 @@ class WagmaAverager(AveragerBase):
         self._submitted = []
         self._engines[:] = [
             WaitAvoidingGroupAllreduce(
-                self.schedule, widened(buffer), sync_period=self.sync_period, max_lead=self.max_lead,
-                sync=self.sync, timeout=self.timeout, start_round=start_round, progress_nice=self.progress_nice,
-                transport=self.transport, keep_contributions=self.mixing == "conserve", world=self.world,
+                self.schedule,
+                widened(buffer),
+                sync_period=self.sync_period,
+                max_lead=self.max_lead,
+                sync=self.sync,
+                timeout=self.timeout,
+                start_round=start_round,
+                progress_nice=self.progress_nice,
+                transport=self.transport,
+                keep_contributions=self.mixing == "conserve",
+                world=self.world,
                 wire_dtype=narrow_for(self.wire_dtype, buffer.dtype),
             )
             for buffer in self.flat_buffers(self._tensors).pack()
@@ -381,7 +389,8 @@ class WagmaAverager(AveragerBase):
                 "WagmaAverager(publish_after_step=True): publish() was not called after the optimizer step before "
                 f"round {self._engines[0].round}; call averager.publish(params, buffers) after optimizer.step(), or "
                 "use wagma.averaging.AveragingOptimizer, which does",
-                RuntimeWarning, stacklevel=4,
+                RuntimeWarning,
+                stacklevel=4,
             )
         self._published, self._engines_fresh = False, False
 
@@ -421,7 +430,9 @@ class WagmaAverager(AveragerBase):
         elif self._takes_mean(res):
             wide.add_(res.sum, alpha=1.0 / size).sub_(sent)  # w + sum / S - sent
         else:
-            wide.add_(res.sum, alpha=1.0 / (size + 1)).sub_(sent, alpha=size / (size + 1))  # w + (sent + sum)/(S+1) - sent
+            wide.add_(res.sum, alpha=1.0 / (size + 1)).sub_(
+                sent, alpha=size / (size + 1)
+            )  # w + (sent + sum)/(S+1) - sent
 
     def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
         """Blocking mean over all ranks (for evaluation and checkpoints); with ``overlap``, the round in flight
@@ -465,8 +476,6 @@ class WagmaAverager(AveragerBase):
         interpreter exits.
         """
         super().close()
-
-
 
 
 def _build_schedule(

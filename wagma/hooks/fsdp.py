@@ -79,7 +79,11 @@ class FSDPPartialAllreduce:
                 f"module: expected a module sharded with torch.distributed.fsdp.fully_shard (an FSDPModule), "
                 f"found {type(module).__name__}"
             )
-        nested = [n for n, m in module.named_modules() if m is not module and callable(getattr(m, "set_all_reduce_hook", None))]
+        nested = [
+            n
+            for n, m in module.named_modules()
+            if m is not module and callable(getattr(m, "set_all_reduce_hook", None))
+        ]
         if nested:
             raise ValueError(
                 f"module: expected one fully_shard-ed module (one reduce-scatter output a backward pass), found nested "
@@ -154,9 +158,16 @@ class FSDPPartialAllreduce:
             initial.copy_(self._restored.reshape(initial.shape))
             self._restored = None
         self.engine = eager_engine(
-            initial, self.world, mode=self.mode, sync_period=self.sync_period, max_lead=self.max_lead,
-            timeout=self.timeout, seed=self.seed, start_round=max(0, self.iteration - self.warmup_iters),
-            progress_nice=self.progress_nice, wire_dtype=narrow_for(self.wire_dtype, out.dtype),
+            initial,
+            self.world,
+            mode=self.mode,
+            sync_period=self.sync_period,
+            max_lead=self.max_lead,
+            timeout=self.timeout,
+            seed=self.seed,
+            start_round=max(0, self.iteration - self.warmup_iters),
+            progress_nice=self.progress_nice,
+            wire_dtype=narrow_for(self.wire_dtype, out.dtype),
             error_feedback=self.error_feedback,
         )
         self._resources.closers[:] = [self.engine]
@@ -205,8 +216,9 @@ class FSDPPartialAllreduce:
             offset, n, shape = self._layout[id(p)]
             value = mean[offset : offset + n].view(shape).to(p.dtype, copy=True)
             if isinstance(p, DTensor):
-                p.grad = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                            stride=p.stride())
+                p.grad = DTensor.from_local(
+                    value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
             else:
                 p.grad = value
         optimizer.step()
@@ -233,8 +245,10 @@ class FSDPPartialAllreduce:
         if missing:
             raise ValueError(f"state: expected the keys of state_dict(), missing {sorted(missing)}")
         if self.engine is not None:
-            raise ValueError("FSDPPartialAllreduce.load_state_dict: expected a state no backward pass ran through, "
-                             "found one whose engine runs; build a new one and load into it before training")
+            raise ValueError(
+                "FSDPPartialAllreduce.load_state_dict: expected a state no backward pass ran through, "
+                "found one whose engine runs; build a new one and load into it before training"
+            )
         self.iteration = check_int("iteration", state["iteration"], 0)
         self.rounds = check_int("rounds", state["rounds"], 0)
         self.stats = AveragerStats.from_dict(state["stats"])

@@ -151,9 +151,17 @@ class PartialAllreduceState:
             self.engine.close()
         self._pending = None
         self.engine = eager_engine(
-            residual, self.world, mode=self.mode, sync_period=self.sync_period, max_lead=self.max_lead,
-            timeout=self.timeout, seed=self.seed, start_round=max(0, self.iteration - self.warmup_iters),
-            progress_nice=self.progress_nice, wire_dtype=self.wire_dtype, error_feedback=self.error_feedback,
+            residual,
+            self.world,
+            mode=self.mode,
+            sync_period=self.sync_period,
+            max_lead=self.max_lead,
+            timeout=self.timeout,
+            seed=self.seed,
+            start_round=max(0, self.iteration - self.warmup_iters),
+            progress_nice=self.progress_nice,
+            wire_dtype=self.wire_dtype,
+            error_feedback=self.error_feedback,
             transport=self.transport,
         )
         self._resources.closers[:] = [self.engine]
@@ -183,8 +191,10 @@ class PartialAllreduceState:
         start = time.perf_counter()
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
         base = buffer.storage_offset()
-        self._warmup_views += [(p, buffer[g.storage_offset() - base :][: p.numel()]) for p, g in
-                               zip(bucket.parameters(), bucket.gradients())]
+        self._warmup_views += [
+            (p, buffer[g.storage_offset() - base :][: p.numel()])
+            for p, g in zip(bucket.parameters(), bucket.gradients())
+        ]
         self._warmup_nbytes += buffer.nbytes  # every bucket's bytes: the iteration counts as one reduction
         nbytes = self._warmup_nbytes
         if bucket.is_last():
@@ -344,8 +354,13 @@ class PartialAllreduceState:
             self._pending = None
         residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.sum_dtype)
         in_flight = None if self._ready is None else self._ready.clone()
-        return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual,
-                "in_flight": in_flight}
+        return {
+            "iteration": self.iteration,
+            "rounds": self.rounds,
+            "stats": self.stats.as_dict(),
+            "residual": residual,
+            "in_flight": in_flight,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` and restart the engine at its round with its residual.
@@ -391,24 +406,46 @@ class PartialAllreduceState:
 
 
 def eager_engine(
-    residual: torch.Tensor, world: World, *, mode: str, sync_period: int, max_lead: int,
-    timeout: datetime.timedelta, seed: int, start_round: int, progress_nice: int,
-    wire_dtype: torch.dtype | None, error_feedback: bool, transport: str = "default",
+    residual: torch.Tensor,
+    world: World,
+    *,
+    mode: str,
+    sync_period: int,
+    max_lead: int,
+    timeout: datetime.timedelta,
+    seed: int,
+    start_round: int,
+    progress_nice: int,
+    wire_dtype: torch.dtype | None,
+    error_feedback: bool,
+    transport: str = "default",
 ) -> WaitAvoidingGroupAllreduce:
     """The engine behind both partial hooks (DDP's and FSDP2's): one group of every rank of ``world``, accumulating
     (a contribution that misses a round stays in ``residual`` for the next), triggered by any rank (``"solo"``) or
     by the round's initiator (``"majority"``), starting at ``start_round`` (after the warm-up; a resumed run's)."""
     schedule = GroupSchedule.from_partitions([[list(range(world.size))]], name="global")
     return WaitAvoidingGroupAllreduce(
-        schedule, residual, sync_period=sync_period, max_lead=max_lead, timeout=timeout,
-        trigger="any" if mode == "solo" else "initiator", seed=seed, accumulate=True, start_round=start_round,
-        progress_nice=progress_nice, transport=transport, world=world, wire_dtype=wire_dtype,
+        schedule,
+        residual,
+        sync_period=sync_period,
+        max_lead=max_lead,
+        timeout=timeout,
+        trigger="any" if mode == "solo" else "initiator",
+        seed=seed,
+        accumulate=True,
+        start_round=start_round,
+        progress_nice=progress_nice,
+        transport=transport,
+        world=world,
+        wire_dtype=wire_dtype,
         error_feedback=error_feedback,
     )
 
 
 def sum_residuals(
-    residual: torch.Tensor, group: dist.ProcessGroup, timeout: datetime.timedelta,
+    residual: torch.Tensor,
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
     in_flight: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The flush of the partial hooks: every rank's ``residual`` summed over ``group`` (plus ``in_flight``, a sum
@@ -425,9 +462,7 @@ def sum_residuals(
     return None if payload[-1].item() == 0 else payload[:-1]
 
 
-def partial_allreduce_hook(
-    state: PartialAllreduceState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def partial_allreduce_hook(state: PartialAllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """eager-SGD partial allreduce (solo or majority, as ``state.mode``); see the module docstring.
 
     During warm-up: a plain allreduce mean. After it, every bucket's future completes at the end of the

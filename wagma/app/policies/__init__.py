@@ -54,9 +54,23 @@ from wagma.app.policies.options import (
 )
 
 __all__ = [
-    "AllreducePolicy", "EagerPolicy", "GossipPolicy", "HSDP_POLICIES", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "Policy",
-    "PRESET_KEYS", "WagmaPolicy", "averager_stats", "build_policy", "known_policies", "policy_options",
-    "register_policy", "validate_hsdp", "validate_policy_config",
+    "AllreducePolicy",
+    "EagerPolicy",
+    "GossipPolicy",
+    "HSDP_POLICIES",
+    "HierarchicalPolicy",
+    "LocalSGDPolicy",
+    "ModelAveragingPolicy",
+    "Policy",
+    "PRESET_KEYS",
+    "WagmaPolicy",
+    "averager_stats",
+    "build_policy",
+    "known_policies",
+    "policy_options",
+    "register_policy",
+    "validate_hsdp",
+    "validate_policy_config",
 ]
 
 
@@ -118,16 +132,22 @@ def _import_policy_module(name: object, module: object) -> None:
     if module is None or name in _POLICIES:
         return
     if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
-        raise ValueError(f"averaging.policy_module: expected a dotted module name such as 'my_policies.random_peers', "
-                         f"found {module!r}")
+        raise ValueError(
+            f"averaging.policy_module: expected a dotted module name such as 'my_policies.random_peers', "
+            f"found {module!r}"
+        )
     try:
         importlib.import_module(module)
     except ImportError as err:
-        raise ValueError(f"averaging.policy_module: expected a module importable from here that registers policy "
-                         f"{name!r}, found {module!r}, which does not import ({err})") from err
+        raise ValueError(
+            f"averaging.policy_module: expected a module importable from here that registers policy "
+            f"{name!r}, found {module!r}, which does not import ({err})"
+        ) from err
     if name not in _POLICIES:
-        raise ValueError(f"averaging.policy_module: {module!r} imported, but it registered no policy {name!r} "
-                         f"(expected it to call wagma.app.policies.register_policy({name!r}, ...))")
+        raise ValueError(
+            f"averaging.policy_module: {module!r} imported, but it registered no policy {name!r} "
+            f"(expected it to call wagma.app.policies.register_policy({name!r}, ...))"
+        )
 
 
 def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:

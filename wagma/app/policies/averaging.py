@@ -40,7 +40,12 @@ from wagma.schedule import GroupSchedule
 from wagma.wire import as_wire_dtype, wire_dtype_name
 
 __all__ = [
-    "GossipPolicy", "HierarchicalPolicy", "LocalSGDPolicy", "ModelAveragingPolicy", "WagmaPolicy", "averager_stats",
+    "GossipPolicy",
+    "HierarchicalPolicy",
+    "LocalSGDPolicy",
+    "ModelAveragingPolicy",
+    "WagmaPolicy",
+    "averager_stats",
 ]
 
 
@@ -102,7 +107,12 @@ class ModelAveragingPolicy(Policy):
     remedy = "more frequent averaging (a smaller averaging.period, local_period or global_period) or a lower optim.lr"
 
     def __init__(
-        self, *, device: torch.device, warmup_steps: int = 0, bucket_cap_mb: float = 25.0, timeout_s: float = 300.0,
+        self,
+        *,
+        device: torch.device,
+        warmup_steps: int = 0,
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float = 300.0,
         wire_dtype: str | None = None,
     ) -> None:
         self.device = device
@@ -220,8 +230,12 @@ class LocalSGDPolicy(ModelAveragingPolicy):
 
     def build_averager(self, net: nn.Module) -> _Averager:
         return PeriodicAverager(
-            self.period, self.hook_state.warmup_steps, average_buffers=self.average_buffers,
-            timeout=timeout(self.timeout_s), world=self.world, wire_dtype=self.wire_dtype,
+            self.period,
+            self.hook_state.warmup_steps,
+            average_buffers=self.average_buffers,
+            timeout=timeout(self.timeout_s),
+            world=self.world,
+            wire_dtype=self.wire_dtype,
         )
 
 
@@ -264,14 +278,23 @@ class HierarchicalPolicy(ModelAveragingPolicy):
 
     def build_averager(self, net: nn.Module) -> _Averager:
         averager = HierarchicalAverager(
-            self.local_group_size, self.local_period, self.global_period, self.hook_state.warmup_steps,
-            average_buffers=self.average_buffers, timeout=timeout(self.timeout_s), world=self.world,
+            self.local_group_size,
+            self.local_period,
+            self.global_period,
+            self.hook_state.warmup_steps,
+            average_buffers=self.average_buffers,
+            timeout=timeout(self.timeout_s),
+            world=self.world,
             wire_dtype=self.wire_dtype,
         )
         if self.momentum is None:
             return averager
         return ReductionMomentum(
-            averager, float(self.momentum), float(self.lr), self.nesterov, self.apply_to  # type: ignore[arg-type]
+            averager,
+            float(self.momentum),
+            float(self.lr),
+            self.nesterov,
+            self.apply_to,  # type: ignore[arg-type]
         )
 
 
@@ -307,8 +330,10 @@ class WagmaPolicy(ModelAveragingPolicy):
     """
 
     name = "wagma"
-    remedy = ("averaging=wagma (barrier sync rounds, no overlap), a smaller averaging.sync_period or averaging.max_lead, "
-              "or a lower optim.lr")
+    remedy = (
+        "averaging=wagma (barrier sync rounds, no overlap), a smaller averaging.sync_period or averaging.max_lead, "
+        "or a lower optim.lr"
+    )
 
     def __init__(
         self,
@@ -339,18 +364,31 @@ class WagmaPolicy(ModelAveragingPolicy):
         # The preset's name: wagma, wagma_relaxed, wagma_overlap, wagma_relaxed_overlap, wagma_ahead_conserve (and,
         # with publish_after_step set by hand, wagma_ahead, wagma_relaxed_ahead, ...).
         ahead = "_ahead" + ("_conserve" if mixing == "conserve" else "") if self.publish_after_step else ""
-        self.name = "wagma" + ("_relaxed" if sync == "wait_avoiding" else "") + ("_overlap" if self.overlap else "") + ahead
+        self.name = (
+            "wagma" + ("_relaxed" if sync == "wait_avoiding" else "") + ("_overlap" if self.overlap else "") + ahead
+        )
 
     def build_averager(self, net: nn.Module) -> _Averager:
         schedule: str | GroupSchedule = (
             self.schedule if isinstance(self.schedule, str) else GroupSchedule(self.schedule, name="custom")
         )
         return WagmaAverager(  # type: ignore[no-any-return]
-            self.group_size, self.sync_period, params=list(net.named_parameters()),
-            buffers=list(net.named_buffers()) if self.average_buffers else None, schedule=schedule, mixing=self.mixing,
-            order=self.order, average_buffers=self.average_buffers, max_lead=self.max_lead,
-            sync=self.sync, overlap=self.overlap, timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
-            progress_nice=self.progress_nice, transport=self.transport, world=self.world, wire_dtype=self.wire_dtype,
+            self.group_size,
+            self.sync_period,
+            params=list(net.named_parameters()),
+            buffers=list(net.named_buffers()) if self.average_buffers else None,
+            schedule=schedule,
+            mixing=self.mixing,
+            order=self.order,
+            average_buffers=self.average_buffers,
+            max_lead=self.max_lead,
+            sync=self.sync,
+            overlap=self.overlap,
+            timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
+            progress_nice=self.progress_nice,
+            transport=self.transport,
+            world=self.world,
+            wire_dtype=self.wire_dtype,
             publish_after_step=self.publish_after_step,
         )
 
@@ -395,17 +433,25 @@ class GossipPolicy(ModelAveragingPolicy):
     def build_averager(self, net: nn.Module) -> _Averager:
         if self.name == "dpsgd":
             return DPSGDAverager(
-                self.topology, self.hook_state.warmup_steps, average_buffers=self.average_buffers,  # type: ignore[arg-type]
-                timeout=timeout(self.timeout_s), world=self.world,
+                self.topology,
+                self.hook_state.warmup_steps,
+                average_buffers=self.average_buffers,  # type: ignore[arg-type]
+                timeout=timeout(self.timeout_s),
+                world=self.world,
             )
         if self.name == "adpsgd":
             return ADPSGDAverager(
-                self.hook_state.warmup_steps, average_buffers=self.average_buffers, timeout=timeout(self.timeout_s),
+                self.hook_state.warmup_steps,
+                average_buffers=self.average_buffers,
+                timeout=timeout(self.timeout_s),
                 world=self.world,
             )
         return SGPAverager(
-            self.name == "osgp", self.hook_state.warmup_steps, average_buffers=self.average_buffers,
-            timeout=timeout(self.timeout_s), world=self.world,
+            self.name == "osgp",
+            self.hook_state.warmup_steps,
+            average_buffers=self.average_buffers,
+            timeout=timeout(self.timeout_s),
+            world=self.world,
         )
 
     def finalize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

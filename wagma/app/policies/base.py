@@ -100,7 +100,11 @@ class AllreducePolicy(Policy):
     remedy = "a lower optim.lr (synchronous SGD: nothing is stale)"
 
     def __init__(
-        self, *, device: torch.device, bucket_cap_mb: float = 25.0, transport: str = "default",
+        self,
+        *,
+        device: torch.device,
+        bucket_cap_mb: float = 25.0,
+        transport: str = "default",
         wire_dtype: str | None = None,
     ) -> None:
         """
@@ -147,7 +151,8 @@ class AllreducePolicy(Policy):
             self.hook_state = AllreduceState(wire_dtype=self.wire_dtype)
             ddp.register_comm_hook(self.hook_state, allreduce_hook)
         self._step_nbytes = sum(  # what one step's gradient allreduce hands to the collectives
-            wire_nbytes(p.numel(), p.dtype, narrow_for(self.wire_dtype, p.dtype)) for p in model.parameters()
+            wire_nbytes(p.numel(), p.dtype, narrow_for(self.wire_dtype, p.dtype))
+            for p in model.parameters()
             if p.requires_grad
         )
         return ddp
@@ -190,5 +195,6 @@ _DDP_OPTIONS = {"gradient_as_bucket_view": True}
 def ddp_without_buffer_sync(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
     """DDP without the per-forward buffer broadcast (a global barrier every step)."""
     device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **_NO_BUFFER_SYNC,
-                                   **_DDP_OPTIONS)
+    return DistributedDataParallel(
+        model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, **_NO_BUFFER_SYNC, **_DDP_OPTIONS
+    )

@@ -51,9 +51,11 @@ class EagerPolicy(Policy):
             feedback (:mod:`wagma.wire`).
     """
 
-    remedy = ("averaging=wagma (model averaging takes stale information far better than late gradients), "
-              "averaging=reference/eager_majority (about half of each round's gradients fresh), a smaller "
-              "averaging.max_lead, averaging.overlap=false, or a lower optim.lr / optim.momentum")
+    remedy = (
+        "averaging=wagma (model averaging takes stale information far better than late gradients), "
+        "averaging=reference/eager_majority (about half of each round's gradients fresh), a smaller "
+        "averaging.max_lead, averaging.overlap=false, or a lower optim.lr / optim.momentum"
+    )
 
     def __init__(
         self,
@@ -87,15 +89,30 @@ class EagerPolicy(Policy):
         if self.mesh is not None:  # HSDP: the root alone sharded in a replica; the FSDP hook sums across replicas
             shard_model(model, self.mesh["shard"], per_layer=False)
             self.hook_state = FSDPPartialAllreduce(
-                model, world=replicate_world(self.mesh), mode=self.mode, sync_period=self.sync_period,  # type: ignore[arg-type]
-                warmup_iters=self.warmup_iters, seed=self.seed, max_lead=self.max_lead, timeout=timeout(self.timeout_s),
-                progress_nice=self.progress_nice, wire_dtype=self.wire_dtype,
+                model,
+                world=replicate_world(self.mesh),
+                mode=self.mode,
+                sync_period=self.sync_period,  # type: ignore[arg-type]
+                warmup_iters=self.warmup_iters,
+                seed=self.seed,
+                max_lead=self.max_lead,
+                timeout=timeout(self.timeout_s),
+                progress_nice=self.progress_nice,
+                wire_dtype=self.wire_dtype,
             )
             return model
         self.hook_state = PartialAllreduceState(
-            list(model.parameters()), mode=self.mode, sync_period=self.sync_period, warmup_iters=self.warmup_iters,
-            seed=self.seed, max_lead=self.max_lead, overlap=self.overlap, timeout=timeout(self.timeout_s),
-            progress_nice=self.progress_nice, transport=self.transport, wire_dtype=self.wire_dtype,
+            list(model.parameters()),
+            mode=self.mode,
+            sync_period=self.sync_period,
+            warmup_iters=self.warmup_iters,
+            seed=self.seed,
+            max_lead=self.max_lead,
+            overlap=self.overlap,
+            timeout=timeout(self.timeout_s),
+            progress_nice=self.progress_nice,
+            transport=self.transport,
+            wire_dtype=self.wire_dtype,
         )
         ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)
@@ -127,8 +144,10 @@ class EagerPolicy(Policy):
         if self.hook_state is None:
             return {}
         if self.mesh is not None:  # the FSDP hook keeps an averager's counters
-            stats = averager_stats(self.hook_state.stats) | {"rounds": self.hook_state.rounds,
-                                                                "iteration": self.hook_state.iteration}
+            stats = averager_stats(self.hook_state.stats) | {
+                "rounds": self.hook_state.rounds,
+                "iteration": self.hook_state.iteration,
+            }
         else:
             stats = dict(self.hook_state.stats_dict())
         if "wait_s" in stats:  # the loop's wait_s is the whole step's; keep the hook's apart

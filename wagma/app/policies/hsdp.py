@@ -26,8 +26,17 @@ __all__ = ["HSDP_POLICIES", "validate_hsdp", "replicate_world"]
 
 #: The registered policies that run under ``parallel=hsdp``.
 HSDP_POLICIES: tuple[str, ...] = (
-    "allreduce", "local_sgd", "hierarchical", "hierarchical_momentum", "wagma", "dpsgd", "sgp", "osgp", "adpsgd",
-    "eager_solo", "eager_majority",
+    "allreduce",
+    "local_sgd",
+    "hierarchical",
+    "hierarchical_momentum",
+    "wagma",
+    "dpsgd",
+    "sgp",
+    "osgp",
+    "adpsgd",
+    "eager_solo",
+    "eager_majority",
 )
 #: Policies whose ``transport=shm`` has no sharded form (their gradient exchange is FSDP2's or the FSDP hook's).
 _NO_SHM: tuple[str, ...] = ("allreduce", "eager_solo", "eager_majority")

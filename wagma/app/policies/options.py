@@ -22,9 +22,17 @@ from wagma.shm import TRANSPORTS
 from wagma.wire import WIRE_DTYPES
 
 __all__ = [
-    "EAGER_MODES", "ORDERS", "WAGMA_MIXINGS", "WAGMA_SYNCS", "validate_allreduce", "validate_eager", "validate_gossip",
+    "EAGER_MODES",
+    "ORDERS",
+    "WAGMA_MIXINGS",
+    "WAGMA_SYNCS",
+    "validate_allreduce",
+    "validate_eager",
+    "validate_gossip",
     "validate_hierarchical",
-    "validate_hierarchical_momentum", "validate_local_sgd", "validate_wagma",
+    "validate_hierarchical_momentum",
+    "validate_local_sgd",
+    "validate_wagma",
 ]
 
 #: When a model-averaging policy averages within a step (docs/design.md §2.2).
@@ -128,17 +136,43 @@ def _common(options: Mapping[str, Any]) -> None:
 
 _LOCAL_SGD_KEYS = ("period", "warmup_steps", "average_buffers", "wire_dtype", *_COMMON_KEYS)
 _HIERARCHICAL_KEYS = (
-    "local_group_size", "local_period", "global_period", "warmup_steps", "average_buffers", "wire_dtype", *_COMMON_KEYS,
+    "local_group_size",
+    "local_period",
+    "global_period",
+    "warmup_steps",
+    "average_buffers",
+    "wire_dtype",
+    *_COMMON_KEYS,
 )
 _MOMENTUM_KEYS = (*_HIERARCHICAL_KEYS, "momentum", "lr", "nesterov", "apply_to")
 _WAGMA_KEYS = (
-    "group_size", "sync_period", "schedule", "mixing", "order", "average_buffers", "max_lead", "sync", "overlap",
-    "progress_nice", "transport", "wire_dtype", "publish_after_step", *_COMMON_KEYS,
+    "group_size",
+    "sync_period",
+    "schedule",
+    "mixing",
+    "order",
+    "average_buffers",
+    "max_lead",
+    "sync",
+    "overlap",
+    "progress_nice",
+    "transport",
+    "wire_dtype",
+    "publish_after_step",
+    *_COMMON_KEYS,
 )
 _GOSSIP_KEYS = ("warmup_steps", "average_buffers", *_COMMON_KEYS)
 _DPSGD_KEYS = ("topology", *_GOSSIP_KEYS)
 _EAGER_KEYS = (
-    "mode", "sync_period", "warmup_iters", "seed", "max_lead", "overlap", "progress_nice", "transport", "wire_dtype",
+    "mode",
+    "sync_period",
+    "warmup_iters",
+    "seed",
+    "max_lead",
+    "overlap",
+    "progress_nice",
+    "transport",
+    "wire_dtype",
     *_COMMON_KEYS,
 )
 
