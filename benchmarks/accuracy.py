@@ -18,8 +18,8 @@ The grid is long (hours): ``accuracy.json`` is rewritten after every run.py invo
 skips the (cell, seed) invocations it already holds, so an interrupted grid continues where it stopped;
 with ``--retry-failed`` it runs those in which DDP or a policy failed again.
 Outputs in ``--out``: ``accuracy.json.xz`` (xz-compressed JSON, :func:`benchmarks.results_io.load` reads it; an
-older plain ``accuracy.json`` is read and converted) (``records``: one per cell, seed and policy with its final accuracy,
-the gap to DDP of that seed, throughput, staleness and fresh fraction; ``cells``: per cell and policy the
+older plain ``accuracy.json`` is read and converted) (``records``: one per cell, seed and policy with its final
+accuracy, the gap to DDP of that seed, throughput, staleness and fresh fraction; ``cells``: per cell and policy the
 medians; ``summary``: per policy the worst median gap and whether every cell is within tolerance;
 ``invocations``: every run.py command) and ``accuracy.md``. run.py's own outputs (tables, plots, per-run
 metrics) go to ``--work``, which is not committed.
@@ -409,11 +409,12 @@ def _markdown(result: dict[str, Any]) -> str:
         f"(commit at the last write: `{result['machine'].get('git_commit', '?')}`).",
         "",
         f"gloo CPU ranks, {s['steps']} steps of batch {s['batch_size']} per rank (P x {s['steps'] * s['batch_size']:,} "
-        f"samples), delay unit d = {1e3 * s['delay_s']:g} ms, test evaluations every {s['eval_every']} steps. Each (cell, "
-        "seed) is one `benchmarks/run.py` invocation, every policy on the same data, model, seed and delays. Accuracy: "
-        "the median over the seeds of the final test accuracy; gap = DDP's median minus the policy's (points; "
-        "negative: the policy was better); x DDP: median samples/s ratio to DDP in the same invocation; staleness: "
-        "median of the runs' mean (max over the runs) as the policy reports it; fresh: median fresh fraction. "
+        f"samples), delay unit d = {1e3 * s['delay_s']:g} ms, test evaluations every {s['eval_every']} steps. "
+        "Each (cell, seed) is one `benchmarks/run.py` invocation, every policy on the same data, model, seed and "
+        "delays. Accuracy: the median over the seeds of the final test accuracy; gap = DDP's median minus the "
+        "policy's (points; negative: the policy was better); x DDP: median samples/s ratio to DDP in the same "
+        "invocation; staleness: median of the runs' mean (max over the runs) as the policy reports it; fresh: "
+        "median fresh fraction. "
         "At equal time: each run's test accuracy at its last evaluation within the training time of the invocation's "
         "first policy to finish (median over the seeds; gap to DDP's at that time), where the records carry "
         "accuracy curves.",

@@ -454,7 +454,8 @@ def markdown(records: list[dict[str, Any]], command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {platform.node()} ({os.cpu_count()} cores, {platform.platform()}), Python {platform.python_version()}.",
+        f"Machine: {platform.node()} ({os.cpu_count()} cores, {platform.platform()}), "
+        f"Python {platform.python_version()}.",
         "",
         *(
             [f"Ranks' links (`rank_net`): {', '.join(nets)}.", ""]
@@ -473,7 +474,8 @@ def markdown(records: list[dict[str, Any]], command: str) -> str:
         f"| faulty rank named, SIGKILL/SIGTERM runs | {sum(r['named_rank'] for r in dead)} of {len(dead)} |",
         f"| run resumed to completion after the fault | {sum(r['resumed'] for r in ok)} of {len(ok)} "
         f"({sum(r['resumed'] and r.get('resumed_from') == 0 for r in ok)} from step 0: struck before a checkpoint) |",
-        f"| synchronous policies: resumed model bitwise equal | {sum(bool(r['bitwise']) for r in sync)} of {len(sync)} |",
+        "| synchronous policies: resumed model bitwise equal | "
+        f"{sum(bool(r['bitwise']) for r in sync)} of {len(sync)} |",
         f"| faults that landed inside a checkpoint | {sum(bool(r.get('during_checkpoint')) for r in ok)} |",
         "",
     ]

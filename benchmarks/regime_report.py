@@ -145,8 +145,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             "",
             "Means over ranks and steps, ms (medians of the repetitions): the sleeps (T + injected delay), the real "
             "forward/backward/step, the policy on the main thread (waits included), the final mean or flush per "
-            "step, and the slowest rank's excess over the mean (ms/step minus the rest); then the CPU time per rank and "
-            "step (every thread of the rank), and P x that / the machine's cores, a floor under ms/step.",
+            "step, and the slowest rank's excess over the mean (ms/step minus the rest); then the CPU time per rank "
+            "and step (every thread of the rank), and P x that / the machine's cores, a floor under ms/step.",
             "",
             "| params | scenario | P | policy | ms/step | sleeps | compute | averaging | finalize | excess | CPU/rank "
             "| CPU floor |",

@@ -192,8 +192,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             continue
         lines.append(
             f"| {r['scenario']} | {r['policy']} | {_num(r['samples_per_s'], ',.0f')} | "
-            f"{_num(r['ideal_samples_per_s'], ',.0f')} | {_num(r['ideal_ratio'], '.2f')} | {_num(r['ddp_ratio'], '.2f')} | "
-            f"{_num(r['time_to_target_s'], '.2f')} | {_num(r['ttt_ddp_ratio'], '.2f')} | {_num(r['final_accuracy'], '.4f')} | "
+            f"{_num(r['ideal_samples_per_s'], ',.0f')} | {_num(r['ideal_ratio'], '.2f')} | "
+            f"{_num(r['ddp_ratio'], '.2f')} | "
+            f"{_num(r['time_to_target_s'], '.2f')} | {_num(r['ttt_ddp_ratio'], '.2f')} | "
+            f"{_num(r['final_accuracy'], '.4f')} | "
             f"{_num(r['mean_wait_s'], '.1f', 1e3)} / {_num(r['p95_wait_s'], '.1f', 1e3)} | "
             f"{_num(r['global_reductions'], '.0f')} | {_num(r['bytes_per_rank'], ',.0f', 1e-3)} | "
             f"{_staleness(r['staleness_hist'])} | {_num(r['final_consensus'], '.3g')} |"
@@ -221,8 +223,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     lines += ["", "## Scenarios", ""]
     for name, sc in result["scenarios"].items():
         lines.append(
-            f"- `{name}`: {sc['description']}; expected delay per step: mean {1e3 * sc['expected_mean_delay_s']:.2f} ms, "
-            f"max over ranks {1e3 * sc['expected_max_delay_s']:.2f} ms; ideal {sc['ideal_samples_per_s']:,.0f} samples/s."
+            f"- `{name}`: {sc['description']}; expected delay per step: "
+            f"mean {1e3 * sc['expected_mean_delay_s']:.2f} ms, "
+            f"max over ranks {1e3 * sc['expected_max_delay_s']:.2f} ms; "
+            f"ideal {sc['ideal_samples_per_s']:,.0f} samples/s."
         )
     lines += ["", "## How the numbers are computed", "", *(f"- {line}" for line in result["definitions"]), ""]
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -13,8 +13,8 @@ without injected delay), so the same scenario means the same thing on a fast and
 A policy is named by its file in ``configs/averaging/`` (``averaging=<policy>``), in
 ``configs/averaging/reference/`` for the published algorithms that are not shipped presets
 (``eager_solo`` is ``averaging=reference/eager_solo``: :func:`benchmarks.presets.averaging_option`), or in
-``configs/averaging/candidate/`` for variants not yet measured on the accuracy grid a preset needs. :func:`resolve_policy`
-says whether it can run now: the config must exist and its ``name`` must be registered with
+``configs/averaging/candidate/`` for variants not yet measured on the accuracy grid a preset needs.
+:func:`resolve_policy` says whether it can run now: the config must exist and its ``name`` must be registered with
 :func:`wagma.app.policies.register_policy`; otherwise the benchmark reports it as skipped, with the reason,
 and picks it up without changes once it is registered.
 """

@@ -172,7 +172,8 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], sides: di
             return format(r[key] / scale, fmt) if key in r else "–"
 
         lines.append(
-            f"| {r['workload']} | {r['policy']} | {num('accuracy_float32', '.2f')} | {num(f'accuracy_{wire}', '.2f')} | "
+            f"| {r['workload']} | {r['policy']} | {num('accuracy_float32', '.2f')} | "
+            f"{num(f'accuracy_{wire}', '.2f')} | "
             f"{num('gap_points', '+.2f')} | {num('test_loss_float32', '.4f')} / {num(f'test_loss_{wire}', '.4f')} | "
             f"{num('bytes_per_rank_float32', '.1f', 1e6)} | "
             f"{num(f'bytes_per_rank_{wire}', '.1f', 1e6)} | {num('bytes_ratio', '.3f')} |"

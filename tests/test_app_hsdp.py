@@ -53,8 +53,8 @@ def _cfg(run_dir: Path | None, *overrides: str) -> DictConfig:
         (("parallel=fsdp",), "parallel: expected one of ddp, hsdp, found 'fsdp'"),
         (
             (*HSDP, "averaging=wagma", "averaging.group_size=4"),
-            r"group_size=4 must be a positive divisor of the world size 2.*\(parallel=hsdp: the policy averages over the "
-            r"2 replicas = 4 ranks / shard_size 2\)",
+            r"group_size=4 must be a positive divisor of the world size 2.*\(parallel=hsdp: the policy averages "
+            r"over the 2 replicas = 4 ranks / shard_size 2\)",
         ),
         (
             (*HSDP, "averaging=hierarchical", "averaging.local_group_size=4"),

@@ -1,4 +1,5 @@
-"""The decentralized baselines (D-PSGD, SGP, OSGP, AD-PSGD): graphs, exact invariants on real gloo worlds, resume, a dead peer, bad input.
+"""The decentralized baselines (D-PSGD, SGP, OSGP, AD-PSGD): graphs, exact invariants on real gloo worlds, resume,
+a dead peer, bad input.
 
 The invariants are checked against a sequential simulation of the same rounds (mixing matrices for D-PSGD,
 push-sum with messages delivered in the same or the next round for SGP / OSGP), with local "steps" that add a

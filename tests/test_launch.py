@@ -1,4 +1,5 @@
-"""Launching and failing for real: torchrun and ``python train.py`` with frozen and killed ranks, elastic restarts, signals."""
+"""Launching and failing for real: torchrun and ``python train.py`` with frozen and killed ranks, elastic restarts,
+signals."""
 
 from __future__ import annotations
 

@@ -159,8 +159,9 @@ class WaitAvoidingGroupAllreduce:
             ``torch.bfloat16`` or ``torch.float16`` (or their names) for a float32/float64 tensor. Results are
             widened back: ``RoundResult.sum`` keeps the tensor's dtype. Replace mode sends each snapshot as its
             delta from a reference every rank holds identically (world rank 0's ``initial``, broadcast at
-            construction, then the mean of each sync round) and adds the group's share of it back to the sum; accumulate mode casts the pending
-            contribution itself. Not with ``transport="shm"``, which moves no bytes over a wire.
+            construction, then the mean of each sync round) and adds the group's share of it back to the sum;
+            accumulate mode casts the pending contribution itself. Not with ``transport="shm"``, which moves no
+            bytes over a wire.
         error_feedback: accumulate mode with a ``wire_dtype``: keep what the cast rounds off in the pending
             contribution, so it goes out with a later round and :meth:`take` still accounts for every value
             (``False``: drop it, a plain cast). Ignored without a ``wire_dtype`` and in replace mode.
@@ -582,13 +583,15 @@ class WaitAvoidingGroupAllreduce:
             stopped, round_, phase = core.stop and core.error is None, core.thread_round, core.phase
         if stopped:
             raise RuntimeError(
-                f"{self.world.describe(self.rank)}: this engine was closed (from another thread) while waiting for round {k}; "
+                f"{self.world.describe(self.rank)}: this engine was closed (from another thread) "
+                f"while waiting for round {k}; "
                 f"create a new one to continue"
             )
         self._check_usable()
         why = core.channel.who_is_missing(round_, self.group_of(round_))
         raise TimeoutError(
-            f"{self.world.describe(self.rank)}: round {k} did not complete within {limit:.1f} s; the progress thread is in "
-            f"round {round_}, {phase}; {why}. A peer may have died, hung or be slower than the timeout "
-            f"({self.timeout}); raise `timeout` if that is expected."
+            f"{self.world.describe(self.rank)}: round {k} did not complete within {limit:.1f} s; "
+            f"the progress thread is in round {round_}, {phase}; {why}. "
+            f"A peer may have died, hung or be slower than the timeout ({self.timeout}); "
+            "raise `timeout` if that is expected."
         )

@@ -214,7 +214,8 @@ class EngineCore:
     # ------------------------------------------------------------------------------------ main side
     def publish(self, tensor: torch.Tensor, k: int, *, arrive: bool = True) -> None:
         """Make ``tensor`` this rank's contribution, as of call ``k``. ``arrive=False`` (replace mode: a snapshot
-        published ahead of call ``k``) leaves ``arrived``, which the lead bound and blocking rounds wait on, as it is."""
+        published ahead of call ``k``) leaves ``arrived``, which the lead bound and blocking rounds wait on, as it
+        is."""
         if self.accumulate:
             staged = tensor is self.staging
             with self.cond:

@@ -229,9 +229,9 @@ class ActivationChannel:
             except (TimeoutError, RuntimeError):
                 missing = "which ranks did not is unknown (the store could not be read either); some rank did not"
             raise TimeoutError(
-                f"{self._name(self.rank)}: the engine's start meeting in the c10d store at {self.address} did not complete "
-                f"within {self.connect_s:.0f} s: {missing} open its store clients and write its first progress "
-                f"record; check that every rank constructs its engines in the same order ({exc})"
+                f"{self._name(self.rank)}: the engine's start meeting in the c10d store at {self.address} "
+                f"did not complete within {self.connect_s:.0f} s: {missing} open its store clients and write its "
+                f"first progress record; check that every rank constructs its engines in the same order ({exc})"
             ) from exc
 
     # ------------------------------------------------------------------------ per round, O(1) each
@@ -317,8 +317,8 @@ class ActivationChannel:
             text = f"{self._names(missing)} of group {self._group_name(group)} did not arrive: {where(missing)}"
         else:
             text = (
-                f"every member of group {self._group_name(group)} had reached round {k}, so one of them failed during the "
-                f"exchange"
+                f"every member of group {self._group_name(group)} had reached round {k}, "
+                "so one of them failed during the exchange"
             )
         low = min(e for e, _ in seen.values())
         behind = [r for r, (e, _) in seen.items() if e == low and e < k and r not in missing]

@@ -51,7 +51,8 @@ def _known(name: str) -> tuple[str, str] | None:
 
 
 def missing_dependency(exc: BaseException, what: str = "wagma's training application") -> str | None:
-    """``"<what> needs <package>: pip install 'wagma[<extra>]'"`` if ``exc`` (or its cause) is a missing optional module.
+    """``"<what> needs <package>: pip install 'wagma[<extra>]'"`` if ``exc`` (or its cause) is a missing optional
+    module.
 
     Returns None for any other exception, including a missing module that no extra provides (a bug).
     """

@@ -67,7 +67,8 @@ class RollCall:
         self._step: Step | None = None
 
     def begin(self, step: Step) -> None:
-        """Publish that this rank begins ``step`` (0-based, or :data:`FINAL`); :meth:`watching` blames a failure on it."""
+        """Publish that this rank begins ``step`` (0-based, or :data:`FINAL`); :meth:`watching` blames a failure on
+        it."""
         if not (step == FINAL or (isinstance(step, int) and not isinstance(step, bool) and step >= 0)):
             raise ValueError(f"step must be an int >= 0 or {FINAL!r}, got {step!r}")
         self._step = step

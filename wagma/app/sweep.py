@@ -27,7 +27,8 @@ JOB_FILE = "job.json"
 
 
 def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """One row per job of the sweep in ``sweep_dir``: ``job`` (label), ``overrides``, ``exit``, ``error``, ``summary``, ``dir``.
+    """One row per job of the sweep in ``sweep_dir``: ``job`` (label), ``overrides``, ``exit``, ``error``,
+    ``summary``, ``dir``.
 
     Jobs are ordered by their number; a job's label is its number and the overrides that vary between jobs.
     """

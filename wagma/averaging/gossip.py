@@ -167,9 +167,9 @@ class DPSGDAverager(AveragerBase):
     """D-PSGD: every round each rank replaces its model by the mean of itself and its neighbours, blocking.
 
     On a ring with P >= 3 that is ``x ← (x + x_left + x_right) / 3`` (docs/design.md §2.6); at P = 2 the two
-    ranks are each other's only neighbour and take the mean of the two. With ``topology="exponential"`` the neighbours are
-    ``rank ± 2^k`` (:func:`exponential_neighbours`), uniform weights. Either way the mixing matrix is doubly
-    stochastic: the mean of the models over the ranks is what it was before the round.
+    ranks are each other's only neighbour and take the mean of the two. With ``topology="exponential"`` the
+    neighbours are ``rank ± 2^k`` (:func:`exponential_neighbours`), uniform weights. Either way the mixing matrix is
+    doubly stochastic: the mean of the models over the ranks is what it was before the round.
 
     Step semantics: the call with ``step`` gossips iff ``step >= warmup_steps`` (during the warm-up, DDP usually
     averages gradients and the replicas stay identical). Each gossip round counts as a ``"local"`` reduction;

@@ -128,7 +128,10 @@ class HierarchicalAverager(AveragerBase):
     def _not_hierarchical(self, world: int) -> str | None:
         """The warning for a configuration with one level only on this world size, or ``None``."""
         if self.local_group_size == world:
-            why = f"local_group_size {self.local_group_size} equals the world ({world} ranks), so every local mean is global"
+            why = (
+                f"local_group_size {self.local_group_size} equals the world ({world} ranks), "
+                "so every local mean is global"
+            )
             period = self.local_period
         elif self.local_group_size == 1:
             why = "local_group_size 1 makes every local mean a no-op"

@@ -115,7 +115,8 @@ class AllreducePolicy(Policy):
                 averaged through shared memory (:func:`wagma.allreduce_hook` with a shared-memory
                 :class:`wagma.AllreduceState`), as the wagma and eager policies' rounds are with ``"shm"``.
             wire_dtype: ``null``, ``bf16`` or ``fp16``: DDP's gradients travel in that dtype
-                (:func:`wagma.allreduce_hook` with an :class:`wagma.AllreduceState`'s ``wire_dtype``; no error feedback).
+                (:func:`wagma.allreduce_hook` with an :class:`wagma.AllreduceState`'s ``wire_dtype``; no error
+                feedback).
         """
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")

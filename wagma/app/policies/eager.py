@@ -26,10 +26,10 @@ class EagerPolicy(Policy):
     ``wrap`` builds ``PartialAllreduceState(params, mode=..., sync_period=..., warmup_iters=..., seed=...,
     timeout=...)`` and registers it with ``ddp.register_comm_hook(state, partial_allreduce_hook)``;
     ``finalize`` is ``state.flush(optimizer)``: a blocking, fully fresh round that applies every gradient
-    still in the residual buffers, after which the replicas agree. Under ``parallel=hsdp`` (:attr:`Policy.mesh` set) ``wrap`` shards the
-    root alone over the ``shard`` dimension and the hook is :class:`wagma.FSDPPartialAllreduce` on the replicas (no
-    ``overlap``, no ``transport``; a resume restores its rounds and residuals, so no gradient is lost, though
-    which gradients make which round is not reproduced bit for bit).
+    still in the residual buffers, after which the replicas agree. Under ``parallel=hsdp`` (:attr:`Policy.mesh` set)
+    ``wrap`` shards the root alone over the ``shard`` dimension and the hook is :class:`wagma.FSDPPartialAllreduce`
+    on the replicas (no ``overlap``, no ``transport``; a resume restores its rounds and residuals, so no gradient is
+    lost, though which gradients make which round is not reproduced bit for bit).
 
     Args:
         device: where the model lives.

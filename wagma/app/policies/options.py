@@ -3,9 +3,10 @@
 Each is called as ``validate(options, world_size)`` by :func:`wagma.app.policies.validate_policy_config`
 (after its generic checks: a known name, ``group_size`` dividing the world size, no negative
 ``*period``/``*_steps``) on every rank before anything is built, and raises one ``ValueError`` naming the
-key, the value found and what was expected. They check unknown keys, ``progress_nice`` in [0, 19], group sizes that do not divide the
-world size, periods, ``global_period`` a multiple of ``local_period``, momentum in [0, 1), the mode /
-mixing / order / topology names, gossip's two ranks at least, and WAGMA's schedule (built here, so a schedule that does not mix is refused).
+key, the value found and what was expected. They check unknown keys, ``progress_nice`` in [0, 19], group sizes that
+do not divide the world size, periods, ``global_period`` a multiple of ``local_period``, momentum in [0, 1), the mode /
+mixing / order / topology names, gossip's two ranks at least, and WAGMA's schedule (built here, so a schedule that
+does not mix is refused).
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def validate_hierarchical_momentum(options: Mapping[str, Any], world_size: int) 
 
 
 def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
-    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, sync, overlap, ``max_lead`` <= ``sync_period``.
+    """Check a ``wagma`` config: group size, periods, schedule, mixing, order, sync, overlap,
+    ``max_lead`` <= ``sync_period``.
 
     The schedule is built (cheaply, without communication) so one that does not mix every rank with
     every other is refused here.
@@ -300,7 +302,8 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     mode = _choice(options, "mode", EAGER_MODES, expected)
     if mode != expected:
         raise ValueError(
-            f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; use averaging=reference/eager_{mode} instead"
+            f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; "
+            f"use averaging=reference/eager_{mode} instead"
         )
     sync_period = _int(options, "sync_period", 1, required=False)
     _int(options, "warmup_iters", 2, required=False)
