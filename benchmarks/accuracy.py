@@ -267,7 +267,7 @@ def summarize_cells(
             median = statistics.median(accs) if accs else None
 
             def med(field: str) -> float | None:
-                vals = [r[field] for r in runs if r.get(field) is not None]
+                vals = [r[field] for r in runs if r.get(field) is not None]  # noqa: B023 - called in this iteration only
                 return statistics.median(vals) if vals else None
 
             out.append(

@@ -234,7 +234,7 @@ def main() -> None:
             "accuracy": statistics.median(r["accuracy"] for r in rows),
         }
     if "hsdp" in summary:
-        for policy, s in summary.items():
+        for s in summary.values():
             s["x_hsdp"] = summary["hsdp"]["step_ms"] / s["step_ms"]
             s["accuracy_vs_hsdp_points"] = 100 * (s["accuracy"] - summary["hsdp"]["accuracy"])
     result = {

@@ -116,12 +116,12 @@ def compare(wide: dict[str, Any], narrow: dict[str, Any], wire: str) -> list[dic
             acc, sent, loss = [], [], []
             for r in side["records"]:
                 if (
-                    f"{r['dataset']}:{r['model']}" == workload
-                    and r["policy"] == policy
+                    f"{r['dataset']}:{r['model']}" == workload  # noqa: B023 - pick is called in this iteration only
+                    and r["policy"] == policy  # noqa: B023 - as above
                     and r["final_accuracy"] is not None
                 ):
                     acc.append(100.0 * r["final_accuracy"])
-                    run = side["runs"].get((workload, policy, int(r["seed"])))
+                    run = side["runs"].get((workload, policy, int(r["seed"])))  # noqa: B023 - as above
                     if run is not None:
                         sent.append(run["bytes"])
                         loss.append(run["loss"])
@@ -169,7 +169,7 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], sides: di
     for r in rows:
 
         def num(key: str, fmt: str, scale: float = 1.0) -> str:
-            return format(r[key] / scale, fmt) if key in r else "–"
+            return format(r[key] / scale, fmt) if key in r else "–"  # noqa: B023 - called in this iteration only
 
         lines.append(
             f"| {r['workload']} | {r['policy']} | {num('accuracy_float32', '.2f')} | "

@@ -208,10 +208,10 @@ def test_transient_stragglers_do_not_make_others_wait():
     synchronous_cost = rounds * delay_s
     assert elapsed < 0.75 * synchronous_cost, f"{elapsed:.2f} s vs synchronous {synchronous_cost:.2f} s"
     stale_seen = 0
-    for rank, (_, records) in enumerate(out):
-        for k, is_sync, grp, members, fresh, staleness, version, _ in records:
+    for _rank, (_, records) in enumerate(out):
+        for k, is_sync, _grp, members, _fresh, staleness, _version, _ in records:
             assert 0 <= staleness <= sync_period
-            for j, v in members.items():
+            for _j, v in members.items():
                 assert k - sync_period <= v <= k
                 stale_seen += v < k
             if is_sync:
@@ -312,7 +312,7 @@ def _initiator_worker(rank, world, rounds):
     ) as eng:
         initiators = [eng.initiator(k) for k in range(rounds)]
         triggered = []
-        for k in range(rounds):
+        for _k in range(rounds):
             res = eng(torch.ones(1))
             triggered.append(res.triggered_at is not None)
     return initiators, triggered

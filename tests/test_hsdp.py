@@ -268,7 +268,7 @@ def check_eager_conserves_on(device: str, mode: str = "solo", wire_dtype: str | 
     # rank r's gradient: every weight entry r + 1, bias 1; FSDP2 averages it over its replica's two ranks (the shard
     # group {2c, 2c + 1}), so replica c's shard gradient is the mean of its two ranks' inputs
     mean_x = {0: (1 + 2) / 2, 1: (3 + 4) / 2}  # replica c: the mean of its two ranks' inputs
-    for rank, (initial, final, flushed, stats) in enumerate(out):
+    for rank, (initial, final, _flushed, _stats) in enumerate(out):
         partner = rank ^ 2  # the same shard index in the other replica
         assert all(torch.equal(a, b) for a, b in zip(final, out[partner][1])), f"rank {rank}: replicas differ"
         # conservation: the sum over the replicas of what was applied is the sum of every computed gradient
@@ -344,7 +344,7 @@ def test_the_fsdp_hook_resumes_from_its_state_dict_with_every_gradient_kept():
     out = run_workers(_eager_resume_worker, 4, before, after, collective_timeout_s=30, timeout_s=120)
     mean_x = {0: (1 + 2) / 2, 1: (3 + 4) / 2}  # replica c's shard gradient per weight element (see the test above)
     steps = before + after
-    for rank, (initial, final, _, iteration, rounds) in enumerate(out):
+    for _rank, (initial, final, _, iteration, rounds) in enumerate(out):
         assert iteration == steps and rounds == steps - 1  # the counters went on across the restart
         applied = [2 * (a - b) for a, b in zip(initial, final)]  # both replicas applied the same
         torch.testing.assert_close(applied[0], torch.full_like(applied[0], steps * (mean_x[0] + mean_x[1])))

@@ -445,16 +445,16 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
             for k in ["w", "sum", "anchor", "velocity", "average", "residual", "grad", "out"]
         }
         cases = [
-            (f"wagma_combine_{sfx}", lambda: K.wagma_combine_(t["w"], t["sum"], 3.0)),
-            (f"wagma_momentum_{sfx}", lambda: K.reduction_momentum_(t["anchor"], t["velocity"], t["average"], 0.5)),
-            (f"wagma_residual_take_{sfx}", lambda: K.residual_take_(t["residual"], t["out"])),
-            (f"wagma_residual_take_add_{sfx}", lambda: K.residual_take_(t["residual"], t["out"], t["grad"])),
-            (f"wagma_residual_accumulate_{sfx}", lambda: K.residual_accumulate_(t["residual"], t["grad"])),
+            (f"wagma_combine_{sfx}", lambda t=t: K.wagma_combine_(t["w"], t["sum"], 3.0)),
+            (f"wagma_momentum_{sfx}", lambda t=t: K.reduction_momentum_(t["anchor"], t["velocity"], t["average"], 0.5)),
+            (f"wagma_residual_take_{sfx}", lambda t=t: K.residual_take_(t["residual"], t["out"])),
+            (f"wagma_residual_take_add_{sfx}", lambda t=t: K.residual_take_(t["residual"], t["out"], t["grad"])),
+            (f"wagma_residual_accumulate_{sfx}", lambda t=t: K.residual_accumulate_(t["residual"], t["grad"])),
         ]
         if dtype == torch.float32:
             t["src"], t["dst"] = torch.zeros(5), torch.zeros(5, dtype=torch.bfloat16)
-            cases.append(("wagma_pack_bf16", lambda: K.pack_bf16(t["src"], t["dst"])))
-            cases.append(("wagma_unpack_bf16", lambda: K.unpack_bf16(t["dst"], t["src"], 0.5)))
+            cases.append(("wagma_pack_bf16", lambda t=t: K.pack_bf16(t["src"], t["dst"])))
+            cases.append(("wagma_unpack_bf16", lambda t=t: K.unpack_bf16(t["dst"], t["src"], 0.5)))
         for expected_name, call in cases:
             calls.clear()
             call()

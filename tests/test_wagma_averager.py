@@ -58,7 +58,7 @@ def _sync_worker(rank, world, steps):
     model = _tagged(rank)
     snapshots = []
     with WagmaAverager(2, 1, params=model.parameters(), max_lead=0, timeout=TIMEOUT) as avg:
-        for step in range(steps):
+        for _step in range(steps):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p))  # a local "update"
@@ -75,8 +75,8 @@ def _sync_worker(rank, world, steps):
 @pytest.mark.parametrize("world", [4, pytest.param(6, marks=pytest.mark.slow)])
 def test_sync_rounds_are_global_means(world):
     out = run_workers(_sync_worker, world, 6)
-    for rank, snaps in enumerate(out):
-        for step, (kind, before, mean, after) in enumerate(snaps):
+    for _rank, snaps in enumerate(out):
+        for step, (kind, _before, mean, after) in enumerate(snaps):
             if step % 2 == 1:
                 assert kind == "global"
                 for a, m in zip(after, mean):
@@ -222,7 +222,7 @@ def _digits_worker(rank, world, policy, steps):
         model = nn.parallel.DistributedDataParallel(model)
     else:
         avg = WagmaAverager(2, 10, params=model.parameters(), overlap=policy == "wagma_overlap", timeout=TIMEOUT)
-    for step in range(steps):
+    for _step in range(steps):
         idx = torch.randint(0, len(y), (32,), generator=g)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
@@ -632,7 +632,7 @@ def test_overlap_keeps_sync_rounds_blocking_and_fresh_and_leaves_no_round_behind
         "local",
         "local",
     ]
-    for kinds, synced, final, stats, left in out:
+    for kinds, _synced, _final, stats, left in out:
         assert kinds == expected
         assert left == {0: 0}  # synchronize() collected the round in flight
         # Two sync rounds and synchronize(); a sync call first applies the group round before it (3 and 8).
@@ -682,7 +682,7 @@ def test_wait_avoiding_sync_with_overlap_bounds_staleness_by_max_lead_plus_one()
         _relaxed_overlap_worker, world, rounds, _persistent(world - 1, delay), sync_period, lead, timeout_s=90
     )
     expected = [None] + ["global" if k % (sync_period + 1) == sync_period else "local" for k in range(rounds - 1)]
-    for rank, (kinds, waits, _, stats, left) in enumerate(out):
+    for rank, (kinds, _waits, _, stats, left) in enumerate(out):
         assert kinds == expected, (rank, kinds)
         hist = {int(k): v for k, v in stats["staleness_hist"].items()}
         assert min(hist) >= 1 and max(hist) <= lead + 1, (rank, hist)

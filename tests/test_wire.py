@@ -168,7 +168,7 @@ def _averager_worker(rank: int, world: int, kind: str, wire: str | None, steps: 
         again = PeriodicAverager(2, timeout=TIMEOUT, wire_dtype=wire)
         again.load_state_dict(averager.state_dict())
         twin = torch.nn.Parameter(model.detach().clone())
-        for step in range(4):
+        for _step in range(4):
             for p in (model, twin):
                 with torch.no_grad():
                     p.add_(0.01 * (rank + 1))

@@ -356,6 +356,6 @@ def _whole_group_worker(rank, world_size):
 
 
 def test_a_process_group_over_every_rank_is_the_whole_job():
-    for whole, ranks, rank_in_world in run_workers(_whole_group_worker, 2, collective_timeout_s=20):
+    for whole, ranks, _rank_in_world in run_workers(_whole_group_worker, 2, collective_timeout_s=20):
         assert whole and ranks == (0, 1)
     assert sorted(r[2] for r in run_workers(_whole_group_worker, 2, collective_timeout_s=20)) == [0, 1]
