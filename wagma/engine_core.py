@@ -42,14 +42,19 @@ class EngineSettings(Protocol):
     accumulate: bool
     timeout: datetime.timedelta
     device: torch.device
-    sync: str
     progress_nice: int
-    trigger: str
     seed: int
     keep_contributions: bool
     transport: str
     wire_dtype: torch.dtype | None
     error_feedback: bool
+
+    # Read-only, so that the engine's Literal-typed attributes match.
+    @property
+    def sync(self) -> str: ...
+
+    @property
+    def trigger(self) -> str: ...
 
 
 __all__ = ["Done", "EngineCore", "EngineSettings", "initiator_of", "is_sync"]

@@ -132,7 +132,7 @@ def _clone(store: dist.Store, connect_s: float, timeout: datetime.timedelta, add
     """
     if not hasattr(store, "clone"):
         return store
-    parent_timeout = store.timeout
+    parent_timeout = store.timeout  # type: ignore[attr-defined]  # a property torch's stubs omit
     store.set_timeout(datetime.timedelta(seconds=connect_s))
     try:
         clone = store.clone()
@@ -260,7 +260,7 @@ class ActivationChannel:
     def _watch(self) -> None:
         k: int | None = self._start
         try:
-            while True:
+            while k is not None:  # never None here: the loop returns when it becomes None
                 k = self._next_wait(k)
                 if k is None:
                     return

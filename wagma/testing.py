@@ -244,7 +244,7 @@ def run_workers_outcomes(
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:  # a started process has a pid
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
         for conn in result_conns + port_conns:

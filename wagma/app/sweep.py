@@ -182,7 +182,7 @@ except ImportError:  # wagma.app needs Hydra anyway (train.py says so); keep thi
     Callback = object  # type: ignore[assignment,misc]
 
 
-class SweepReport(Callback):  # type: ignore[misc,valid-type]
+class SweepReport(Callback):
     """Hydra callback: :func:`report` on the sweep directory when a multirun ends (exit status 1 if a job failed)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:

@@ -265,7 +265,7 @@ class AveragerBase(ModelAverager):
         #: Whether this rank takes part in the averager's reductions.
         self.is_member: bool = isinstance(group, dist.ProcessGroup)
         #: Number of ranks in the global reductions (0 on a rank outside ``process_group``).
-        self.world_size: int = group.size() if self.is_member else 0
+        self.world_size: int = group.size() if isinstance(group, dist.ProcessGroup) else 0
         self.average_buffers = average_buffers
         self.stats = AveragerStats()
         self.last_reduction: Reduction | None = None

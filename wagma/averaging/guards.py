@@ -19,6 +19,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ def warn_at_caller(message: str) -> None:
     The line a user sees is then their own call (``optimizer.step()``, the averager's constructor), not a
     line inside wagma's wrappers, however deep the call came in.
     """
-    frame, level = sys._getframe(1), 2
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_WAGMA_DIR):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
@@ -211,7 +213,7 @@ def order_ignored_by_caller(order: str | None, owner: str, *, depth: int = 6) ->
     module = sys.modules.get("torch.distributed.optim.post_localSGD_optimizer")
     if module is None:
         return None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return None

@@ -141,7 +141,7 @@ class ReductionMomentum(ModelAverager):
     # -- the wrapped averager's view --------------------------------------------------------------------
 
     @property
-    def step(self) -> int:  # type: ignore[override]
+    def step(self) -> int:
         """The wrapped averager's step counter."""
         return self.averager.step
 

@@ -99,12 +99,12 @@ class AveragingOptimizer(torch.optim.Optimizer):
         if callable(bind):
             bind(self.param_groups, self.module.buffers() if self.module is not None else None)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """``{"optimizer": the optimizer's state_dict, "averager": the averager's state_dict}``."""
         averager_state = self.averager.state_dict()  # type: ignore[attr-defined]
         return {"optimizer": self.optimizer.state_dict(), "averager": averager_state}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore both states from :meth:`state_dict` output.
 
         Raises:

@@ -397,7 +397,7 @@ def _consecutive_view(tensors: Sequence[torch.Tensor], numel: int) -> torch.Tens
             return None
         expected += tensor.numel()
     with torch.no_grad():
-        return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, start, (numel,))
+        return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, start, (numel,), (1,))
 
 
 def _extent(tensor: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 
 __all__ = ["LocalUsedMapGroup"]
 
@@ -40,7 +40,7 @@ class LocalUsedMapGroup(dist.ProcessGroup):
     def __init__(self, real: dist.ProcessGroup) -> None:
         if not isinstance(real, dist.ProcessGroup):
             raise ValueError(f"real: expected a torch.distributed.ProcessGroup, found {type(real).__name__}")
-        super().__init__(real.rank(), real.size())
+        super().__init__(real.rank(), real.size())  # type: ignore[call-arg]  # the stubs list the store form only
         self._real = real
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
@@ -53,8 +53,8 @@ class LocalUsedMapGroup(dist.ProcessGroup):
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         return self._real.allgather(outputs, inputs, opts)
 
-    def size(self) -> int:  # type: ignore[override]
+    def size(self) -> int:
         return self._real.size()
 
-    def getBackendName(self) -> str:  # type: ignore[override]
+    def getBackendName(self) -> str:
         return "wagma-local-used-map"

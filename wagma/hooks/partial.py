@@ -411,7 +411,7 @@ def eager_engine(
     *,
     mode: str,
     sync_period: int,
-    max_lead: int,
+    max_lead: int | None,
     timeout: datetime.timedelta,
     seed: int,
     start_round: int,

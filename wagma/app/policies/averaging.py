@@ -372,7 +372,7 @@ class WagmaPolicy(ModelAveragingPolicy):
         schedule: str | GroupSchedule = (
             self.schedule if isinstance(self.schedule, str) else GroupSchedule(self.schedule, name="custom")
         )
-        return WagmaAverager(  # type: ignore[no-any-return]
+        return WagmaAverager(
             self.group_size,
             self.sync_period,
             params=list(net.named_parameters()),
@@ -384,7 +384,7 @@ class WagmaPolicy(ModelAveragingPolicy):
             max_lead=self.max_lead,
             sync=self.sync,
             overlap=self.overlap,
-            timeout=timeout(self.timeout_s),  # type: ignore[arg-type]
+            timeout=timeout(self.timeout_s),
             progress_nice=self.progress_nice,
             transport=self.transport,
             world=self.world,
@@ -435,7 +435,7 @@ class GossipPolicy(ModelAveragingPolicy):
             return DPSGDAverager(
                 self.topology,
                 self.hook_state.warmup_steps,
-                average_buffers=self.average_buffers,  # type: ignore[arg-type]
+                average_buffers=self.average_buffers,
                 timeout=timeout(self.timeout_s),
                 world=self.world,
             )

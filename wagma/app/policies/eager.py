@@ -92,7 +92,7 @@ class EagerPolicy(Policy):
                 model,
                 world=replicate_world(self.mesh),
                 mode=self.mode,
-                sync_period=self.sync_period,  # type: ignore[arg-type]
+                sync_period=self.sync_period,
                 warmup_iters=self.warmup_iters,
                 seed=self.seed,
                 max_lead=self.max_lead,
