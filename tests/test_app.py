@@ -417,7 +417,7 @@ def test_torchrun_default_run_dir_is_shared_by_all_ranks(tmp_path):
     "override,message,code",
     [
         ("+averaging.group_size=3", "group_size=3 must be a positive divisor of the world size 2", 2),
-        ("data=cifar", "Could not find 'data/cifar'", 1),
+        ("data=cifar", "data=cifar: no such option in configs/data/", 2),  # one line, before Hydra composes
     ],
 )
 def test_torchrun_bad_config_is_reported_once(tmp_path, override, message, code):
