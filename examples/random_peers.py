@@ -62,8 +62,9 @@ class RandomPeersAverager(AveragerBase):
         inboxes = [torch.empty_like(b) for b in buffers]
         works = []
         for buffer, inbox in zip(buffers, inboxes):  # send and receive at once: neither side waits for the other
-            works.append(dist.isend(buffer, group=self.process_group, group_dst=peer))
+            # the receive first: gloo sends once the peer's receive is posted (benchmarks/rank_net.py, "pair")
             works.append(dist.irecv(inbox, group=self.process_group, group_src=peer))
+            works.append(dist.isend(buffer, group=self.process_group, group_dst=peer))
         self.wait_collective(works, f"exchange with rank {peer}", 2)
         for buffer, inbox in zip(buffers, inboxes):
             buffer.add_(inbox).div_(2)
