@@ -95,8 +95,6 @@ def synchronous(policy: str, configs_dir: Path = CONFIGS) -> bool:
 
 
 POLICIES = default_policies()
-#: The known policies :func:`synchronous` holds to bitwise resume.
-SYNCHRONOUS = frozenset(p for p in known_policies() if synchronous(p))
 WORLDS = (2, 4, 8)
 FAULTS = ("SIGKILL", "SIGSTOP", "SIGTERM")
 RESTARTS = ("elastic", "resume")

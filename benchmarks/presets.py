@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from wagma.app.presets import UNSHIPPED  # one copy: train.py names these folders when an option moved there
+# One copy of each: train.py names these folders when an option moved there, and lists the shipped ones.
+from wagma.app.presets import UNSHIPPED, shipped_options
 
 __all__ = ["UNSHIPPED", "averaging_config", "averaging_option", "config_path", "known_policies", "shipped_policies"]
 
@@ -45,7 +46,7 @@ def averaging_option(policy: str, configs_dir: Path) -> str:
 
 def shipped_policies(configs_dir: Path) -> tuple[str, ...]:
     """Every shipped preset and baseline: the stems of ``configs/averaging/*.yaml``, sorted."""
-    return tuple(sorted(path.stem for path in (configs_dir / "averaging").glob("*.yaml")))
+    return tuple(shipped_options("averaging", configs_dir))
 
 
 def known_policies(configs_dir: Path) -> tuple[str, ...]:

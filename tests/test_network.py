@@ -534,19 +534,13 @@ def test_the_benchmarks_refuse_a_bad_rate_in_one_line(tmp_path, capsys):
 def test_chaos_runs_every_fault_on_the_rate_and_records_it(tmp_path, monkeypatch):
     import dataclasses
 
+    from test_chaos import survived
+
     from benchmarks import chaos
 
     def fake_run_one(spec, root, timeout_s):
         assert f"rank_net={spec.rank_net}" in chaos.overrides(spec, timeout_s)
-        return dataclasses.asdict(spec) | {
-            "timeout_s": timeout_s,
-            "hung": False,
-            "max_survivor_s": 1.0,
-            "named_rank": True,
-            "resumed": True,
-            "resumed_from": 5,
-            "bitwise": None,
-        }
+        return survived(spec, timeout_s)
 
     monkeypatch.setattr(chaos, "run_one", fake_run_one)
     monkeypatch.setattr(chaos, "check_rank_net", lambda *args: None)
