@@ -50,6 +50,22 @@ def leftovers(job: str) -> list[str]:
     return names + [n for n in os.listdir("/sys/class/net") if n.startswith((f"wgv{tag}", f"wgb{tag}"))]
 
 
+def _proc(pid: int, name: str) -> bytes:
+    """``/proc/<pid>/<name>``, or b"" once the process has ended (it may end between listing and reading)."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def _kill_unless_reaper(pid: int) -> None:
+    """SIGKILL ``pid`` unless it is one of network.py's reapers (or has ended already)."""
+    cmdline = _proc(pid, "cmdline")
+    if cmdline and b"network.py" not in cmdline:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def wait_gone(job: str, seconds: float = 20.0) -> list[str]:
     """``job``'s leftovers once they are gone or ``seconds`` have passed (reapers work in the background)."""
     deadline = time.monotonic() + seconds
@@ -417,8 +433,7 @@ def test_a_killed_rank_fails_the_job_and_leaves_no_network_and_no_cgroup(tmp_pat
         reaper = next(
             pid
             for pid in descendants(proc.pid)
-            if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()
-            and b"network.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"RANK=1\0" in _proc(pid, "environ") and b"network.py" in _proc(pid, "cmdline")
         )
         os.kill(int(Path(f"/proc/{reaper}/stat").read_text().rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
         output, _ = proc.communicate(timeout=90)
@@ -443,15 +458,11 @@ def test_a_killed_launcher_leaves_nothing_once_its_ranks_end(tmp_path):
         proc.wait(10)
         assert len(leftovers(job)) == 5
         for pid in ranks:  # what an operator (or the ranks' own timeout) does to orphans
-            with contextlib.suppress(ProcessLookupError):
-                if "network.py" not in Path(f"/proc/{pid}/cmdline").read_text():
-                    os.kill(pid, signal.SIGKILL)
+            _kill_unless_reaper(pid)
         assert wait_gone(job) == []  # their reapers
     finally:
         for pid in [proc.pid, *ranks]:
-            with contextlib.suppress(ProcessLookupError, FileNotFoundError):
-                if "network.py" not in Path(f"/proc/{pid}/cmdline").read_text():
-                    os.kill(pid, signal.SIGKILL)
+            _kill_unless_reaper(pid)
         remove_job_networks(job)
 
 
