@@ -137,6 +137,26 @@ def test_exchanges_staged_through_host_buffers_give_the_same_rounds():
     check_dpsgd_mixing(4, "ring", staged=True)
 
 
+def test_an_exchange_refuses_a_receive_posted_after_a_send():
+    # gloo starts a send once its peer's receive is posted: exchanges whose sends come first serialize (1.5x the
+    # wire time of a ring exchange on emulated links). Every averager posts its receives first; this is the guard.
+    def worker(rank, world_size):
+        import datetime
+
+        exchange = gossip_module._Exchange("D", 3, dist.group.WORLD, datetime.timedelta(seconds=TIMEOUT_S))
+        peer = 1 - rank
+        inbox, data = torch.empty(4), torch.full((4,), float(rank))
+        exchange.recv(inbox, peer, tag=0)
+        exchange.send(data, peer, tag=0)
+        with pytest.raises(RuntimeError, match=r"^D: round 3: a receive posted after a send; post every receive"):
+            exchange.recv(torch.empty(4), peer, tag=1)
+        exchange.wait()
+        return inbox
+
+    got = run_workers(worker, 2, timeout_s=60, collective_timeout_s=TIMEOUT_S)
+    assert [g.tolist() for g in got] == [[1.0] * 4, [0.0] * 4]
+
+
 def check_dpsgd_mixing(world: int, topology: str, device: str = "cpu", staged: bool = False) -> None:
     """D-PSGD's rounds are its mixing matrix, exactly, and keep the mean (``device="cuda"``: tests/gpu_worlds.py)."""
     steps = 5

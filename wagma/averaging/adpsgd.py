@@ -347,9 +347,10 @@ class ADPSGDAverager(AveragerBase):
     def _swap(self, copy: list[torch.Tensor], peer: int, k: int) -> list[torch.Tensor]:
         exchange = _Exchange(f"{type(self).__name__} (progress thread)", k, self._p2p, self.timeout, unit="exchange")
         inbox = [torch.empty_like(c) for c in copy]
-        for b, (mine, theirs) in enumerate(zip(copy, inbox)):
-            exchange.send(mine, peer, tag=b)
+        for b, theirs in enumerate(inbox):  # every receive posted before the first send (_Exchange)
             exchange.recv(theirs, peer, tag=b)
+        for b, mine in enumerate(copy):
+            exchange.send(mine, peer, tag=b)
         exchange.wait()
         return inbox
 
