@@ -39,6 +39,12 @@ optimizer step. Per (scenario, policy, P, params) and repetition it measures:
   (sleeps + real forward/backward/step) and the same calibration's wall-clock times (the fastest sample as the
   slowest rank saw it) as durations;
 
+- ``simulated_link_ms`` (with ``--rank-net RATE``: every rank in its own network namespace behind a link shaped
+  to RATE, :mod:`wagma.app.network`): the simulator's link model, every rank a device of its own on a link of
+  that rate, replaying the recorded wall-clock trace; the bandwidth is the rate's (not fitted), the latency per
+  message the calibrated one; ``x_link`` = that / ms: the simulator's error on the emulated cluster (give every
+  rank its compute with ``--rank-cpus`` too, or the ranks lend each other idle cores the model does not have);
+
 ``--transport shm`` sets ``averaging.transport=shm`` for every policy that has the key (``allreduce``, the
 ``wagma`` and ``eager`` presets): their collectives go through shared memory instead of gloo's sockets, the
 DDP baseline's gradient allreduce included. Records carry ``transport``.
@@ -89,6 +95,7 @@ from benchmarks.simulate import ZERO_NETWORK, Network, no_wait_ms, protocol_boun
 from wagma.app.config import build_optimizer, group_options  # noqa: E402
 from wagma.app.imbalance import build_imbalance  # noqa: E402
 from wagma.app.models import MLP  # noqa: E402
+from wagma.app.network import check_rank_net, network_job, parse_rate, rate_name, worker_setup  # noqa: E402
 from wagma.app.policies import build_policy  # noqa: E402
 from wagma.app.quota import RankQuota, check_rank_cpus, quota_job  # noqa: E402
 from wagma.shm import SharedMemoryAllreduce  # noqa: E402
@@ -308,6 +315,8 @@ def _spec(cfg: Any, args: argparse.Namespace, params: int) -> dict[str, Any]:
         "device": args.device,
         "rank_cpus": args.rank_cpus,
         "quota_job": f"regime-{os.getpid()}",
+        "rank_net": args.rank_net,
+        "net_job": f"regime-net-{os.getpid()}",
     }
 
 
@@ -316,8 +325,17 @@ def run_reps(cfg: Any, args: argparse.Namespace, world: int, params: int) -> lis
     ideal, bound and simulated ms/step."""
     spec = _spec(cfg, args, params)
     timeout_s = 120.0 + args.reps * (args.warmup + args.steps) * (4 * 5 * args.compute_ms / 1e3 + 2.0)
-    with quota_job(spec["quota_job"], enabled=bool(args.rank_cpus)):  # nothing left of the ranks' cgroups
-        per_rank = run_workers(_rank, world, spec, timeout_s=timeout_s, collective_timeout_s=120.0)
+    rate, job = spec["rank_net"], spec["net_job"]
+    # nothing left of the ranks' cgroups and networks; with rank_net each rank enters its network before its group
+    with quota_job(spec["quota_job"], enabled=bool(args.rank_cpus)), network_job(job, enabled=rate is not None):
+        per_rank = run_workers(
+            _rank,
+            world,
+            spec,
+            timeout_s=timeout_s,
+            collective_timeout_s=120.0,
+            setup=worker_setup(rate, job) if rate is not None else None,
+        )
     return [_analyse([reps[i] for reps in per_rank], spec, args, world) for i in range(args.reps)]
 
 
@@ -377,6 +395,7 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
                 avg, pre + real, network=net, nbytes=nbytes, first_step=args.warmup
             ).ms_per_step,
             "real_compute_ms": 1e3 * float(real.mean()),
+            **_link(avg, pre + real, spec["rank_net"], net, nbytes, args.warmup),
             # Where a step goes (means over ranks and steps): the sleeps, the real compute, the policy on the main
             # thread; the final mean or flush per timed step; the rest is the slowest rank's excess over the mean.
             "breakdown_ms": {
@@ -399,6 +418,24 @@ def _analyse(ranks: list[dict[str, Any]], spec: dict[str, Any], args: argparse.N
             "trace_ms": np.round(1e3 * (pre + real), 3).tolist(),
         }
     )
+
+
+def _link(
+    averaging: dict[str, Any], trace: np.ndarray, rate: str | None, net: Network, nbytes: float, warmup: int
+) -> dict[str, Any]:
+    """With ``rank_net``: the simulator's link model, every rank a device on a link of ``rate`` (the bandwidth the
+    rate's, not a calibration's; the latency per message the calibrated one), on the recorded compute trace:
+    ``simulated_link_ms``, what the simulator is validated by against the measured ms/step."""
+    if rate is None:
+        return {}
+    bits = parse_rate(rate)
+    assert bits is not None
+    link = Network(alpha_s=net.alpha_s, bandwidth_Bps=bits / 8, activation_s=net.activation_s)
+    return {
+        "rank_net": rate,
+        "simulated_link_ms": simulate(averaging, trace, network=link, nbytes=nbytes, first_step=warmup).ms_per_step,
+        "link_network": {"alpha_s": link.alpha_s, "bandwidth_Bps": link.bandwidth_Bps},
+    }
 
 
 def shared_cores(averaging: dict[str, Any], rep: dict[str, Any], warmup: int) -> dict[str, Any]:
@@ -476,9 +513,12 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
         "no_wait_ms",
         "cpu_ms",
         "bound_trace_ms",
+        "simulated_link_ms",
     ):
         if all(r.get(key) is not None for r in reps):
             out[key] = statistics.median(r[key] for r in reps)
+    if "simulated_link_ms" in out:
+        out["x_link"] = out["simulated_link_ms"] / out["ms_per_step"]
     for bound in ("bound_cores", "bound_trace"):
         if f"{bound}_ms" in out:
             out[f"x_{bound}"] = out[f"{bound}_ms"] / out["ms_per_step"]
@@ -554,6 +594,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="each rank in its own CPU cgroup capped at this many CPUs, as a device would be (0: none; "
         "root; every world's P x quota must fit the cores); records carry it",
     )
+    p.add_argument(
+        "--rank-net",
+        default=None,
+        metavar="RATE",
+        help="each rank in its own network namespace behind a link shaped to RATE (e.g. 200mbit; root, tc); "
+        "records carry it and the simulator's link model of it (simulated_link_ms, x_link)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results[/quick])")
     p.add_argument("--append", action="store_true", help="merge into an existing regime.json")
     p.add_argument("--no-report", action="store_true", help="write regime.json only")
@@ -578,6 +625,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             problem = check_rank_cpus(args.rank_cpus, world)
             if problem is not None:
                 p.error(f"--rank-cpus: {problem}")
+    try:
+        args.rank_net = rate_name(args.rank_net)
+    except ValueError as err:
+        p.error(f"--rank-net: {err}")
+    if args.rank_net is not None and not (args.report_only or args.resimulate):
+        for world in args.worlds:
+            if (problem := check_rank_net(args.rank_net, world, world)) is not None:
+                p.error(f"--rank-net: {problem}")
     if args.device == "cuda" and args.transport == "shm":
         p.error("--transport shm moves host memory: it cannot carry CUDA tensors (use --transport default)")
     if args.device == "cuda" and not (args.report_only or args.resimulate):
@@ -648,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "slice_s",
             "device",
             "rank_cpus",
+            "rank_net",
         )
     }
     result["invocations"].append({"command": command, "machine": machine_info(ROOT), "settings": settings})
@@ -678,6 +734,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             rec["transport"] = str(cfg.averaging.get("transport", "default"))
                             rec["device"] = args.device
                             rec["rank_cpus"] = args.rank_cpus
+                            rec["rank_net"] = args.rank_net
                         except (WorkerError, ValueError, OSError) as exc:
                             rec |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[-3000:]}
                         if policy == sc.BASELINE and rec["status"] == "ok":
@@ -778,6 +835,7 @@ def _line(rec: dict[str, Any]) -> str:
         f"sim {rec['simulated_ms']:6.1f}  x DDP {x_ddp}  x ideal {rec['x_ideal']:.2f}  "
         f"x bound {rec['x_bound']:.2f}"
         + (f" (on the trace {rec['x_bound_trace']:.2f})" if "x_bound_trace" in rec else "")
+        + (f"  link model {rec['simulated_link_ms']:6.1f} (x {rec['x_link']:.2f})" if "x_link" in rec else "")
     )
 
 

@@ -527,9 +527,38 @@ def test_the_accuracy_grid_runs_each_rate_as_a_cell_of_its_own(tmp_path, monkeyp
     assert accuracy._cell_name(accuracy.cell_key(old)) == "digits/mlp P=2 random_k1"
 
 
-def test_the_benchmarks_refuse_a_bad_rate_in_one_line(tmp_path, capsys):
-    from benchmarks import accuracy, chaos
+@needs_net
+def test_the_regime_runs_every_rank_on_its_link_and_records_the_link_model(tmp_path, monkeypatch):
+    from benchmarks import regime
 
+    traces = regime._rank_traces
+
+    def noting(rank, world_size, spec):  # runs in the forked rank, in its network
+        (tmp_path / f"rank{rank}.netns").write_text(str(os.stat("/proc/thread-self/ns/net").st_ino))
+        return traces(rank, world_size, spec)
+
+    monkeypatch.setattr(regime, "_rank_traces", noting)
+    argv = "--worlds 2 --scenarios none --policies allreduce --compute-ms 5 --steps 3 --warmup 2 --reps 1"
+    result = regime.main(
+        [*argv.split(), "--out", str(tmp_path), "--no-report", "--slice-ms", "4", "--rank-net", "1Gbit"]
+    )
+    (rec,) = result["records"]
+    assert rec["status"] == "ok" and rec["rank_net"] == "1gbit", rec
+    assert result["invocations"][0]["settings"]["rank_net"] == "1gbit"
+    assert rec["simulated_link_ms"] > 0 and rec["x_link"] == rec["simulated_link_ms"] / rec["ms_per_step"]
+    (rep,) = result["reps"]
+    assert rep["link_network"]["bandwidth_Bps"] == 1e9 / 8  # the rate's, not a fit
+    home = os.stat("/proc/thread-self/ns/net").st_ino
+    spaces = {int((tmp_path / f"rank{r}.netns").read_text()) for r in range(2)}
+    assert len(spaces) == 2 and home not in spaces
+    assert leftovers(f"regime-net-{os.getpid()}") == []
+
+
+def test_the_benchmarks_refuse_a_bad_rate_in_one_line(tmp_path, capsys):
+    from benchmarks import accuracy, chaos, regime
+
+    with pytest.raises(SystemExit):
+        regime.parse_args(["--rank-net", "1OOmbit"])
     with pytest.raises(SystemExit):
         accuracy.parse_args(["--rank-net", "fast"])
     with pytest.raises(SystemExit):
@@ -540,6 +569,13 @@ def test_the_benchmarks_refuse_a_bad_rate_in_one_line(tmp_path, capsys):
         "gbit, e.g. 500kbit, 100mbit, 1gbit; got '2OOmbit'"
     )
     assert any(line.endswith("got 'fast'") for line in err)
+    assert any(
+        line.endswith(
+            "--rank-net: rank_net must be null (no network) or a rate: a number and kbit, mbit or "
+            "gbit, e.g. 500kbit, 100mbit, 1gbit; got '1OOmbit'"
+        )
+        for line in err
+    )
 
 
 def test_chaos_runs_every_fault_on_the_rate_and_records_it(tmp_path, monkeypatch):

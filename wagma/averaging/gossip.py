@@ -97,7 +97,7 @@ class _Exchange:
 
     Post every receive before the first send: gloo starts a send once its peer's receive is posted, and when
     neighbours both post their sends first the transfers serialize (on 200 Mbit/s links, P = 4, a ring exchange
-    of 1 MB with both neighbours took 122 ms sends first and 86 ms receives first, against 80 ms of wire:
+    of 1 MB with both neighbours took 138 ms sends first and 83 ms receives first, against 80 ms of wire:
     ``benchmarks/rank_net.py``).
     """
 
