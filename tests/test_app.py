@@ -53,8 +53,8 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
         assert key in cfg
     assert cfg.device == "auto"
     assert set(_options("imbalance")) == {"none", "random_k", "persistent", "heavy_tail"}
-    assert set(_options("model")) == {"mlp", "cnn", "transformer"}
-    assert set(_options("data")) == {"digits", "mnist", "sequences"}
+    assert set(_options("model")) == {"mlp", "cnn", "transformer", "byte_lm"}
+    assert set(_options("data")) == {"digits", "mnist", "sequences", "torch_source"}
     assert set(_options("optim")) == {"sgd", "adam"}
     assert set(_options("averaging")) == {  # the shipped presets; configs/averaging/reference/ holds eager_solo
         "allreduce",
@@ -85,8 +85,13 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
     ],
 )
 def test_every_config_option_composes_validates_and_builds(group, option):
-    # Token data and the Transformer come as a pair (each alone is refused: test_data_and_model_must_match).
-    pair = {"sequences": "model=transformer", "transformer": "data=sequences"}.get(option)
+    # Token data and its model come as a pair (each alone is refused: test_data_and_model_must_match).
+    pair = {
+        "sequences": "model=transformer",
+        "transformer": "data=sequences",
+        "torch_source": "model=byte_lm",
+        "byte_lm": "data=torch_source",
+    }.get(option)
     cfg = _compose(f"{group}={option}", *([pair] if pair else []))
     assert cfg[group].name == option
     validate_config(cfg, 4)
@@ -94,7 +99,8 @@ def test_every_config_option_composes_validates_and_builds(group, option):
     ds = load_dataset(data.pop("name"), seed=cfg.seed, test_fraction=data.pop("test_fraction"), **data)
     model_cfg = group_options(cfg, "model")
     model = build_model(model_cfg.pop("name"), ds.in_shape, ds.num_classes, **model_cfg, **ds.model_options())
-    assert model(ds.x_test[:5]).shape == (5, ds.num_classes)
+    per_position = (ds.in_shape[0],) if ds.token_targets else ()  # a language model: logits at every position
+    assert model(ds.x_test[:5]).shape == (5, *per_position, ds.num_classes)
     assert isinstance(build_optimizer(group_options(cfg, "optim"), model.parameters()), torch.optim.Optimizer)
     for rank in range(4):
         assert build_imbalance(group_options(cfg, "imbalance"), rank, 4).delay_s(0, 0.001) >= 0.0
@@ -106,7 +112,7 @@ def test_every_config_option_composes_validates_and_builds(group, option):
     "overrides,match",
     [
         (["data.name=cifar10"], "unknown dataset 'cifar10'; known datasets: digits, mnist"),
-        (["model.name=resnet"], "unknown model 'resnet'; known models: cnn, mlp"),
+        (["model.name=resnet"], "unknown model 'resnet'; known models: byte_lm, cnn, mlp"),
         (
             ["averaging.name=gossip"],
             "unknown averaging policy 'gossip'; known policies: adpsgd, allreduce, dpsgd, eager_majority",
@@ -194,7 +200,7 @@ def test_models_work_on_both_input_sizes(name, dataset):
 
 
 def test_unknown_model_and_bad_arguments_raise_value_error():
-    with pytest.raises(ValueError, match="known models: cnn, mlp"):
+    with pytest.raises(ValueError, match="known models: byte_lm, cnn, mlp"):
         build_model("vit", (1, 8, 8), 10)
     with pytest.raises(ValueError, match="bad arguments for model 'mlp'"):
         build_model("mlp", (1, 8, 8), 10, depth=3)

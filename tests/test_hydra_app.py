@@ -53,7 +53,7 @@ def test_help_lists_the_config_groups_and_the_ways_to_launch(tmp_path):
         "averaging: adpsgd, allreduce, dpsgd",
         "data: digits, mnist",
         "imbalance:",
-        "model: cnn, mlp",
+        "model: byte_lm, cnn, mlp",
         "experiment:",
         "optim: adam, sgd",
     ):

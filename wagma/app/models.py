@@ -1,10 +1,13 @@
-"""Small classifiers for the training application: an MLP, a CNN and a Transformer encoder, picked by name.
+"""Small models for the training application: an MLP, a CNN, a Transformer encoder and a byte-level language
+model, picked by name.
 
 The MLP and the CNN take ``(N, C, H, W)`` images (the MLP flattens them itself); the Transformer takes ``(N, L)``
-int64 token rows, 0 padding, ``L`` at most the data's ``max_len`` (``data=sequences``). All return
-``(N, num_classes)`` logits. The CNN ends in an adaptive pooling layer, so the same architecture works on 8x8 and
-28x28 inputs. None has BatchNorm: every tensor of their state is a parameter (the Transformer's LayerNorms
-included), which keeps model averaging simple.
+int64 token rows, 0 padding, ``L`` at most the data's ``max_len`` (``data=sequences``). These three return
+``(N, num_classes)`` logits. The byte-level language model (``byte_lm``, ``data=torch_source``) is a causal
+Transformer: ``(N, L)`` token rows in, ``(N, L, vocab)`` logits out, position t seeing tokens 0..t only. The CNN
+ends in an adaptive pooling layer, so the same architecture works on 8x8 and 28x28 inputs. None has BatchNorm:
+every tensor of their state is a parameter (the Transformers' LayerNorms included), which keeps model averaging
+simple.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["CNN", "KNOWN_MODELS", "MLP", "Transformer", "build_model"]
+__all__ = ["ByteLM", "CNN", "KNOWN_MODELS", "MLP", "Transformer", "build_model"]
 
 
 class MLP(nn.Sequential):
@@ -128,24 +131,85 @@ class Transformer(nn.Module):
         return self.head(pooled)
 
 
-_MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": CNN, "mlp": MLP, "transformer": Transformer}
+class ByteLM(nn.Module):
+    """A causal Transformer over tokens: token and position embeddings, a pre-norm ``nn.TransformerEncoder`` with
+    a causal mask, a final LayerNorm and a linear head to the vocabulary at every position. Padding sits after the
+    real tokens, so the causal mask alone keeps it out of every real position; its logits are ignored by the loss
+    (:func:`wagma.app.source_text.token_cross_entropy`). A step costs what its longest row costs (the batch is cut
+    to it), attention the square of that."""
+
+    def __init__(
+        self,
+        in_shape: Sequence[int],
+        num_classes: int,
+        *,
+        vocab_size: int,
+        d_model: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        ff: int = 512,
+    ) -> None:
+        """
+        Args:
+            in_shape: ``(max_len,)``: the longest token row the model will see.
+            num_classes: the logits per position: the vocabulary (``vocab_size``).
+            vocab_size: token ids are ``0 .. vocab_size - 1``, 0 the padding.
+            d_model, heads, layers, ff: the encoder's width, attention heads (dividing ``d_model``), layers and
+                feed-forward width.
+        """
+        super().__init__()
+        if len(in_shape) != 1 or int(in_shape[0]) < 1:
+            raise ValueError(f"ByteLM needs token rows of shape (max_len,), got {tuple(in_shape)}")
+        if int(num_classes) != int(vocab_size):
+            raise ValueError(f"ByteLM predicts tokens: num_classes must be vocab_size={vocab_size}, got {num_classes}")
+        if min(vocab_size, d_model, heads, layers, ff) < 1 or d_model % heads:
+            raise ValueError(
+                f"ByteLM needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
+                f"d_model={d_model}, heads={heads}, layers={layers}, ff={ff}"
+            )
+        self.max_len = int(in_shape[0])
+        self.embed = nn.Embedding(int(vocab_size), int(d_model), padding_idx=0)
+        self.position = nn.Parameter(torch.randn(self.max_len, int(d_model)) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            int(d_model), int(heads), int(ff), dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, int(layers), enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(int(d_model))
+        self.head = nn.Linear(int(d_model), int(vocab_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[1] > self.max_len:
+            raise ValueError(f"expected (N, L) token rows with L <= {self.max_len}, got {tuple(tokens.shape)}")
+        length = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        h = self.embed(tokens) + self.position[:length]
+        return self.head(self.norm(self.encoder(h, mask=mask, is_causal=True)))
+
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {"byte_lm": ByteLM, "cnn": CNN, "mlp": MLP, "transformer": Transformer}
 KNOWN_MODELS: tuple[str, ...] = tuple(sorted(_MODELS))
 
 
 def build_model(name: str, in_shape: Sequence[int], num_classes: int, **kwargs: object) -> nn.Module:
-    """Build the model called ``name`` ("mlp", "cnn" or "transformer") for inputs of ``in_shape``.
+    """Build the model called ``name`` ("mlp", "cnn", "transformer" or "byte_lm") for inputs of ``in_shape``.
 
     ``kwargs`` go to the model's constructor (``hidden=[256, 128]`` for the MLP; ``channels``, ``hidden``
     for the CNN; ``vocab_size`` -- from the data, :meth:`wagma.app.data.Dataset.model_options` -- and ``d_model``,
-    ``heads``, ``layers``, ``ff`` for the Transformer). Lists from a config are accepted wherever a sequence is
-    expected.
+    ``heads``, ``layers``, ``ff`` for the Transformer and the byte-level model; ``token_targets``, from the data,
+    marks data whose targets are the next token at every position, which only ``byte_lm`` predicts). Lists from a
+    config are accepted wherever a sequence is expected.
 
     Raises:
         ValueError: for an unknown name or bad sizes.
     """
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}")
-    if (name == "transformer") != ("vocab_size" in kwargs):
+    token_targets = bool(kwargs.pop("token_targets", False))
+    if name == "byte_lm" and not token_targets:
+        raise ValueError("model=byte_lm predicts the next byte: use it with data=torch_source")
+    if token_targets and name != "byte_lm":
+        raise ValueError(f"data=torch_source predicts every next byte: it needs model=byte_lm, not model={name}")
+    if (name in ("transformer", "byte_lm")) != ("vocab_size" in kwargs):
         raise ValueError(
             "model=transformer reads token data: use it with data=sequences"
             if name == "transformer"

@@ -97,6 +97,7 @@ from wagma.app.progress import Progress, progress_every
 from wagma.app.quota import RankQuota, job_name
 from wagma.app.roll_call import FINAL, RollCall
 from wagma.app.sequences import TokenBatchIterator
+from wagma.app.source_text import bits_per_byte, token_cross_entropy
 from wagma.telemetry import GpuMetrics
 
 __all__ = ["StepCallback", "evaluate", "train"]
@@ -298,7 +299,7 @@ def _train(
 
         # The loop.
         clock = _GradReadyClock(net.parameters())
-        loss_fn = nn.CrossEntropyLoss()
+        loss_fn = TokenCrossEntropy() if dataset.token_targets else nn.CrossEntropyLoss()
         log_every, eval_every, ckpt_every = int(cfg.log_every), int(cfg.eval_every), int(cfg.checkpoint_every)
         window: list[dict[str, float]] = []
         compute_s = 0.0
@@ -390,6 +391,9 @@ def _train(
         )
         summary["resumed_from"] = resume_from
         summary["restarts"] = launch.restart_count()
+        if dataset.token_targets:  # a language model: its loss in bits per byte, and which corpus it was
+            summary["test_bits_per_byte"] = bits_per_byte(test_loss)
+            summary["data_digest"] = dataset.digest
         before = len(guard.warnings)
         warnings = guard.finish(
             staleness=summary["staleness"],
@@ -555,6 +559,13 @@ def _timed_step(
     }
 
 
+class TokenCrossEntropy(nn.Module):
+    """The loss of token targets (``data=torch_source``): mean cross-entropy over every real next token."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return token_cross_entropy(logits, target)
+
+
 @torch.no_grad()
 def evaluate(
     net: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, batch_size: int = 1024
@@ -563,23 +574,36 @@ def evaluate(
 
     Rank r scores examples r, r + P, ... with its own model and the counts are summed, so with identical
     replicas this is the exact test accuracy, computed P times faster. Every rank runs the same number of
-    forward passes (the last may be empty): a sharded model's forward all-gathers inside its replica.
+    forward passes (the last may be empty): a sharded model's forward all-gathers inside its replica. With token
+    targets (``y`` of shape ``(N, L)``) both are per real next token: the next-byte accuracy and the loss in nats
+    per byte, over batches of at most 8,192 tokens' worth of rows.
     """
     was_training = net.training
     net.eval()
+    tokens = y.dim() == 2
+    if tokens:  # rows x heads x L x L attention weights and rows x L x vocab logits stay small
+        batch_size = max(1, min(batch_size, 8192 // max(1, y.shape[1])))
     xs, ys = x[rank::world_size], y[rank::world_size]
     correct = torch.zeros((), dtype=torch.float64, device=x.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    count = torch.zeros((), dtype=torch.float64, device=x.device)
     for i in range(0, -(-len(x) // world_size), batch_size):  # the largest rank's share, on every rank
         logits = net(xs[i : i + batch_size])
         target = ys[i : i + batch_size]
-        correct += (logits.argmax(dim=1) == target).sum()
-        loss_sum += nn.functional.cross_entropy(logits, target, reduction="sum").double()
-    totals = torch.stack([correct, loss_sum, torch.tensor(float(len(xs)), dtype=torch.float64, device=x.device)])
+        if tokens:
+            real = target != 0
+            correct += ((logits.argmax(dim=-1) == target) & real).sum()
+            loss_sum += token_cross_entropy(logits, target, reduction="sum").double()
+            count += real.sum()
+        else:
+            correct += (logits.argmax(dim=1) == target).sum()
+            loss_sum += nn.functional.cross_entropy(logits, target, reduction="sum").double()
+            count += len(target)
+    totals = torch.stack([correct, loss_sum, count])
     dist.all_reduce(totals)
     net.train(was_training)
-    count = float(totals[2])
-    return float(totals[0]) / count, float(totals[1]) / count
+    total = max(1.0, float(totals[2]))
+    return float(totals[0]) / total, float(totals[1]) / total
 
 
 def _resolve_run_dir(cfg: DictConfig) -> Path:
