@@ -18,6 +18,7 @@ cross-entropy over the real positions (:func:`token_cross_entropy`), and the bit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -125,8 +126,8 @@ def _split(source: bytes) -> list[bytes]:
 
 @functools.lru_cache(maxsize=2)
 def documents(root: str | None = None) -> Corpus:
-    """Every top-level block of every ``.py`` file under ``root`` (default: the installed ``torch`` package), in
-    sorted path order; cached per process.
+    """Every function (:func:`_split`) of every ``.py`` file under ``root`` (default: the installed ``torch``
+    package), in sorted path order; cached per process.
 
     Raises:
         ValueError: ``root`` holds no Python file.
@@ -178,6 +179,7 @@ def load_rows(spec: SourceSpec, root: str | None = None) -> tuple[np.ndarray, np
         pass
     x, y = generate(spec, documents(root))
     tokens = np.concatenate([x[:, :1], y], axis=1).astype(np.uint16)  # the whole row: x's first byte, then y
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
@@ -185,7 +187,9 @@ def load_rows(spec: SourceSpec, root: str | None = None) -> tuple[np.ndarray, np
         os.chmod(tmp.name, 0o644)
         os.replace(tmp.name, path)  # whole or absent: ranks that write at once each replace it with the same
     except OSError:
-        pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp.name)
     return x, y, digest
 
 
