@@ -961,3 +961,27 @@ def test_run_py_records_and_the_accuracy_grid_keep_the_guard_and_loss_curve(tmp_
         "allreduce": {"ok": True, "warnings": []},
         "wagma": flagged,
     }
+
+
+def test_calibrate_picks_the_target_from_the_curve_in_bits_per_byte(tmp_path, capsys):
+    from benchmarks import calibrate
+
+    evals = {250: 2.8, 500: 2.6, 750: 2.5}  # nats
+    lines = [{"step": s, "elapsed_s": s / 10, "loss": 3.0} for s in range(1, 1001)]
+    for rec in lines:
+        if rec["step"] in evals:
+            rec |= {"test_loss": evals[rec["step"]], "test_accuracy": 0.3}
+    (tmp_path / "metrics_rank0.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    summary = {"steps": 1000, "test_loss": 2.4, "test_accuracy": 0.4, "test_bits_per_byte": 2.4 / math.log(2)}
+    (tmp_path / "summary.json").write_text(json.dumps(summary | {"policy": "allreduce", "train_s": 99.0}))
+    out = calibrate.main([str(tmp_path), "--at", "500", "--slack", "0.05", "--out", str(tmp_path / "c.json")])
+    assert [p["step"] for p in out["curve"]] == [250, 500, 750, 1000] and out["curve"][-1]["elapsed_s"] == 100.0
+    target = out["target"]
+    assert target["loss_at_step"] == pytest.approx(2.6 / math.log(2)) and out["unit"] == "bits/byte"
+    assert target["target_loss"] == pytest.approx(2.6 / math.log(2) + 0.05) and target["still_improving"]
+    assert json.loads((tmp_path / "c.json").read_text())["target"] == target
+    assert "still improving past step 500" in capsys.readouterr().out
+    assert not calibrate.target(out["curve"][:2], 500, 0.0)["still_improving"]  # nothing after the target's step
+    with pytest.raises(SystemExit):
+        calibrate.main([str(tmp_path), "--at", "600"])
+    assert "no evaluation at step 600; evaluated at [250, 500, 750, 1000]" in capsys.readouterr().err
