@@ -42,12 +42,22 @@ DDP_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "
 
 
 class _CountingAveragingOptimizer(AveragingOptimizer):
-    """:class:`~wagma.AveragingOptimizer` that also counts its steps for a :class:`~wagma.PostLocalState` hook."""
+    """:class:`~wagma.AveragingOptimizer` that also counts its steps for a :class:`~wagma.PostLocalState` hook.
+
+    Its ``state_dict`` is the wrapped optimizer's alone: the framework's optimizer file stays one a plain optimizer
+    loads (the Trainer loads it before the wrapper is in place), and :class:`WagmaAccelerate` saves the averager's.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, averager: Any, module: torch.nn.Module, hook_state: Any):
         super().__init__(optimizer, averager, module=module)
         self.hook_state = hook_state
         self.steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = super().step(closure)
@@ -132,8 +142,10 @@ class WagmaAccelerate:
             self.averager.synchronize(self.module.parameters(), self.module.buffers())
 
     def close(self) -> None:
-        """Close the averager and the hook state (their threads and process groups)."""
+        """Close the averager and the hook state (their threads and process groups); the optimizer steps alone."""
         close_quietly(self.averager, self.comm_state)
+        if isinstance(self.optimizer.optimizer, _CountingAveragingOptimizer):
+            self.optimizer.optimizer = self.optimizer.optimizer.optimizer
 
 
 def _refuse(combination: str, alternative: str) -> ValueError:
