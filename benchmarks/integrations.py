@@ -6,7 +6,8 @@
 Every run trains the same MLP (``--width`` x 4 layers) on the same data, batch 64 per rank, on ``--world`` CPU
 ranks (one thread each), and records on rank 0 the time between the starts of consecutive optimizer steps (the
 whole step: data, forward, backward, hook, optimizer, averager and the framework's own per-step work), after
-``--warmup`` steps. A run's step time is the median of those intervals; with ``--reps`` the median over the runs.
+``--warmup`` steps. A run's step time is the median of those intervals; with ``--reps`` the median over the runs,
+which are interleaved (every kind once, then again).
 
 The runs, per framework F (``lightning``, ``accelerate``, ``transformers``):
 
@@ -350,13 +351,19 @@ def main() -> None:
     frameworks = [f for f in args.frameworks if f == "plain" or importlib.util.find_spec(f) is not None]
     if "plain" not in frameworks:
         frameworks.insert(0, "plain")
-    results: dict[str, float] = {}
-    for framework in frameworks:
-        variants = ("wagma", "plain") if framework == "plain" else VARIANTS
-        for variant in variants:
+    # Repetitions are interleaved (every kind once, then every kind again, ...), so a change of the machine's load
+    # during the benchmark spreads over all kinds instead of biasing the ones that ran last.
+    kinds = [(f, v) for f in frameworks for v in (("wagma", "plain") if f == "plain" else VARIANTS)]
+    samples: dict[str, list[float]] = {f"{f}/{v}": [] for f, v in kinds}
+    for rep in range(args.reps):
+        for framework, variant in kinds:
             key = f"{framework}/{variant}"
-            results[key] = statistics.median(_launch(framework, variant, args) for _ in range(args.reps))
-            print(f"{key:24s} {results[key]:8.2f} ms/step", flush=True)
+            samples[key].append(_launch(framework, variant, args))
+            print(f"rep {rep + 1}: {key:24s} {samples[key][-1]:8.2f} ms/step", flush=True)
+    results = {key: statistics.median(values) for key, values in samples.items()}
+    print()
+    for key, value in results.items():
+        print(f"{key:24s} {value:8.2f} ms/step (median of {', '.join(f'{v:.2f}' for v in samples[key])})")
     print(
         f"\nworld {args.world}, MLP width {args.width} ({sum(p.numel() for p in _net(args.width).parameters()):,} "
         f"parameters), batch {BATCH}, {args.steps} steps, median after {args.warmup}, {args.reps} run(s) each, "
@@ -378,7 +385,9 @@ def main() -> None:
             f"{100 * (mine / hand - 1):+.1f} % | {alone:.2f} ms |"
         )
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "ms_per_step": results}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"args": vars(args), "ms_per_step": results, "samples": samples}, indent=1)
+        )
 
 
 if __name__ == "__main__":
