@@ -120,6 +120,7 @@ def main() -> None:
             f"{checked} global averages checked identical"
         )
     run.close()
+    accelerator.wait_for_everyone()  # no rank tears its process group down while another still uses it
     accelerator.end_training()
 
 
