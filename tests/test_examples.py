@@ -79,6 +79,7 @@ LAYERS = [
     {"wagma.engine_core"},
     {"wagma.engine"},
     {"wagma.averaging", "wagma.hooks"},
+    {"wagma.integrations"},
 ]
 
 
