@@ -104,10 +104,10 @@ class Transformer(nn.Module):
         """
         super().__init__()
         if len(in_shape) != 1 or int(in_shape[0]) < 1:
-            raise ValueError(f"Transformer needs token rows of shape (max_len,), got {tuple(in_shape)}")
+            raise ValueError(f"{type(self).__name__} needs token rows of shape (max_len,), got {tuple(in_shape)}")
         if min(vocab_size, d_model, heads, layers, ff) < 1 or d_model % heads:
             raise ValueError(
-                f"Transformer needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
+                f"{type(self).__name__} needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
                 f"d_model={d_model}, heads={heads}, layers={layers}, ff={ff}"
             )
         self.max_len = int(in_shape[0])
@@ -131,12 +131,12 @@ class Transformer(nn.Module):
         return self.head(pooled)
 
 
-class ByteLM(nn.Module):
-    """A causal Transformer over tokens: token and position embeddings, a pre-norm ``nn.TransformerEncoder`` with
-    a causal mask, a final LayerNorm and a linear head to the vocabulary at every position. Padding sits after the
-    real tokens, so the causal mask alone keeps it out of every real position; its logits are ignored by the loss
-    (:func:`wagma.app.source_text.token_cross_entropy`). A step costs what its longest row costs (the batch is cut
-    to it), attention the square of that."""
+class ByteLM(Transformer):
+    """A causal Transformer over tokens: :class:`Transformer`'s embeddings, encoder and final LayerNorm with a causal
+    mask instead of the padding mask, and its linear head at every position, to the vocabulary. Padding sits after
+    the real tokens, so the causal mask alone keeps it out of every real position; its logits are ignored by the
+    loss (:func:`wagma.app.source_text.token_cross_entropy`). A step costs what its longest row costs (the batch is
+    cut to it), attention the square of that."""
 
     def __init__(
         self,
@@ -157,25 +157,11 @@ class ByteLM(nn.Module):
             d_model, heads, layers, ff: the encoder's width, attention heads (dividing ``d_model``), layers and
                 feed-forward width.
         """
-        super().__init__()
-        if len(in_shape) != 1 or int(in_shape[0]) < 1:
-            raise ValueError(f"ByteLM needs token rows of shape (max_len,), got {tuple(in_shape)}")
         if int(num_classes) != int(vocab_size):
             raise ValueError(f"ByteLM predicts tokens: num_classes must be vocab_size={vocab_size}, got {num_classes}")
-        if min(vocab_size, d_model, heads, layers, ff) < 1 or d_model % heads:
-            raise ValueError(
-                f"ByteLM needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
-                f"d_model={d_model}, heads={heads}, layers={layers}, ff={ff}"
-            )
-        self.max_len = int(in_shape[0])
-        self.embed = nn.Embedding(int(vocab_size), int(d_model), padding_idx=0)
-        self.position = nn.Parameter(torch.randn(self.max_len, int(d_model)) * 0.02)
-        layer = nn.TransformerEncoderLayer(
-            int(d_model), int(heads), int(ff), dropout=0.0, batch_first=True, norm_first=True
+        super().__init__(
+            in_shape, num_classes, vocab_size=vocab_size, d_model=d_model, heads=heads, layers=layers, ff=ff
         )
-        self.encoder = nn.TransformerEncoder(layer, int(layers), enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(int(d_model))
-        self.head = nn.Linear(int(d_model), int(vocab_size))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.shape[1] > self.max_len:
