@@ -609,7 +609,7 @@ def _lookahead_bad_worker(rank, world):
         ddp = DDP(model)
         ddp.register_comm_hook(state, partial_allreduce_hook)
         x, y = _batches(rank, 1)[0]
-        for _ in range(3):  # two warm-up iterations, then the first partial round: it needs the optimizer
+        for _ in range(4):  # 2 warm-up iterations, a first partial one (may run unattached), one needing the optimizer
             backward = lambda: nn.functional.cross_entropy(ddp(x), y).backward()  # noqa: E731
             errors.update(error_messages({"unattached": backward}, (RuntimeError,)))
     finally:

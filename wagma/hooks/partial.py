@@ -118,6 +118,7 @@ class PartialAllreduceState:
         self._optimizer: torch.optim.Optimizer | None = None  # late="lookahead": the optimizer attach() hooked
         self._optimizer_hooks: list[Any] = []
         self._groups: dict[int, dict[str, Any]] = {}
+        self._unattached = 0  # partial iterations run without an attached optimizer since construction or a load
         #: late="lookahead": the true weights while the parameters hold the look-ahead point (None: they hold w)
         self._anchor: list[torch.Tensor] | None = None
         if mode not in ("solo", "majority"):
@@ -198,7 +199,9 @@ class PartialAllreduceState:
             )
         if self.iteration < self.warmup_iters:
             return self._warmup_allreduce(bucket)
-        if self.late == "lookahead" and self._optimizer is None:
+        if self.late == "lookahead" and self._optimizer is None and self._unattached > 0:
+            # (the first partial iteration after construction or a load may run before attach(): a resumed loop
+            # attaches at its first step, after that iteration's backward pass)
             raise RuntimeError(
                 "late='lookahead' needs the optimizer: call state.attach(optimizer) once, before the first step"
             )
@@ -261,6 +264,7 @@ class PartialAllreduceState:
                 values.append((p, view))
             future.set_result(out)
         self._waiting = []
+        self._unattached += self._optimizer is None
         if res is not None and self.engine is not None:
             self.engine.recycle(total)  # nothing reads the round's sum any more: the engine reuses its memory
         # DDP copies the buckets into the .grad of the parameters it saw used; the writer covers the others.
@@ -482,6 +486,7 @@ class PartialAllreduceState:
             raise ValueError(f"state['in_flight']: expected {self.numel} elements, found {in_flight.numel()}")
         self._start_engine(residual)
         self._ready = None if in_flight is None else in_flight.to(device=self.device, dtype=self.sum_dtype)
+        self._unattached = 0
         anchor = state.get("anchor")
         if self.late == "lookahead" and anchor is not None:
             if [tuple(w.shape) for w in anchor] != [tuple(p.shape) for p in self.params]:
