@@ -82,7 +82,7 @@ def max_stable_step(mu: float, s: int, *, fresh: float = 0.0) -> float:
 
 
 #: The remedies ``emulate`` can apply to late gradients (``"none"``: the optimizer meets them as they are).
-REMEDIES = ("none", "outside", "momentum", "staleness_lr", "dc", "dc_adaptive", "lookahead")
+REMEDIES = ("none", "outside", "momentum", "staleness_lr", "dc", "dc_adaptive", "lookahead", "nesterov")
 
 
 def lowered_momentum(momentum: float, staleness: dict[int, float]) -> float:
@@ -126,9 +126,13 @@ def emulate(
     - ``"dc_adaptive"``: DC-ASGD-a: ``lambda = lambda0 / sqrt(ms + 1e-7)`` per element, ``ms <- 0.95 ms + 0.05 g*g``
       over the received gradients, ``lambda0`` = ``dc_lambda`` (default 2).
     - ``"lookahead"``: the gradient is computed at where momentum will have carried the model when it is applied:
-      ``w_stale - lr * (mu + ... + mu^s) * v_stale`` (``v_stale`` the momentum buffer at ``w_stale``), the weight
-      prediction of delayed-momentum methods (Chen et al., 2018, SpecTrain; Hakimi et al., 2019, DANA). For
-      ``s = 1`` it is Nesterov's look-ahead point.
+      ``w_stale - lr * (mu + ... + mu^s) * v_stale`` (``v_stale`` the momentum buffer at ``w_stale``): the momentum
+      part of the next ``s`` steps, a weight prediction as delayed-momentum methods make (Chen et al., 2018,
+      SpecTrain, extrapolates by ``s`` whole steps; Hakimi et al., 2019, DANA). For ``s = 1`` it is Nesterov's
+      look-ahead point.
+    - ``"nesterov"``: SGD with ``nesterov=True``, every gradient (fresh ones too) computed at its parameters: what
+      ``PartialAllreduceState(late="lookahead")`` does (the same recurrence; the model kept is ``w``, not the
+      look-ahead point). With every gradient one step late it is ``"lookahead"``.
     """
     if remedy not in REMEDIES:
         raise ValueError(f"remedy: expected one of {REMEDIES}, found {remedy!r}")
@@ -137,7 +141,7 @@ def emulate(
     net = build_model(model, data.in_shape, data.num_classes)
     params = list(net.parameters())
     mu = lowered_momentum(momentum, staleness) if remedy == "momentum" else momentum
-    opt = torch.optim.SGD(params, lr=lr, momentum=mu)
+    opt = torch.optim.SGD(params, lr=lr, momentum=mu, nesterov=remedy == "nesterov")
     shards = [BatchIterator(*data.shard(r, ranks), batch_size, seed=seed, rank=r) for r in range(ranks)]
     draw = random.Random(seed)
     ages, weights = list(staleness), list(staleness.values())
