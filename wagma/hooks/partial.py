@@ -583,5 +583,7 @@ def partial_allreduce_hook(state: PartialAllreduceState, bucket: dist.GradBucket
     During warm-up: a plain allreduce mean. After it, every bucket's future completes at the end of the
     same backward pass with the round's result (sum of the contributions / world size); this rank's fresh
     gradient is in that result if it made it into the exchange, else it is carried to a later round.
+    With ``state.late == "lookahead"`` the backward passes run at the look-ahead point ``w - lr * mu * v`` (call
+    ``state.attach(optimizer)`` once); the results are the same sums of what the ranks computed.
     """
     return state._on_bucket(bucket)
