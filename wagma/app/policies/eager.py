@@ -56,8 +56,9 @@ class EagerPolicy(Policy):
 
     remedy = (
         "averaging=wagma (model averaging takes stale information far better than late gradients), "
-        "averaging=reference/eager_majority (about half of each round's gradients fresh), a smaller "
-        "averaging.max_lead, averaging.overlap=false, or a lower optim.lr / optim.momentum"
+        "averaging=reference/eager_majority (about half of each round's gradients fresh), averaging.late=lookahead "
+        "(late gradients computed where momentum carries the model), a smaller averaging.max_lead, "
+        "averaging.overlap=false, or a lower optim.lr / optim.momentum"
     )
 
     def __init__(
