@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import random
 import statistics
 import sys
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 from wagma.app.data import BatchIterator, load_dataset  # noqa: E402
 from wagma.app.models import build_model  # noqa: E402
 
-__all__ = ["emulate", "max_stable_step", "parse_staleness"]
+__all__ = ["REMEDIES", "emulate", "lowered_momentum", "max_stable_step", "parse_staleness"]
 
 
 def parse_staleness(text: str) -> dict[int, float]:
@@ -80,6 +81,19 @@ def max_stable_step(mu: float, s: int, *, fresh: float = 0.0) -> float:
     return lo
 
 
+#: The remedies ``emulate`` can apply to late gradients (``"none"``: the optimizer meets them as they are).
+REMEDIES = ("none", "outside", "momentum", "staleness_lr", "dc", "dc_adaptive", "lookahead", "nesterov")
+
+
+def lowered_momentum(momentum: float, staleness: dict[int, float]) -> float:
+    """Explicit momentum lowered by the implicit momentum of asynchrony (Mitliagkas et al., Allerton 2016): with
+    mean staleness ``s`` (their queue of ``M = s + 1`` workers) asynchrony adds about ``1 - 1/M = s / (s + 1)``;
+    keep the total at ``momentum``, never below 0."""
+    total = sum(staleness.values())
+    mean = sum(s * p for s, p in staleness.items()) / total
+    return max(0.0, momentum - mean / (mean + 1))
+
+
 def emulate(
     staleness: dict[int, float],
     *,
@@ -91,36 +105,89 @@ def emulate(
     lr: float = 0.05,
     momentum: float = 0.9,
     seed: int = 0,
+    remedy: str = "none",
+    dc_lambda: float | None = None,
 ) -> float:
     """Train with every gradient ``s`` steps late (``s`` drawn from ``staleness`` per gradient); return the final
-    test accuracy."""
+    test accuracy.
+
+    ``remedy`` (``REMEDIES``) changes what a late gradient (``s > 0``) does; a fresh one is always the gradient at
+    the current model, through the optimizer's momentum:
+
+    - ``"none"``: the mean of the P gradients goes through SGD with heavy-ball momentum, as they are.
+    - ``"outside"``: the late gradients skip the momentum buffer: ``v <- mu v + g_fresh``,
+      ``w <- w - lr (v + g_late)`` (means over the P ranks, zeros where none). A separate momentum buffer for the
+      late part is not a remedy: momentum is linear, so two buffers add up to the one of ``"none"``.
+    - ``"momentum"``: SGD with the explicit momentum lowered by asynchrony's implicit one (:func:`lowered_momentum`).
+    - ``"staleness_lr"``: a gradient ``s`` steps late is divided by ``s`` (Zhang et al., IJCAI 2016: learning rate
+      ``lr / s`` for ``s >= 1``, ``lr`` when fresh).
+    - ``"dc"``: delay compensation (Zheng et al., ICML 2017, DC-ASGD-c):
+      ``g + lambda * g * g * (w_now - w_stale)``, ``lambda`` = ``dc_lambda`` (default 0.04).
+    - ``"dc_adaptive"``: DC-ASGD-a: ``lambda = lambda0 / sqrt(ms + 1e-7)`` per element, ``ms <- 0.95 ms + 0.05 g*g``
+      over the received gradients, ``lambda0`` = ``dc_lambda`` (default 2).
+    - ``"lookahead"``: the gradient is computed at where momentum will have carried the model when it is applied:
+      ``w_stale - lr * (mu + ... + mu^s) * v_stale`` (``v_stale`` the momentum buffer at ``w_stale``): the momentum
+      part of the next ``s`` steps, a weight prediction as delayed-momentum methods make (Chen et al., 2018,
+      SpecTrain, extrapolates by ``s`` whole steps; Hakimi et al., 2019, DANA). For ``s = 1`` it is Nesterov's
+      look-ahead point.
+    - ``"nesterov"``: SGD with ``nesterov=True``, every gradient (fresh ones too) computed at its parameters: what
+      ``PartialAllreduceState(late="lookahead")`` does (the same recurrence; the model kept is ``w``, not the
+      look-ahead point). With every gradient one step late it is ``"lookahead"``.
+    """
+    if remedy not in REMEDIES:
+        raise ValueError(f"remedy: expected one of {REMEDIES}, found {remedy!r}")
     torch.manual_seed(seed)
     data = load_dataset(dataset, seed=seed)
     net = build_model(model, data.in_shape, data.num_classes)
     params = list(net.parameters())
-    opt = torch.optim.SGD(params, lr=lr, momentum=momentum)
+    mu = lowered_momentum(momentum, staleness) if remedy == "momentum" else momentum
+    opt = torch.optim.SGD(params, lr=lr, momentum=mu, nesterov=remedy == "nesterov")
     shards = [BatchIterator(*data.shard(r, ranks), batch_size, seed=seed, rank=r) for r in range(ranks)]
     draw = random.Random(seed)
     ages, weights = list(staleness), list(staleness.values())
     history: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=max(ages) + 1)
+    buffers: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=max(ages) + 1)  # lookahead
+    if dc_lambda is None:
+        dc_lambda = 2.0 if remedy == "dc_adaptive" else 0.04
+    mean_square = [torch.zeros_like(p) for p in params]  # dc_adaptive
     for _ in range(steps):
         now = [p.detach().clone() for p in params]
         history.appendleft(now)
+        if remedy == "lookahead":
+            buffers.appendleft([opt.state[p]["momentum_buffer"].clone() if p in opt.state else None for p in params])
         total = [torch.zeros_like(p) for p in params]
+        late = [torch.zeros_like(p) for p in params]  # outside
         for shard in shards:
-            old = history[min(draw.choices(ages, weights)[0], len(history) - 1)]
+            age = min(draw.choices(ages, weights)[0], len(history) - 1)
+            old = history[age]
             with torch.no_grad():
-                for p, w in zip(params, old):
+                for i, (p, w) in enumerate(zip(params, old)):
                     p.copy_(w)
+                    if remedy == "lookahead" and age > 0 and buffers[age][i] is not None:
+                        p.sub_(buffers[age][i], alpha=lr * sum(mu**k for k in range(1, age + 1)))
             x, y = next(shard)
             grads = torch.autograd.grad(F.cross_entropy(net(x), y), params)
-            for t, g in zip(total, grads):
-                t.add_(g, alpha=1.0 / ranks)
+            with torch.no_grad():
+                for i, g in enumerate(grads):
+                    if remedy == "staleness_lr" and age > 0:
+                        g = g / age
+                    elif remedy == "dc" and age > 0:
+                        g = g + dc_lambda * g * g * (now[i] - old[i])
+                    elif remedy == "dc_adaptive":
+                        mean_square[i].mul_(0.95).addcmul_(g, g, value=0.05)
+                        if age > 0:
+                            scale = dc_lambda / torch.sqrt(mean_square[i] + 1e-7)
+                            g = g + scale * g * g * (now[i] - old[i])
+                    (late if remedy == "outside" and age > 0 else total)[i].add_(g, alpha=1.0 / ranks)
         with torch.no_grad():
             for p, w, g in zip(params, now, total):
                 p.copy_(w)
                 p.grad = g
         opt.step()
+        if remedy == "outside":
+            with torch.no_grad():
+                for p, g in zip(params, late):
+                    p.sub_(g, alpha=lr)
     with torch.no_grad():
         return float((net(data.x_test).argmax(1) == data.y_test).float().mean())
 
@@ -141,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     em.add_argument("--lr", type=float, default=0.05)
     em.add_argument("--momentum", type=float, default=0.9)
     em.add_argument("--seeds", type=int, nargs="+", default=[0])
+    em.add_argument("--remedy", choices=REMEDIES, default="none", help="what late gradients do (emulate's docstring)")
+    em.add_argument("--dc-lambda", type=float, default=None, help="dc: lambda (0.04); dc_adaptive: lambda0 (2)")
+    em.add_argument("--json", type=Path, default=None, help="also write the accuracies and the arguments here")
     args = p.parse_args(argv)
     if args.what == "stability":
         print("largest stable eta*h (heavy ball, the whole gradient s steps old); synchronous: s = 0")
@@ -160,15 +230,24 @@ def main(argv: Sequence[str] | None = None) -> None:
             lr=args.lr,
             momentum=args.momentum,
             seed=s,
+            remedy=args.remedy,
+            dc_lambda=args.dc_lambda,
         )
         for s in args.seeds
     ]
     for s, a in zip(args.seeds, accs):
         print(f"seed {s}: test accuracy {100 * a:.2f} %")
     print(
-        f"staleness {args.staleness}, lr {args.lr}, momentum {args.momentum}, {args.ranks} ranks x {args.steps} steps: "
-        f"median {100 * statistics.median(accs):.2f} %"
+        f"staleness {args.staleness}, lr {args.lr}, momentum {args.momentum}, {args.ranks} ranks x {args.steps} steps, "
+        f"remedy {args.remedy}: median {100 * statistics.median(accs):.2f} %, mean {100 * statistics.mean(accs):.2f} %"
     )
+    if args.json is not None:
+        record = {k: v for k, v in vars(args).items() if k not in ("what", "json")}
+        record["staleness"] = {str(k): v for k, v in args.staleness.items()}
+        record["accuracy"] = dict(zip(map(str, args.seeds), accs))
+        record["command"] = "python benchmarks/delayed_sgd.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -521,6 +521,20 @@ def test_delayed_sgd_emulation_runs_and_staleness_is_parsed():
     assert sync > 0.85 and late < 0.3  # at a learning rate sync SGD takes (93 %), one step of delay does not learn
 
 
+def test_delayed_sgd_remedies_follow_their_rules():
+    # Mitliagkas et al.: a queue of s + 1 workers adds s / (s + 1) of momentum; the explicit one is lowered by it.
+    assert delayed_sgd.lowered_momentum(0.9, {1: 1.0}) == pytest.approx(0.4)
+    assert delayed_sgd.lowered_momentum(0.9, {0: 0.2, 1: 0.8}) == pytest.approx(0.9 - 0.8 / 1.8)
+    assert delayed_sgd.lowered_momentum(0.5, {3: 1.0}) == 0.0  # never below 0
+    kw = dict(dataset="digits", model="mlp", ranks=4, steps=40, lr=0.5)
+    late = delayed_sgd.emulate({1: 1.0}, **kw)
+    assert delayed_sgd.emulate({1: 1.0}, remedy="staleness_lr", **kw) == late  # lr / s is lr at s = 1
+    assert delayed_sgd.emulate({0: 1.0}, remedy="lookahead", **kw) == delayed_sgd.emulate({0: 1.0}, **kw)  # s = 0
+    assert delayed_sgd.emulate({1: 1.0}, remedy="outside", **kw) > late + 0.3  # plain SGD for late gradients learns
+    with pytest.raises(ValueError, match="remedy: expected one of"):
+        delayed_sgd.emulate({1: 1.0}, remedy="drop", **kw)
+
+
 # ----------------------------------------------------------------------------------------------
 # benchmarks/engine_latency.py (also the engine section of benchmarks/gpu.py)
 # ----------------------------------------------------------------------------------------------

@@ -464,3 +464,161 @@ def test_overlap_state_dict_carries_the_round_in_flight():
     for split in (6, 9):
         for initial, final, computed in run_workers(_overlap_resume_worker, world, split, lr):
             torch.testing.assert_close(final - initial, -lr * computed / world, rtol=1e-9, atol=1e-10)
+
+
+# -- late="lookahead": every backward pass at w - lr * mu * v ------------------------------------------------------
+
+
+def _lookahead_worker(rank, world, late, nesterov, iters=12, sleep_s=0.0, max_lead=0, split=None, overlap=True):
+    """overlap=True: every gradient at least one round late. Record where each backward pass ran, the true weights
+    and momentum buffers after each step, the mean gradient each step applied and every gradient computed."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.0005)
+
+    def build(model):
+        kw = dict(sync_period=5, max_lead=max_lead, overlap=overlap, timeout=TIMEOUT, late=late)
+        return PartialAllreduceState(model.parameters(), **kw)
+
+    lr, mu = 0.1, 0.9
+    state = build(model)
+    ddp.register_comm_hook(state, partial_allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=mu, nesterov=nesterov)
+    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts]).clone()  # noqa: E731
+    points, after, applied = [], [], []
+
+    def watch(opt, state):
+        state.attach(opt)  # its hooks first: ours see the true weights before a step, the look-ahead point after
+        opt.register_step_pre_hook(lambda *_: applied.append(flat(p.grad for p in model.parameters())))
+        opt.register_step_post_hook(
+            lambda *_: after.append(
+                (flat(state.weights()), flat(opt.state[p]["momentum_buffer"] for p in model.parameters()))
+            )
+        )
+
+    computed = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+
+    def count(model):  # every gradient this rank computes, summed in parameter order
+        at = 0
+        for p in model.parameters():
+
+            def add(g, view=computed[at:][: p.numel()]):  # noqa: B008
+                view.add_(g.reshape(-1))
+
+            p.register_hook(add)
+            at += p.numel()
+
+    watch(opt, state)
+    count(model)
+    shared = random.Random(99)
+    for i, (x, y) in enumerate(_batches(rank, iters)):
+        if i == split:  # a checkpoint and a resume into a new model, optimizer and state
+            saved = pickle.loads(
+                pickle.dumps({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()})
+            )
+            state.close()
+            model = _model()
+            model.load_state_dict(saved["model"])
+            ddp = DDP(model, bucket_cap_mb=0.0005)
+            state = build(model)
+            state.load_state_dict(saved["hook"])
+            ddp.register_comm_hook(state, partial_allreduce_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=mu, nesterov=nesterov)
+            opt.load_state_dict(saved["opt"])
+            watch(opt, state)
+            count(model)
+        if sleep_s and shared.randrange(world) == rank:
+            time.sleep(sleep_s)
+        points.append(flat(model.parameters()))
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    flushed = state.flush(opt)
+    final = flat(model.parameters())
+    weights = flat(state.weights())
+    stats = state.stats_dict()
+    state.close()
+    dist.all_reduce(computed)
+    return points, after, applied, computed, final, weights, flushed, stats
+
+
+def test_lookahead_runs_every_backward_pass_at_the_look_ahead_point():
+    lr, mu = 0.1, 0.9
+    out = run_workers(_lookahead_worker, 2, "lookahead", False)
+    for points, after, _, _, final, weights, _, _ in out:
+        assert len(after) == len(points) + 1  # every step and the flush's
+        for t in range(1, len(points)):
+            w, v = after[t - 1]  # the true weights and the momentum buffer after step t - 1
+            torch.testing.assert_close(points[t], w - lr * mu * v, rtol=0, atol=1e-14)
+            assert not torch.equal(points[t], w)  # the point really moved
+        # After the flush the parameters hold the true weights, the model to evaluate and keep.
+        assert torch.equal(final, weights) and torch.equal(final, after[-1][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0]))  # replicas identical
+
+
+def test_lookahead_is_nesterov_momentum_whose_parameters_are_the_look_ahead_point():
+    # w - lr*mu*v under heavy ball follows PyTorch's Nesterov recurrence y' = y - lr (g + mu v'), v' = mu v + g
+    # exactly, whatever the gradients' lateness: replay it on the means each step applied (which rounds took
+    # which gradient depends on timing, so the replay uses the run's own).
+    lr, mu = 0.1, 0.9
+    for points, _, applied, *_ in run_workers(_lookahead_worker, 2, "lookahead", False, 12, 0.02, None):
+        y, v = points[0].clone(), torch.zeros_like(points[0])
+        for t, g in enumerate(applied[: len(points) - 1]):
+            v = mu * v + g
+            y = y - lr * (g + mu * v)
+            torch.testing.assert_close(points[t + 1], y, rtol=0, atol=1e-12)
+
+
+def test_lookahead_conserves_every_gradient_with_stragglers():
+    # Stragglers and max_lead=None: contributions up to a few rounds late. The look-ahead moves where gradients are
+    # computed, never what the rounds carry: the means applied over the run (warm-up, rounds, flush) times P are the
+    # sum of every gradient computed, and the replicas stay identical.
+    world, iters = 4, 30
+    out = run_workers(_lookahead_worker, world, "lookahead", False, iters, 0.03, None, timeout_s=120)
+    for _, _, applied, computed, _, _, flushed, stats in out:
+        torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
+        assert stats["rounds"] == iters - 2 and flushed
+    for rank in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[rank][0]))
+        assert torch.equal(out[0][4], out[rank][4])
+    assert any(max(o[7]["staleness_hist"]) > 1 for o in out), [o[7]["staleness_hist"] for o in out]
+
+
+def test_lookahead_state_dict_round_trip_continues_like_an_uninterrupted_run():
+    # Fully fresh rounds (max_lead=0, no overlap), so that both runs see the same rounds; the checkpoint is taken with
+    # the parameters at the look-ahead point, the true weights in the hook's state.
+    straight = run_workers(_lookahead_worker, 2, "lookahead", False, 12, 0.0, 0, None, False)
+    resumed = run_workers(_lookahead_worker, 2, "lookahead", False, 12, 0.0, 0, 7, False)
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(pa, pb) for pa, pb in zip(a[0], b[0]))
+        assert torch.equal(a[4], b[4])
+
+
+def _lookahead_bad_worker(rank, world):
+    model = _model()
+    errors = error_messages(
+        {"late": lambda: PartialAllreduceState(model.parameters(), timeout=TIMEOUT, late="outside").close()}
+    )
+    state = PartialAllreduceState(model.parameters(), timeout=TIMEOUT, late="lookahead")
+    try:
+        for name, opt in {
+            "nesterov": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+            "momentum": torch.optim.SGD(model.parameters(), lr=0.1),
+            "adam": torch.optim.Adam(model.parameters()),
+        }.items():
+            errors.update(error_messages({name: lambda opt=opt: state.attach(opt)}))
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, partial_allreduce_hook)
+        x, y = _batches(rank, 1)[0]
+        for _ in range(4):  # 2 warm-up iterations, a first partial one (may run unattached), one needing the optimizer
+            backward = lambda: nn.functional.cross_entropy(ddp(x), y).backward()  # noqa: E731
+            errors.update(error_messages({"unattached": backward}, (RuntimeError,)))
+    finally:
+        state.close()
+    return errors
+
+
+def test_lookahead_bad_arguments_raise():
+    errors = run_workers(_lookahead_bad_worker, 2)[0]
+    assert "'apply', 'lookahead'" in errors["late"]
+    assert all("nesterov=False" in errors[k] for k in ("nesterov", "momentum", "adam")), errors
+    assert "attach(optimizer)" in errors["unattached"]

@@ -14,6 +14,10 @@ Every ``(sync_period + 1)``-th round is blocking and fully fresh. The first ``wa
 a plain allreduce (DDP rebuilds its buckets after the first), and :meth:`PartialAllreduceState.flush`
 applies what is left in the residuals at the end.
 
+``late="lookahead"`` (design §2.4) makes each backward pass run at the point momentum will have carried the model to
+when its gradient is applied, ``w - lr * mu * v``, instead of at ``w``: :meth:`PartialAllreduceState.attach` hooks the
+optimizer so that the parameters hold that point between steps and the true weights during ``optimizer.step()``.
+
 No ``from __future__ import annotations`` here: DDP checks the hook's annotations as real objects.
 """
 
@@ -38,6 +42,8 @@ from wagma.world import World, WorldLike, as_world
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook", "sum_residuals"]
 
 Mode = Literal["solo", "majority"]
+Late = Literal["apply", "lookahead"]
+LATE = ("apply", "lookahead")
 
 
 class PartialAllreduceState:
@@ -79,6 +85,12 @@ class PartialAllreduceState:
         error_feedback: with a ``wire_dtype``: what the cast rounds off stays in this rank's residual and goes out
             with a later round (the conservation above then holds exactly, up to the rounding of the sums
             themselves); ``False`` drops it.
+        late: what is done about gradients applied a round late (design §2.4). ``"apply"`` (default): nothing,
+            the optimizer applies them as they are. ``"lookahead"``: the backward passes run at the look-ahead
+            point ``w - lr * mu * v`` of the optimizer's heavy-ball momentum (``v`` its momentum buffer, ``lr``
+            and ``mu`` its group's), where the model will be, up to the one round still in flight, when a
+            gradient computed now is applied one round later. Needs :meth:`attach` with the optimizer (an SGD
+            with momentum and ``nesterov=False``); what the rounds carry and apply is unchanged.
     """
 
     def __init__(
@@ -97,8 +109,18 @@ class PartialAllreduceState:
         world: WorldLike = None,
         wire_dtype: WireDtype = None,
         error_feedback: bool = True,
+        late: Late = "apply",
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
+        if late not in LATE:
+            raise ValueError(f"late: expected one of {LATE}, found {late!r}")
+        self.late: Late = late
+        self._optimizer: torch.optim.Optimizer | None = None  # late="lookahead": the optimizer attach() hooked
+        self._optimizer_hooks: list[Any] = []
+        self._groups: dict[int, dict[str, Any]] = {}
+        self._unattached = 0  # partial iterations run without an attached optimizer since construction or a load
+        #: late="lookahead": the true weights while the parameters hold the look-ahead point (None: they hold w)
+        self._anchor: list[torch.Tensor] | None = None
         if mode not in ("solo", "majority"):
             raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
         self.mode: Mode = mode
@@ -177,6 +199,12 @@ class PartialAllreduceState:
             )
         if self.iteration < self.warmup_iters:
             return self._warmup_allreduce(bucket)
+        if self.late == "lookahead" and self._optimizer is None and self._unattached > 0:
+            # (the first partial iteration after construction or a load may run before attach(): a resumed loop
+            # attaches at its first step, after that iteration's backward pass)
+            raise RuntimeError(
+                "late='lookahead' needs the optimizer: call state.attach(optimizer) once, before the first step"
+            )
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             offset, n = self._offsets[id(p)]
             self._staging[offset : offset + n].copy_(g.reshape(-1))
@@ -236,6 +264,7 @@ class PartialAllreduceState:
                 values.append((p, view))
             future.set_result(out)
         self._waiting = []
+        self._unattached += self._optimizer is None
         if res is not None and self.engine is not None:
             self.engine.recycle(total)  # nothing reads the round's sum any more: the engine reuses its memory
         # DDP copies the buckets into the .grad of the parameters it saw used; the writer covers the others.
@@ -283,6 +312,74 @@ class PartialAllreduceState:
                 elif not (p.grad.data_ptr() == value.data_ptr() and p.grad.stride() == value.stride()):
                     p.grad.copy_(value)  # (DDP with gradient_as_bucket_view: .grad is the bucket's view already)
 
+    # ------------------------------------------------------------------------------ late="lookahead"
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """``late="lookahead"``: hook ``optimizer`` so that the backward passes run at the look-ahead point.
+
+        Call it once on every rank, after building the optimizer over (at least) the parameters of this state and
+        before the first step. After every ``optimizer.step()`` the parameters are moved from the weights ``w`` the
+        step computed to ``w - lr * mu * v`` (``v``: the parameter's momentum buffer after the step; ``lr``, ``mu``:
+        its parameter group's) and ``w`` is kept; before the next step ``w`` is put back, so the optimizer, its
+        weight decay and the rounds' results all act on ``w``. :meth:`flush` ends with the parameters at ``w``
+        (evaluate and keep the model after it); :meth:`weights` swaps ``w`` in at any other time. With every
+        gradient exactly one round late (``overlap=True, max_lead=0``) this is SGD with Nesterov momentum whose
+        parameters are the look-ahead point. With ``late="apply"`` it does nothing.
+
+        Raises:
+            ValueError: the optimizer is not SGD with momentum > 0 and ``nesterov=False`` for every parameter of
+                this state, or another optimizer is attached already.
+        """
+        if self.late != "lookahead":
+            return
+        if self._optimizer is optimizer:
+            return
+        if self._optimizer is not None:
+            raise ValueError("attach(): another optimizer is attached to this state already")
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for p in self.params:
+            g = groups.get(id(p))
+            if g is None:
+                raise ValueError("attach(): the optimizer does not hold every parameter this state reduces")
+            if not isinstance(optimizer, torch.optim.SGD) or not g.get("momentum", 0) > 0 or g.get("nesterov"):
+                raise ValueError(
+                    "late='lookahead' needs torch.optim.SGD with momentum > 0 and nesterov=False (the look-ahead "
+                    f"point is where its heavy-ball momentum carries the model), found {type(optimizer).__name__} "
+                    f"with momentum={g.get('momentum')}, nesterov={g.get('nesterov')}"
+                )
+        self._groups = groups
+        self._optimizer = optimizer
+        self._optimizer_hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self._restore()),
+            optimizer.register_step_post_hook(lambda *_: self._look_ahead()),
+        ]
+
+    @torch.no_grad()
+    def _look_ahead(self) -> None:
+        """After a step: keep ``w``, move the parameters to ``w - lr * mu * v``."""
+        assert self._optimizer is not None
+        state = self._optimizer.state
+        anchor = [p.detach().clone() for p in self.params]
+        for p in self.params:
+            v = state.get(p, {}).get("momentum_buffer")
+            if v is not None:
+                g = self._groups[id(p)]
+                p.sub_(v, alpha=g["lr"] * g["momentum"])
+        self._anchor = anchor
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        """Put the true weights ``w`` back into the parameters (nothing when they hold them already)."""
+        if self._anchor is None:
+            return
+        for p, w in zip(self.params, self._anchor):
+            p.copy_(w)
+        self._anchor = None
+
+    def weights(self) -> list[torch.Tensor]:
+        """The true weights ``w``, one tensor per reduced parameter: the parameters themselves unless
+        ``late="lookahead"`` holds them at the look-ahead point (then a copy kept since the last step)."""
+        return [p.detach() for p in self.params] if self._anchor is None else list(self._anchor)
+
     def process_group_for_ddp(self) -> LocalUsedMapGroup:
         """A process group to build DDP with, so that ``find_unused_parameters=True`` is not a barrier.
 
@@ -306,6 +403,8 @@ class PartialAllreduceState:
         gradients nor the parameters are touched (a step with zero gradients would still move them
         through momentum or weight decay).
 
+        With ``late="lookahead"`` the parameters hold the true weights ``w`` afterwards, not the look-ahead point.
+
         Returns:
             Whether the optimizer stepped (the same answer on every rank).
         """
@@ -318,12 +417,14 @@ class PartialAllreduceState:
         total = sum_residuals(residual, self.group, self.timeout, in_flight)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
         if total is None:
+            self._restore()  # late="lookahead": the model to evaluate and keep is w
             return False
         residual = total.div_(self.world_size)
         for p in self.params:
             offset, n = self._offsets[id(p)]
             p.grad = residual[offset : offset + n].view_as(p).to(self.dtype, copy=True)
         optimizer.step()
+        self._restore()
         return True
 
     def fresh_fraction(self) -> float | None:
@@ -347,20 +448,24 @@ class PartialAllreduceState:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"iteration", "rounds", "stats", "residual", "in_flight"}``: the residual is copied, not taken;
-        ``in_flight`` (overlap) is the sum of the round the next iteration applies, collected now, or None."""
+        ``in_flight`` (overlap) is the sum of the round the next iteration applies, collected now, or None;
+        ``late="lookahead"`` adds ``"anchor"``, the true weights while the parameters hold the look-ahead point."""
         if self._pending is not None and self.engine is not None:
             # First: the round in flight takes its share of the residual when its exchange starts.
             self._ready = self.engine.collect(self._pending).sum
             self._pending = None
         residual = self.engine.pending() if self.engine is not None else torch.zeros(self.numel, dtype=self.sum_dtype)
         in_flight = None if self._ready is None else self._ready.clone()
-        return {
+        out = {
             "iteration": self.iteration,
             "rounds": self.rounds,
             "stats": self.stats.as_dict(),
             "residual": residual,
             "in_flight": in_flight,
         }
+        if self.late == "lookahead":  # the parameters hold the look-ahead point: w is kept here
+            out["anchor"] = None if self._anchor is None else [w.clone() for w in self._anchor]
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` and restart the engine at its round with its residual.
@@ -381,11 +486,20 @@ class PartialAllreduceState:
             raise ValueError(f"state['in_flight']: expected {self.numel} elements, found {in_flight.numel()}")
         self._start_engine(residual)
         self._ready = None if in_flight is None else in_flight.to(device=self.device, dtype=self.sum_dtype)
+        self._unattached = 0
+        anchor = state.get("anchor")
+        if self.late == "lookahead" and anchor is not None:
+            if [tuple(w.shape) for w in anchor] != [tuple(p.shape) for p in self.params]:
+                raise ValueError("state['anchor']: expected one tensor per reduced parameter, of its shape")
+            self._anchor = [w.to(device=p.device, dtype=p.dtype) for w, p in zip(anchor, self.params)]
 
     def close(self) -> None:
         """Stop the engine's thread and release the groups; idempotent. A context manager does the same."""
         self.engine = None
         self.group = None
+        for handle in self._optimizer_hooks:
+            handle.remove()
+        self._optimizer_hooks = []
         self._finalizer()
 
     def __enter__(self) -> "PartialAllreduceState":
@@ -397,6 +511,7 @@ class PartialAllreduceState:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(engine=None, group=None, _waiting=[], _warmup_views=[], _resources=None, _finalizer=None)
+        state.update(_optimizer=None, _optimizer_hooks=[], _groups={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -468,5 +583,7 @@ def partial_allreduce_hook(state: PartialAllreduceState, bucket: dist.GradBucket
     During warm-up: a plain allreduce mean. After it, every bucket's future completes at the end of the
     same backward pass with the round's result (sum of the contributions / world size); this rank's fresh
     gradient is in that result if it made it into the exchange, else it is carried to a later round.
+    With ``state.late == "lookahead"`` the backward passes run at the look-ahead point ``w - lr * mu * v`` (call
+    ``state.attach(optimizer)`` once); the results are the same sums of what the ranks computed.
     """
     return state._on_bucket(bucket)

@@ -49,12 +49,16 @@ class EagerPolicy(Policy):
             :class:`~wagma.PartialAllreduceState`'s ``transport``).
         wire_dtype: ``null``, ``bf16`` or ``fp16``: the dtype the partial rounds send gradients in, with error
             feedback (:mod:`wagma.wire`).
+        late: ``"apply"`` or ``"lookahead"``: the backward passes run at ``w - lr * mu * v``
+            (:class:`~wagma.PartialAllreduceState`'s ``late``; the policy attaches the optimizer at its first
+            ``before_step``; DDP only, not under ``parallel=hsdp``).
     """
 
     remedy = (
         "averaging=wagma (model averaging takes stale information far better than late gradients), "
-        "averaging=reference/eager_majority (about half of each round's gradients fresh), a smaller "
-        "averaging.max_lead, averaging.overlap=false, or a lower optim.lr / optim.momentum"
+        "averaging=reference/eager_majority (about half of each round's gradients fresh), averaging.late=lookahead "
+        "(late gradients computed where momentum carries the model), a smaller averaging.max_lead, "
+        "averaging.overlap=false, or a lower optim.lr / optim.momentum"
     )
 
     def __init__(
@@ -72,8 +76,11 @@ class EagerPolicy(Policy):
         progress_nice: int = 0,
         transport: str = "default",
         wire_dtype: str | None = None,
+        late: str = "apply",
     ) -> None:
-        self.name = f"eager_{mode}" + ("_overlap" if overlap else "")  # the preset's name (eager_solo_overlap)
+        # the preset's name (eager_solo_overlap, eager_solo_overlap_lookahead)
+        self.name = f"eager_{mode}" + ("_overlap" if overlap else "") + ("_lookahead" if late == "lookahead" else "")
+        self.late = str(late)
         self.progress_nice = int(progress_nice)
         self.transport = str(transport)
         self.wire_dtype = as_wire_dtype(wire_dtype)
@@ -86,6 +93,11 @@ class EagerPolicy(Policy):
         self.steps_done = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.mesh is not None and self.late != "apply":
+            raise ValueError(
+                f"averaging.late={self.late} needs parallel=ddp: FSDPPartialAllreduce has no look-ahead; "
+                "use averaging.late=apply"
+            )
         if self.mesh is not None:  # HSDP: the root alone sharded in a replica; the FSDP hook sums across replicas
             shard_model(model, self.mesh["shard"], per_layer=False)
             self.hook_state = FSDPPartialAllreduce(
@@ -113,10 +125,15 @@ class EagerPolicy(Policy):
             progress_nice=self.progress_nice,
             transport=self.transport,
             wire_dtype=self.wire_dtype,
+            late=self.late,
         )
         ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)
         return ddp
+
+    def before_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        if self.mesh is None:
+            self.hook_state.attach(optimizer)  # late="lookahead" hooks the optimizer once; otherwise nothing
 
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         self.steps_done = step + 1

@@ -174,6 +174,7 @@ _EAGER_KEYS = (
     "progress_nice",
     "transport",
     "wire_dtype",
+    "late",
     *_COMMON_KEYS,
 )
 
@@ -312,6 +313,7 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
     _flag(options, "overlap")
+    _choice(options, "late", ("apply", "lookahead"), "apply")
     _progress_nice(options)
     _transport(options)
     _wire(options)
