@@ -185,9 +185,9 @@ def test_every_experiment_preset_composes_validates_and_builds(experiment):
     assert cfg.averaging.name in (AVERAGING if "/" not in experiment else [o.split("/")[-1] for o in REFERENCE])
     validate_config(cfg, 4)
     data = group_options(cfg, "data")
-    ds = load_dataset(data["name"], seed=cfg.seed, test_fraction=data["test_fraction"])
+    ds = load_dataset(data.pop("name"), seed=cfg.seed, test_fraction=data.pop("test_fraction"), **data)
     model_cfg = group_options(cfg, "model")
-    model = build_model(model_cfg.pop("name"), ds.in_shape, ds.num_classes, **model_cfg)
+    model = build_model(model_cfg.pop("name"), ds.in_shape, ds.num_classes, **model_cfg, **ds.model_options())
     build_optimizer(group_options(cfg, "optim"), model.parameters())
     policy = build_policy(group_options(cfg, "averaging"), rank=0, world_size=4, device=CPU)
     assert policy.name == cfg.averaging.name
