@@ -141,6 +141,7 @@ def main() -> None:
             f"hf trainer {args.policy}: step {trainer.state.global_step} on {world} ranks, hook calls per rank "
             f"{counts}, {check.checked} global averages checked identical"
         )
+    dist.barrier()  # no rank tears its process group down while another still uses it
     dist.destroy_process_group()
 
 
