@@ -1,6 +1,7 @@
 """The multi-process harness itself: values come back, failures are reported with their rank."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -90,3 +91,14 @@ def test_error_messages_records_the_expected_errors_and_lets_others_through():
     assert error_messages({"rt": lambda: (_ for _ in ()).throw(RuntimeError("r"))}, (RuntimeError,)) == {
         "rt": "RuntimeError: r"
     }
+
+
+def test_a_rank_whose_setup_failed_before_the_store_was_announced_is_reported(monkeypatch):
+    # The children whose setup fails may end before the parent sends them the store's port: the parent must not
+    # fail on that pipe (BrokenPipeError), the ranks' own reports say what happened.
+    import wagma.testing as testing
+
+    slow = testing._store_port
+    monkeypatch.setattr(testing, "_store_port", lambda: (time.sleep(1.0), slow())[1])
+    outs = run_workers_outcomes(_read_setup, 2, setup=_fail_setup, timeout_s=30)
+    assert [o.ok for o in outs] == [False, False] and "RuntimeError: no network for rank 1" in outs[1].error

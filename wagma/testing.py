@@ -218,7 +218,10 @@ def run_workers_outcomes(
     try:
         port, prefix = _store_port(), f"world{next(_world_ids)}/"
         for conn in port_conns:
-            conn.send((port, prefix))
+            try:
+                conn.send((port, prefix))
+            except OSError:  # (BrokenPipeError) the child has ended already, e.g. its setup failed: it reported
+                pass
         pending = set(range(world_size))
         while pending and time.monotonic() < deadline:
             for rank in sorted(pending):
