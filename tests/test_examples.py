@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import wagma
+from wagma.testing import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLICATION = ("wagma.app", "hydra", "omegaconf")  # wagma.app and what only it may import
@@ -104,26 +104,7 @@ def test_library_imports_go_one_way_down_the_layers():
 
 
 def _torchrun(script: str, nproc: int, *args: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(ROOT / "examples" / script),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_torchrun(ROOT / "examples" / script, nproc, *args, cwd=ROOT)
     assert "UserWarning" not in proc.stderr, proc.stderr[-3000:]  # a recipe trips none of the guard rails
     return proc.stdout
 

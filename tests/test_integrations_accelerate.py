@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
+
+from wagma.testing import run_torchrun
 
 pytest.importorskip("accelerate", reason="Accelerate is not installed (pip install 'wagma[accelerate]')")
 
@@ -22,27 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(tmp_path: Path, nproc: int, *args: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
-        env.pop(var, None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(ROOT / "examples" / "accelerate_wagma.py"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    script = ROOT / "examples" / "accelerate_wagma.py"
+    env = {"PYTHONPATH": str(ROOT)}
+    return run_torchrun(script, nproc, *args, cwd=tmp_path, env=env, unset=("ACCELERATE_USE_CPU",)).stdout
 
 
 # -- quick: wrong combinations -------------------------------------------------------------------------------------

@@ -17,12 +17,22 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankOutcome", "WorkerError", "error_messages", "rank_device", "run_workers", "run_workers_outcomes"]
+__all__ = [
+    "RankOutcome",
+    "WorkerError",
+    "error_messages",
+    "rank_device",
+    "run_torchrun",
+    "run_workers",
+    "run_workers_outcomes",
+]
 
 
 class WorkerError(RuntimeError):
@@ -289,3 +299,29 @@ def run_workers(
         report = "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in failed)
         raise WorkerError(f"{len(failed)} of {world_size} ranks failed:\n{report}")
     return [o.value for o in outcomes]
+
+
+def run_torchrun(
+    script: str | os.PathLike[str],
+    nproc: int,
+    *args: str,
+    cwd: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
+    timeout_s: float = 150.0,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under ``torchrun --standalone`` on ``nproc`` local ranks (one intra-op thread each) and return
+    the finished process; an exit status other than 0 fails with the tail of its output.
+
+    The launching process's own rank variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) and the names in ``unset`` are removed from the environment; ``env`` adds variables.
+    """
+    environ = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", *unset):
+        environ.pop(var, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    proc = subprocess.run(
+        [*command, str(script), *args], capture_output=True, text=True, timeout=timeout_s, env=environ, cwd=cwd
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
