@@ -191,22 +191,7 @@ def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2, **opti
     from sklearn.model_selection import train_test_split
 
     if name == "torch_source":
-        spec = SourceSpec.from_options(options)
-        if options.get("batching", "samples") != "samples":
-            raise ValueError(f"data.batching={options.get('batching')!r}: torch_source batches by samples")
-        rows, targets, digest = load_rows(spec)
-        x_tr, x_te, y_tr, y_te = train_test_split(rows, targets, test_size=test_fraction, random_state=seed)
-        return Dataset(
-            name=name,
-            x_train=torch.from_numpy(x_tr),
-            y_train=torch.from_numpy(y_tr),
-            x_test=torch.from_numpy(x_te),
-            y_test=torch.from_numpy(y_te),
-            num_classes=VOCAB,
-            vocab_size=VOCAB,
-            token_targets=True,
-            digest=digest,
-        )
+        return _load_torch_source(seed, test_fraction, options)
     if name == "sequences":
         spec = SequenceSpec.from_options(options)
         tokens, labels = generate(spec)
@@ -239,6 +224,26 @@ def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2, **opti
         x_test=prepare(x_te),
         y_test=torch.from_numpy(y_te),
         num_classes=int(labels.max()) + 1,
+    )
+
+
+def _load_torch_source(seed: int, test_fraction: float, options: dict[str, Any]) -> Dataset:
+    """``torch_source``'s rows (:func:`wagma.app.source_text.load_rows`), split by ``seed``."""
+    from sklearn.model_selection import train_test_split
+
+    dataset_info({"name": "torch_source", **options})  # its checks: the spec's options and the batching
+    rows, targets, digest = load_rows(SourceSpec.from_options(options))
+    x_tr, x_te, y_tr, y_te = train_test_split(rows, targets, test_size=test_fraction, random_state=seed)
+    return Dataset(
+        name="torch_source",
+        x_train=torch.from_numpy(x_tr),
+        y_train=torch.from_numpy(y_tr),
+        x_test=torch.from_numpy(x_te),
+        y_test=torch.from_numpy(y_te),
+        num_classes=VOCAB,
+        vocab_size=VOCAB,
+        token_targets=True,
+        digest=digest,
     )
 
 
