@@ -50,9 +50,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
+from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
 from wagma.averaging.gossip import _check_world, _Exchange
 from wagma.averaging.tensors import widened
+from wagma.checks import check_int
 from wagma.engine_store import CONNECT_S, StoreCaller, _address, _clone
 from wagma.groups import DEFAULT_TIMEOUT
 from wagma.world import WorldLike

@@ -46,6 +46,7 @@ from wagma.averaging.tensors import (
     local_tensor,
     reduced_parameters,
 )
+from wagma.checks import check_int
 from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
@@ -64,7 +65,6 @@ __all__ = [
     "FlatBuffers",
     "ParamsLike",
     "Reduction",
-    "check_int",
     "collect_buffers",
     "collect_named",
     "collect_parameters",
@@ -73,13 +73,6 @@ __all__ = [
 
 #: Kind of reduction an averager ran at a step: among a subset of ranks, or among all of them.
 Reduction = Literal["local", "global"]
-
-
-def check_int(name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an integer no less than ``minimum``; raise ``ValueError`` otherwise."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, found {value!r}")
-    return value
 
 
 class OwnedResources:

@@ -28,8 +28,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
+from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
 from wagma.averaging.tensors import widened
+from wagma.checks import check_int
 from wagma.groups import DEFAULT_TIMEOUT, is_timeout
 from wagma.world import WorldLike
 

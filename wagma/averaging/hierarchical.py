@@ -7,8 +7,9 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerBase, Reduction, check_int
+from wagma.averaging.base import AveragerBase, Reduction
 from wagma.averaging.guards import warn_at_caller
+from wagma.checks import check_int
 from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,

@@ -7,7 +7,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerBase, Reduction, check_int
+from wagma.averaging.base import AveragerBase, Reduction
+from wagma.checks import check_int
 from wagma.groups import DEFAULT_TIMEOUT
 from wagma.wire import WireDtype
 from wagma.world import WorldLike

@@ -40,8 +40,9 @@ from typing import Any, Literal
 
 import torch
 
-from wagma.averaging.base import AveragerBase, ParamsLike, Reduction, check_int
+from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
 from wagma.averaging.tensors import FlatBuffers, local_tensor, widened
+from wagma.checks import check_int
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
 from wagma.kernels import wagma_combine_

@@ -21,8 +21,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerStats, OwnedResources, check_int
+from wagma.averaging.base import AveragerStats, OwnedResources
 from wagma.averaging.tensors import local_tensor
+from wagma.checks import check_int
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.partial import eager_engine, sum_residuals

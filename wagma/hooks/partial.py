@@ -30,7 +30,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from wagma.averaging.base import AveragerStats, OwnedResources, check_int, reduced_parameters
+from wagma.averaging.base import AveragerStats, OwnedResources, reduced_parameters
+from wagma.checks import check_int
 from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.ddp_group import LocalUsedMapGroup

@@ -1,0 +1,94 @@
+"""Argument checks: the one place where wagma tells a caller that a value is not what it takes.
+
+Every check names the argument, says what was expected and what was found, in one form::
+
+    group_size: expected an integer >= 2, found 1
+
+and returns the value (as the type it checked for) so a constructor can check and assign in one line.
+``bool`` is never taken for a number: ``True`` is an ``int`` to Python, never to these checks. The library
+and the application both call these instead of writing ``isinstance`` tests of their own; this module
+imports nothing from wagma.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import TypeVar
+
+__all__ = ["check_bool", "check_choice", "check_int", "check_number", "fail", "is_int", "is_number"]
+
+T = TypeVar("T")
+
+
+def fail(name: str, expected: str, found: object) -> ValueError:
+    """The error every check raises: ``"{name}: expected {expected}, found {found!r}"`` (return it, then raise it)."""
+    return ValueError(f"{name}: expected {expected}, found {found!r}")
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer and not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is an ``int`` or a ``float`` and not a ``bool`` (NaN and infinities included)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Return ``value`` if it is an integer (not a ``bool``) in ``[minimum, maximum]``; raise ``ValueError`` otherwise.
+
+    Either bound may be ``None`` (unbounded on that side).
+    """
+    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
+        parts = ([] if minimum is None else [f">= {minimum}"]) + ([] if maximum is None else [f"<= {maximum}"])
+        raise fail(name, " ".join(["an integer", " and ".join(parts)]).rstrip(), value)
+    return value  # type: ignore[return-value]
+
+
+def check_number(
+    name: str,
+    value: object,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    above: bool = False,
+    below: bool = False,
+) -> float:
+    """Return ``value`` as a ``float`` if it is a finite number (not a ``bool``) within the bounds; raise otherwise.
+
+    ``minimum`` and ``maximum`` are inclusive unless ``above`` (the value must be greater than ``minimum``) or
+    ``below`` (less than ``maximum``) says otherwise; either bound may be ``None``.
+    """
+    ok = is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
+    if ok and minimum is not None:
+        ok = value > minimum if above else value >= minimum  # type: ignore[operator]
+    if ok and maximum is not None:
+        ok = value < maximum if below else value <= maximum  # type: ignore[operator]
+    if not ok:
+        parts = []
+        if minimum is not None:
+            parts.append(f"{'>' if above else '>='} {minimum}")
+        if maximum is not None:
+            parts.append(f"{'<' if below else '<='} {maximum}")
+        raise fail(name, " ".join(["a finite number", " and ".join(parts)]).rstrip(), value)
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is ``True`` or ``False``; raise ``ValueError`` otherwise (``0`` and ``1`` included)."""
+    if not isinstance(value, bool):
+        raise fail(name, "True or False", value)
+    return value
+
+
+def check_choice(name: str, value: T, choices: Collection[T]) -> T:
+    """Return ``value`` if it is one of ``choices``; raise ``ValueError`` naming them otherwise."""
+    try:
+        ok = value in choices
+    except TypeError:  # an unhashable value against a set
+        ok = False
+    if not ok:
+        raise fail(name, "one of " + ", ".join(repr(c) for c in choices), value)
+    return value
