@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import inspect
 import os
 import random
 import signal
@@ -28,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
+from wagma import AccumulatingGroupAllreduce, GroupSchedule, WaitAvoidingGroupAllreduce
 from wagma.testing import error_messages, rank_device, run_workers, run_workers_outcomes
 
 L = 4  # elements per rank block
@@ -228,12 +229,11 @@ def _accumulate_worker(
     dev = rank_device(device, rank)
     passed_in = torch.zeros(world, dtype=torch.float64)
     received = torch.zeros(world, dtype=torch.float64)  # my block of every group sum I was part of
-    with WaitAvoidingGroupAllreduce(
+    with AccumulatingGroupAllreduce(
         sched,
         torch.zeros(world, dtype=torch.float64, device=dev),
         sync_period=sync_period,
         timeout=TIMEOUT,
-        accumulate=True,
         trigger=trigger,
         seed=seed,
         transport=transport,
@@ -254,8 +254,8 @@ def _accumulate_worker(
             received[rank] += total[rank]
             # The sum holds exactly the group's contributions.
             assert torch.all(total[[j for j in range(world) if j not in res.group]] == 0)
-        left = eng.take().cpu()
-        again = eng.take().cpu()
+        left = eng.take_pending().cpu()
+        again = eng.take_pending().cpu()
     assert torch.all(again == 0)
     return passed_in[rank].item(), received[rank].item(), left[rank].item(), left.sum().item()
 
@@ -275,7 +275,7 @@ def check_accumulate(
 ) -> None:
     out = run_workers(_accumulate_worker, world, group, 40, 6, 3, trigger, device, staged, transport)
     for rank, (passed, received, left, left_total) in enumerate(out):
-        assert left == left_total  # take() only holds this rank's own values
+        assert left == left_total  # take_pending() only holds this rank's own values
         assert received + left == passed, f"rank {rank}: {received} + {left} != {passed}"
 
 
@@ -518,7 +518,7 @@ def _close_worker(rank, world):
     eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=2, timeout=TIMEOUT)
     for _ in range(5):
         eng(torch.ones(3))
-    thread = eng._thread
+    thread = eng._core.thread
     t0 = time.monotonic()
     eng.close()
     closed_in = time.monotonic() - t0
@@ -552,12 +552,20 @@ def _bad_use_worker(rank, world):
         },
         raised,
     )
+    errors |= error_messages(
+        {
+            "accumulate keyword": lambda: WaitAvoidingGroupAllreduce(
+                sched, torch.zeros(2), sync_period=2, accumulate=True
+            ),
+            "unknown keyword": lambda: WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, lead=1),
+        },
+        (TypeError,),
+    )
     with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT) as eng:
         errors |= error_messages(
             {
                 "shape": lambda: eng(torch.zeros(3)),
                 "dtype": lambda: eng(torch.zeros(2, dtype=torch.float64)),
-                "take in replace mode": eng.take,
                 "collect unsubmitted": lambda: eng.collect(0),
                 "publish ahead shape": lambda: eng.publish_ahead(torch.zeros(3)),
             },
@@ -579,8 +587,6 @@ def _bad_use_worker(rank, world):
             },
             raised,
         )
-    with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, accumulate=True, timeout=TIMEOUT) as acc:
-        errors |= error_messages({"publish ahead, accumulate": lambda: acc.publish_ahead(torch.zeros(2))}, raised)
     return errors
 
 
@@ -589,17 +595,33 @@ def test_bad_use_is_rejected_with_clear_messages():
     assert "ValueError" in errors["negative sync"] and "sync_period" in errors["negative sync"]
     assert "ValueError" in errors["lead > sync"] and "max_lead" in errors["lead > sync"]
     assert "ValueError" in errors["other world"] and "8 ranks" in errors["other world"]
-    assert "ValueError" in errors["trigger"] and "'any' or 'initiator'" in errors["trigger"]
+    assert "ValueError: trigger: expected one of 'any', 'initiator', found 'last'" == errors["trigger"]
+    assert errors["accumulate keyword"] == (
+        "TypeError: WaitAvoidingGroupAllreduce is the replace-mode engine and takes no accumulate=: for accumulate "
+        "mode use wagma.AccumulatingGroupAllreduce (the same arguments, without accumulate=)"
+    )
+    assert errors["unknown keyword"] == (
+        "TypeError: WaitAvoidingGroupAllreduce.__init__() got an unexpected keyword argument 'lead'"
+    )
     assert "ValueError" in errors["shape"] and "shape (2,)" in errors["shape"] and "(3,)" in errors["shape"]
     assert "ValueError" in errors["dtype"] and "torch.float64" in errors["dtype"]
-    assert "RuntimeError" in errors["take in replace mode"] and "accumulate" in errors["take in replace mode"]
     assert "ValueError" in errors["collect unsubmitted"] and "(none), found 0" in errors["collect unsubmitted"]
     assert "ValueError" in errors["collect twice"] and "not collected yet (none), found 1" in errors["collect twice"]
     assert "ValueError" in errors["recycle twice"] and "still in use" in errors["recycle twice"]
     assert "ValueError" in errors["recycle a view"] and "its own contiguous storage" in errors["recycle a view"]
     assert "ValueError" in errors["recycle another shape"] and "shape (3,)" in errors["recycle another shape"]
     assert "ValueError" in errors["publish ahead shape"] and "(3,)" in errors["publish ahead shape"]
-    assert "RuntimeError: publish_ahead() needs accumulate=False" in errors["publish ahead, accumulate"]
+
+
+def test_each_engine_has_only_the_methods_of_its_mode():
+    replace_only = {"publish_ahead", "published", "release", "keep_contributions"}
+    accumulate_only = {"staging_buffer", "take_pending", "pending", "error_feedback"}
+    assert not any(hasattr(AccumulatingGroupAllreduce, name) for name in replace_only - {"keep_contributions"})
+    assert not any(hasattr(WaitAvoidingGroupAllreduce, name) for name in accumulate_only - {"error_feedback"})
+    assert all(hasattr(WaitAvoidingGroupAllreduce, name) for name in replace_only - {"keep_contributions"})
+    assert all(hasattr(AccumulatingGroupAllreduce, name) for name in accumulate_only - {"error_feedback"})
+    assert "keep_contributions" not in inspect.signature(AccumulatingGroupAllreduce).parameters
+    assert "error_feedback" not in inspect.signature(WaitAvoidingGroupAllreduce).parameters
 
 
 def _nice_of_threads() -> dict[int, tuple[str, int]]:
@@ -656,7 +678,7 @@ def _bad_nice_worker(rank, world):
 
 def test_bad_progress_nice_is_refused_before_any_group_exists():
     for message in run_workers(_bad_nice_worker, 2)[0].values():
-        assert "ValueError" in message and "progress_nice must be an int in [0, 19]" in message
+        assert "ValueError: progress_nice: expected an integer >= 0 and <= 19, found " in message
 
 
 def test_needs_initialized_process_group():
@@ -670,8 +692,8 @@ def _single_rank_worker(rank, world):
     sched = GroupSchedule.create("auto", 1, 1)
     with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT) as eng:
         sums = [eng(torch.full((2,), float(k))).sum.tolist() for k in range(4)]
-    with WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT, accumulate=True) as eng:
-        total = sum(eng(torch.ones(2)).sum[0].item() for _ in range(5)) + eng.take()[0].item()
+    with AccumulatingGroupAllreduce(sched, torch.zeros(2), sync_period=2, timeout=TIMEOUT) as acc:
+        total = sum(acc(torch.ones(2)).sum[0].item() for _ in range(5)) + acc.take_pending()[0].item()
     return sums, total
 
 
@@ -693,21 +715,14 @@ def _published_worker(rank, world):
             mine.add_(1000.0)  # the caller's tensor moves on; the snapshot is a copy of what it submitted
             eng.collect(k)
             out.append((snap.tolist(), snap.data_ptr() != mine.data_ptr(), same_until_next_submit))
-    with WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=5, timeout=TIMEOUT, accumulate=True) as eng:
-        try:
-            eng.published()
-            accumulate_error = None
-        except RuntimeError as exc:
-            accumulate_error = str(exc)
-    return out, accumulate_error
+    return out
 
 
 def test_published_is_the_snapshot_of_the_last_submit_without_a_copy():
-    for rank, (out, accumulate_error) in enumerate(run_workers(_published_worker, 2)):
+    for rank, out in enumerate(run_workers(_published_worker, 2)):
         for k, (snap, own_memory, same) in enumerate(out):
             assert snap == [10.0 * k + rank] * 3  # what was submitted, not the caller's tensor after it moved on
             assert own_memory and same
-        assert "accumulate=False" in accumulate_error
 
 
 def _contributions_worker(rank, world):
@@ -741,10 +756,11 @@ def _contributions_worker(rank, world):
         errors.update(
             error_messages(
                 {
-                    "accumulate": lambda: WaitAvoidingGroupAllreduce(
-                        sched, initial, sync_period=5, timeout=TIMEOUT, accumulate=True, keep_contributions=True
+                    "accumulate": lambda: AccumulatingGroupAllreduce(
+                        sched, initial, sync_period=5, timeout=TIMEOUT, keep_contributions=True
                     ),
-                }
+                },
+                (TypeError,),
             )
         )
     return seen, errors, contributed_by_default
@@ -765,15 +781,13 @@ def test_kept_contributions_stay_unchanged_until_released():
     for errors in (errors0, errors1):
         assert "released already" in errors["twice"]
         assert "keep_contributions=True" in errors["plain"]
-        assert "accumulate=False" in errors["accumulate"]
+        assert "unexpected keyword argument 'keep_contributions'" in errors["accumulate"]
 
 
 def _staging_worker(rank, world):
     sched = GroupSchedule.create("auto", world, world)
     initial = torch.full((3,), 100.0)  # pending from the start: the first submit must add, not replace
-    with WaitAvoidingGroupAllreduce(
-        sched, initial, sync_period=50, max_lead=0, timeout=TIMEOUT, accumulate=True
-    ) as eng:
+    with AccumulatingGroupAllreduce(sched, initial, sync_period=50, max_lead=0, timeout=TIMEOUT) as eng:
         first = eng.staging_buffer()
         assert eng.staging_buffer() is first  # the same buffer until it is submitted
         res = eng(first.fill_(1.0))
@@ -793,31 +807,24 @@ def _staging_worker(rank, world):
             swapped.append(
                 (res.sum.tolist(), res.sum.data_ptr() == buf.data_ptr(), zero, eng.staging_buffer() is not buf)
             )
-        left = eng.take().tolist()
-    with WaitAvoidingGroupAllreduce(sched, torch.zeros(3), sync_period=5, timeout=TIMEOUT) as eng:
-        try:
-            eng.staging_buffer()
-            replace_error = None
-        except RuntimeError as exc:
-            replace_error = str(exc)
-    return added, swapped, left, replace_error
+        left = eng.take_pending().tolist()
+    return added, swapped, left
 
 
 def test_staging_buffer_is_taken_over_when_nothing_is_pending_and_added_otherwise():
     world = 2
-    for added, swapped, left, replace_error in run_workers(_staging_worker, world):
+    for added, swapped, left in run_workers(_staging_worker, world):
         # Round 0 adds the staged ones to the initial 100s: 101 per rank, summed over 2 ranks.
         assert added == ([202.0] * 3, True, True, [0.0] * 3)  # added into the pending buffer, staging zeroed
         for k, (total, same, zero, fresh) in enumerate(swapped, start=1):
             assert total == [2.0 * (k + 1)] * 3 and same and zero and fresh, (k, total, same, zero, fresh)
         assert left == [0.0] * 3
-        assert replace_error is not None and "accumulate=True" in replace_error
 
 
 def _split_path_worker(rank, world, group):
     # Run the engine's NCCL path (one split_group per distinct partition of the schedule) on gloo:
     # split_group itself needs NCCL, so it is replaced by new_group calls that build the same groups.
-    import wagma.engine_core as engine_module
+    import wagma.engine_comms as engine_module
 
     calls = []
 
@@ -996,7 +1003,7 @@ def _drop_worker(rank, world):
     eng = WaitAvoidingGroupAllreduce(sched, torch.zeros(2), sync_period=4, timeout=TIMEOUT, name="dropped")
     for _ in range(3):
         eng(torch.ones(2))
-    thread, ref = eng._thread, weakref.ref(eng)
+    thread, ref = eng._core.thread, weakref.ref(eng)
     del eng
     gc.collect()
     thread.join(timeout=5.0)

@@ -34,6 +34,8 @@ def test_the_public_api_is_importable_from_the_top_level_package():
         "PostLocalState",
         "GroupSchedule",
         "WaitAvoidingGroupAllreduce",
+        "AccumulatingGroupAllreduce",
+        "RoundOptions",
         "DPSGDAverager",
         "SGPAverager",
         "ADPSGDAverager",
@@ -76,7 +78,9 @@ def test_no_library_module_imports_the_application():
 LAYERS = [
     {"wagma.schedule", "wagma.shm", "wagma.kernels", "wagma.telemetry", "wagma.wire"},
     {"wagma.groups", "wagma.engine_store", "wagma.world"},
+    {"wagma.engine_options", "wagma.engine_comms"},
     {"wagma.engine_core"},
+    {"wagma.engine_modes", "wagma.engine_base"},
     {"wagma.engine"},
     {"wagma.averaging", "wagma.hooks"},
     {"wagma.integrations"},

@@ -413,7 +413,7 @@ def _dropped_worker(rank, world):
     avg = WagmaAverager(2, 3, params=[w], timeout=TIMEOUT)
     avg.average_parameters([w])
     avg.self_cycle = avg  # a reference cycle: only the garbage collector can drop it
-    threads = [e._thread for e in avg._engines]
+    threads = [e._core.thread for e in avg._engines]
     groups = list(avg._owned_groups)
     del avg
     gc.collect()

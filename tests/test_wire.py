@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wagma import GroupSchedule, WaitAvoidingGroupAllreduce
+from wagma import AccumulatingGroupAllreduce, GroupSchedule, WaitAvoidingGroupAllreduce
 from wagma.testing import rank_device, run_workers
 from wagma.wire import as_wire_dtype, wire_nbytes
 
@@ -43,12 +43,11 @@ def _accumulate_worker(rank: int, world: int, rounds: int, error_feedback: bool,
     c = 3.0 + 2.0**-8
     schedule = GroupSchedule.from_partitions([[list(range(world))]], name="global")
     dev = rank_device(device, rank)
-    engine = WaitAvoidingGroupAllreduce(
+    engine = AccumulatingGroupAllreduce(
         schedule,
         torch.zeros(64, device=dev),
         sync_period=1000,
         timeout=TIMEOUT,
-        accumulate=True,
         wire_dtype="bf16",
         error_feedback=error_feedback,
     )
@@ -58,7 +57,7 @@ def _accumulate_worker(rank: int, world: int, rounds: int, error_feedback: bool,
         total += res.sum.double().cpu()
         assert res.sum.dtype == torch.float32
     dist.barrier()
-    left = engine.take().double().cpu()
+    left = engine.take_pending().double().cpu()
     engine.close()
     return {"applied": total.tolist(), "left": left.tolist(), "nbytes": engine.wire_nbytes, "c": c}
 

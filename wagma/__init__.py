@@ -15,7 +15,8 @@ The library imports with torch alone; use it from your own DDP script (docs/libr
 - :func:`flatten_parameters` lays a model's parameters out in one flat storage, so averagers average that
   memory in place instead of copying the model in and out every round.
 - Building blocks: :class:`GroupSchedule` (which ranks average together in which round),
-  :class:`WaitAvoidingGroupAllreduce` (the engine under WAGMA-SGD and eager-SGD) and
+  :class:`WaitAvoidingGroupAllreduce` and :class:`AccumulatingGroupAllreduce` (the engine under WAGMA-SGD and
+  eager-SGD, in its model and its gradient mode; :class:`RoundOptions` checks the options of their rounds) and
   :class:`SharedMemoryAllreduce` (CPU collectives of ranks on one host through shared memory, ``transport="shm"``).
 
 The training application (Hydra configs, ``train.py``, datasets, checkpoints) is built on top of it.
@@ -35,7 +36,13 @@ from wagma.averaging import (
     WagmaAverager,
     flatten_parameters,
 )
-from wagma.engine import RoundResult, WaitAvoidingGroupAllreduce
+from wagma.engine import (
+    AccumulatingGroupAllreduce,
+    GroupAllreduceEngine,
+    RoundOptions,
+    RoundResult,
+    WaitAvoidingGroupAllreduce,
+)
 from wagma.hooks import (
     AllreduceState,
     GroupAllreduceState,
@@ -54,11 +61,13 @@ from wagma.world import World, as_world
 
 __all__ = [
     "ADPSGDAverager",
+    "AccumulatingGroupAllreduce",
     "AllreduceState",
     "AveragerBase",
     "AveragingOptimizer",
     "DPSGDAverager",
     "FSDPPartialAllreduce",
+    "GroupAllreduceEngine",
     "GroupAllreduceState",
     "GroupSchedule",
     "HierarchicalAverager",
@@ -66,6 +75,7 @@ __all__ = [
     "PeriodicAverager",
     "PostLocalState",
     "ReductionMomentum",
+    "RoundOptions",
     "RoundResult",
     "SGPAverager",
     "SharedMemoryAllreduce",

@@ -1,73 +1,39 @@
-"""The progress thread of :class:`wagma.engine.WaitAvoidingGroupAllreduce` and the state it shares.
+"""The progress thread of the engines of :mod:`wagma.engine` and the state it shares with the main thread.
 
-The engine's protocol is stated in :mod:`wagma.engine`. :class:`EngineCore` holds everything the
-main thread and the progress thread share, and runs the progress thread; it holds no reference to
-the engine, so an engine dropped without ``close()`` is collected and its finalizer
-(:meth:`EngineCore.shutdown`) stops the threads and releases the communicators.
+The engine's protocol is stated in :mod:`wagma.engine`. :class:`EngineCore` holds everything the main thread and
+the progress thread share, and runs the progress thread: it waits until a round may start, takes this rank's
+contribution, exchanges it and keeps the result. What a contribution is (a published copy, or a pending sum)
+is the business of its two subclasses in :mod:`wagma.engine_modes`. The core holds no reference to the engine, so
+an engine dropped without ``close()`` is collected and its finalizer (:meth:`EngineCore.shutdown`) stops the
+threads and releases the communicators.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import datetime
-import os
-import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from wagma.engine_comms import PER_THREAD_NICE, communicators, renice_current_thread, run_niced
+from wagma.engine_options import RoundOptions
 from wagma.engine_store import ActivationChannel
 from wagma.groups import destroy_groups
 from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
 from wagma.world import World
 
-
-class EngineSettings(Protocol):
-    """What the core reads of its engine (:class:`wagma.engine.WaitAvoidingGroupAllreduce`) when it starts.
-
-    A protocol rather than the engine's class, so that this module imports nothing above it.
-    """
-
-    rank: int
-    world_size: int
-    world: World
-    schedule: GroupSchedule
-    sync_period: int
-    max_lead: int
-    accumulate: bool
-    timeout: datetime.timedelta
-    device: torch.device
-    progress_nice: int
-    seed: int
-    keep_contributions: bool
-    transport: str
-    wire_dtype: torch.dtype | None
-    error_feedback: bool
-
-    # Read-only, so that the engine's Literal-typed attributes match.
-    @property
-    def sync(self) -> str: ...
-
-    @property
-    def trigger(self) -> str: ...
-
-
-__all__ = ["Done", "EngineCore", "EngineSettings", "initiator_of", "is_sync"]
+__all__ = ["EngineCore", "FinishedRound", "Outgoing", "TakenContribution", "initiator_of", "is_sync"]
 
 #: How many spare CPU buffers an engine keeps for reuse (superseded snapshots, sums handed back by ``recycle``).
 SPARES = 4
-#: Whether a thread's nice value is its own (Linux: ``setpriority(PRIO_PROCESS, tid)`` changes one thread).
-PER_THREAD_NICE = sys.platform.startswith("linux")
-_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
-class Done:
+class FinishedRound:
     """One finished round, kept for the main thread until it consumes it."""
 
     round: int
@@ -78,7 +44,32 @@ class Done:
     exchange_s: float
     activated_at: float
     event: torch.cuda.Event | None
-    contributed: torch.Tensor | None = None  # keep_contributions: the snapshot the thread sent (pinned)
+    contributed: torch.Tensor | None = None  # keep_contributions: the snapshot the thread sent (held for it)
+
+
+@dataclasses.dataclass
+class TakenContribution:
+    """What the progress thread took, under the lock, for one round: this rank's contribution and the round."""
+
+    round: int
+    is_sync: bool
+    group: tuple[int, ...]
+    activated_at: float
+    send: torch.Tensor  # the contribution taken (replace mode: the snapshot itself, read only)
+    version: int  # the newest call it includes
+    event: torch.cuda.Event | None  # CUDA: recorded once `send` was written
+    spare: torch.Tensor | None = None  # replace mode: a buffer nothing reads, to write the round's sum into
+    contributed: torch.Tensor | None = None  # keep_contributions: handed to the main thread with the result
+
+
+@dataclasses.dataclass
+class Outgoing:
+    """The buffers of one exchange: ``sum`` receives the round's sum; ``source`` (replace mode) is the snapshot the
+    exchange reads, handed back once read; ``wire`` (with a wire dtype) is the narrow tensor that goes out."""
+
+    sum: torch.Tensor
+    source: torch.Tensor | None = None
+    wire: torch.Tensor | None = None
 
 
 def _splitmix64(x: int) -> int:
@@ -94,67 +85,32 @@ def initiator_of(seed: int, k: int, world_size: int) -> int:
 
 
 def is_sync(k: int, sync_period: int) -> bool:
-    """Whether round ``k`` is a blocking global round for this sync period."""
+    """Whether round ``k`` is a global round for this sync period."""
     return k % (sync_period + 1) == sync_period
 
 
-class EngineCore:
+class EngineCore(abc.ABC):
     """The state the main thread and the progress thread share, and the progress thread itself.
 
-    It holds no reference to its engine, so that an engine dropped without ``close()`` is collected and
-    its finalizer (:meth:`shutdown`) stops the thread. Fields below ``cond`` are guarded by it.
+    It holds no reference to its engine, so that an engine dropped without ``close()`` is collected and its
+    finalizer (:meth:`shutdown`) stops the thread. Fields below ``cond`` are guarded by it. ``snapshot`` is this
+    rank's contribution as it stands: the published copy (replace mode) or the pending sum (accumulate mode).
+    A subclass sets its own fields before calling this constructor, which starts the threads.
     """
 
-    def __init__(self, eng: EngineSettings, initial: torch.Tensor, store: dist.Store, prefix: str, start: int) -> None:
-        self.rank, self.world_size, self.schedule = eng.rank, eng.world_size, eng.schedule
-        self.sync_period, self.max_lead, self.accumulate = eng.sync_period, eng.max_lead, eng.accumulate
-        self.timeout, self.device = eng.timeout, eng.device
-        self.blocking_sync = eng.sync == "barrier"
-        self.cuda = self.device.type == "cuda"
-        # CPU only: how much nicer than the caller the progress thread and the communicators' threads run.
-        self.nice = eng.progress_nice if not self.cuda and PER_THREAD_NICE else 0
-        self.trigger_phase = (
-            "waiting for any rank to trigger round {k}"
-            if eng.trigger == "any"
-            else "waiting for round {k} to be triggered by its initiator, rank {i}"
-        )
-        self.seed = eng.seed
-        self.all = tuple(range(self.world_size))
-        self.start = start
-        self.calls = start
-        self.cond = threading.Condition()
-        self.snapshot = initial.detach().clone()  # replace: immutable published tensor; accumulate: pending
-        # accumulate: whether the pending contribution is the zeros an exchange (or take()) left, with nothing added
-        # since; then a submitted staging buffer replaces it instead of being added into it.
-        self.pending_empty = False
-        self.staging: torch.Tensor | None = None  # accumulate: the buffer staging_buffer() hands out
-        self.snapshot_version = start - 1  # `initial` counts as the call before the first
-        self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.snapshot_event = self.record_event()
-        # CPU only: buffers of the tensor's shape that nothing reads any more, reused instead of allocating a fresh
-        # one per round (a fresh multi-MB CPU tensor costs page faults and zeroing, on every rank, every round).
-        # CUDA tensors come from PyTorch's caching allocator already, and their reuse would need stream fences.
-        self.spares: list[torch.Tensor] = []
-        self.reading: torch.Tensor | None = None  # replace mode: the snapshot the thread is copying right now
-        # keep_contributions: snapshots a round result still hands to the main thread, by data pointer -> how many
-        # results hold it. A pinned snapshot is never made a spare: nothing may overwrite it before it is released.
-        self.keep_contributions = eng.keep_contributions
-        self.pins: dict[int, int] = {}
-        # wire_dtype (wagma.wire): replace mode sends snapshot - reference, the reference being the mean of the last
-        # sync round (the same on every rank: all take part, all receive the same sum), before the first one world
-        # rank 0's initial tensor (broadcast at construction).
-        self.wire, self.error_feedback = eng.wire_dtype, eng.error_feedback
-        self.reference: torch.Tensor | None = None
-        self.arrived = start - 1  # newest call the main thread has published
-        self.results: dict[int, Done] = {}
-        self.thread_round = start  # the round the thread works on
-        self.activated = start - 1  # newest round known to have started (seen by the watcher, or triggered here)
-        self.watching = start  # the round the watcher waits for: no act key below it is needed here
-        self.triggering: int | None = None  # a round whose trigger the main thread is sending
-        self.phase = "starting"
-        self.error: BaseException | None = None
-        self.stop = False
-        self.shut = False
+    def __init__(
+        self,
+        options: RoundOptions,
+        world: World,
+        schedule: GroupSchedule,
+        initial: torch.Tensor,
+        store: dist.Store,
+        prefix: str,
+        *,
+        transport: str,
+        wire_dtype: torch.dtype | None,
+    ) -> None:
+        self._init_state(options, world, schedule, initial, wire_dtype)
         # The first progress record is written before the communicators: their creation is collective, so
         # every rank's record exists by the time any thread reads them.
         self.channel = ActivationChannel(
@@ -162,52 +118,94 @@ class EngineCore:
             prefix,
             self.rank,
             self.world_size,
-            start,
+            self.start,
             self.timeout,
             self.on_activated,
             self.next_wait,
             self.on_watch_error,
-            None if eng.world.whole_job else eng.world.ranks,
+            None if world.whole_job else world.ranks,
         )
-        self.shm: dict[tuple[int, ...], SharedMemoryAllreduce] = {}  # transport 'shm': by group
-        # Communicators, created by every rank in the same order (docs/design.md §2.1). Singleton groups need none.
         try:
-            # A rank whose store connects stalled is waited for here, under the connect deadline, rather than by
-            # the group creation below, which gives a late member only the (possibly short) engine timeout.
-            self.channel.meet()
-            # Gloo starts a group's worker and I/O threads in its constructor, and a thread starts with its
-            # creator's nice value: built from a niced helper thread, they run at the progress thread's priority.
-            deadline = (
-                self.channel.connect_s + (len(self.schedule.distinct_groups()) + 1) * self.timeout.total_seconds()
-            )
-            self.groups, self.global_pg = _niced(
-                self.nice, lambda: _communicators(self.schedule, self.rank, self.timeout, eng.world), deadline
-            )
-            if self.global_pg is not None:
-                # Gloo connects a group's members inside its constructor: a rank that returned first and
-                # closed (or exited) could drop a connection a slower rank is still making ("Connection
-                # closed by peer"). The global group is created last, so once all ranks meet on it every
-                # group is complete. Issued here, before the progress thread (its only issuer) starts.
-                dist.barrier(group=self.global_pg)
-            if self.wire is not None and not self.accumulate:
-                # The first reference: world rank 0's initial tensor, which every rank then holds bit for bit.
-                self.reference = initial.detach().clone()
-                if self.global_pg is not None:
-                    dist.broadcast(self.reference, group=self.global_pg, group_src=0)
-            # transport 'shm': one shared segment per group of this rank, each built by its members alone, in
-            # one order on every rank (by the groups' ranks, the global group last), so no two wait on each other.
-            if eng.transport == "shm":
-                mine = sorted(g for g, pg in self.groups.items() if pg is not None)
-                for g in mine:
-                    self.shm[g] = SharedMemoryAllreduce(self.groups[g], initial.numel(), initial.dtype)
-                if self.global_pg is not None:
-                    self.shm[self.all] = SharedMemoryAllreduce(self.global_pg, initial.numel(), initial.dtype)
+            self._connect(world, initial, transport)
         except BaseException:
             self.channel.abandon()
             raise
         self.thread = threading.Thread(target=self.run, name=f"wagma-progress-{prefix.strip('/')}", daemon=True)
         self.thread.start()
         self.channel.start()
+
+    def _init_state(
+        self,
+        options: RoundOptions,
+        world: World,
+        schedule: GroupSchedule,
+        initial: torch.Tensor,
+        wire_dtype: torch.dtype | None,
+    ) -> None:
+        """The fields, before any store call or communicator."""
+        self.rank, self.world_size, self.schedule = world.rank, world.size, schedule
+        self.sync_period, self.max_lead, self.timeout = options.sync_period, options.max_lead, options.timeout
+        self.device = initial.device
+        self.blocking_sync = options.sync == "barrier"
+        self.cuda = self.device.type == "cuda"
+        # CPU only: how much nicer than the caller the progress thread and the communicators' threads run.
+        self.nice = options.progress_nice if not self.cuda and PER_THREAD_NICE else 0
+        self.trigger_phase = (
+            "waiting for any rank to trigger round {k}"
+            if options.trigger == "any"
+            else "waiting for round {k} to be triggered by its initiator, rank {i}"
+        )
+        self.seed = options.seed
+        self.all = tuple(range(self.world_size))
+        self.start = self.calls = options.start_round
+        self.wire = wire_dtype  # wagma.wire: what the exchanges send and sum in (None: the tensor's own dtype)
+        self.cond = threading.Condition()
+        self.snapshot = initial.detach().clone()
+        self.snapshot_version = self.start - 1  # `initial` counts as the call before the first
+        self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.snapshot_event = self.record_event()
+        # CPU only: buffers of the tensor's shape that nothing reads any more, reused instead of allocating a fresh
+        # one per round (a fresh multi-MB CPU tensor costs page faults and zeroing, on every rank, every round).
+        # CUDA tensors come from PyTorch's caching allocator already, and their reuse would need stream fences.
+        self.spares: list[torch.Tensor] = []
+        self.arrived = self.start - 1  # newest call the main thread has published
+        self.results: dict[int, FinishedRound] = {}
+        self.thread_round = self.start  # the round the thread works on
+        self.activated = self.start - 1  # newest round known to have started (seen by the watcher, or triggered here)
+        self.watching = self.start  # the round the watcher waits for: no act key below it is needed here
+        self.triggering: int | None = None  # a round whose trigger the main thread is sending
+        self.phase = "starting"
+        self.error: BaseException | None = None
+        self.stopping = False  # the threads are asked to stop (close(), the finalizer)
+        self.shut_down = False  # shutdown() has run
+        self.shm: dict[tuple[int, ...], SharedMemoryAllreduce] = {}  # transport 'shm': by group
+
+    def _connect(self, world: World, initial: torch.Tensor, transport: str) -> None:
+        """Create the communicators, by every rank in the same order (docs/design.md §2.1); singleton groups need
+        none. Then the mode's first exchange (:meth:`first_exchange`) and the shared-memory segments."""
+        # A rank whose store connects stalled is waited for here, under the connect deadline, rather than by
+        # the group creation below, which gives a late member only the (possibly short) engine timeout.
+        self.channel.wait_for_every_rank()
+        # Gloo starts a group's worker and I/O threads in its constructor, and a thread starts with its
+        # creator's nice value: built from a niced helper thread, they run at the progress thread's priority.
+        deadline = self.channel.connect_s + (len(self.schedule.distinct_groups()) + 1) * self.timeout.total_seconds()
+        self.groups, self.global_pg = run_niced(
+            self.nice, lambda: communicators(self.schedule, self.rank, self.timeout, world), deadline
+        )
+        if self.global_pg is not None:
+            # Gloo connects a group's members inside its constructor: a rank that returned first and
+            # closed (or exited) could drop a connection a slower rank is still making ("Connection
+            # closed by peer"). The global group is created last, so once all ranks meet on it every
+            # group is complete. Issued here, before the progress thread (its only issuer) starts.
+            dist.barrier(group=self.global_pg)
+        self.first_exchange(initial)
+        # transport 'shm': one shared segment per group of this rank, each built by its members alone, in
+        # one order on every rank (by the groups' ranks, the global group last), so no two wait on each other.
+        if transport == "shm":
+            for g in sorted(g for g, pg in self.groups.items() if pg is not None):
+                self.shm[g] = SharedMemoryAllreduce(self.groups[g], initial.numel(), initial.dtype)
+            if self.global_pg is not None:
+                self.shm[self.all] = SharedMemoryAllreduce(self.global_pg, initial.numel(), initial.dtype)
 
     def group_of(self, k: int) -> tuple[int, ...]:
         return self.all if is_sync(k, self.sync_period) else self.schedule.group_of(self.rank, k)
@@ -216,52 +214,45 @@ class EngineCore:
         """Whether round ``k`` waits for every rank's fresh tensor instead of being activated."""
         return self.blocking_sync and is_sync(k, self.sync_period)
 
-    # ------------------------------------------------------------------------------------ main side
-    def publish(self, tensor: torch.Tensor, k: int, *, arrive: bool = True) -> None:
-        """Make ``tensor`` this rank's contribution, as of call ``k``. ``arrive=False`` (replace mode: a snapshot
-        published ahead of call ``k``) leaves ``arrived``, which the lead bound and blocking rounds wait on, as it
-        is."""
-        if self.accumulate:
-            staged = tensor is self.staging
-            with self.cond:
-                if self.snapshot_event is not None:
-                    stream = torch.cuda.current_stream(self.device)
-                    stream.wait_event(self.snapshot_event)
-                    self.snapshot.record_stream(stream)  # it may come from the thread's stream
-                if staged and self.pending_empty:
-                    # The pending zeros become the next staging buffer and the staged values the pending
-                    # contribution: the same sum as adding, without a pass over either buffer.
-                    self.staging, self.snapshot = self.snapshot, tensor
-                else:
-                    self.snapshot.add_(tensor.detach())
-                    if staged:
-                        tensor.zero_()  # handed out again by staging_buffer(): zeros, as promised
-                self.pending_empty = False
-                self.snapshot_version = k
-                self.snapshot_event = self.record_event()
-                self.arrived = k
-                self.cond.notify_all()
-        else:
-            with self.cond:
-                spare = self.take_spare()
-            # Immutable once published: the thread reads it without a lock (a spare is read by no one).
-            snap = tensor.detach().clone() if spare is None else spare.copy_(tensor.detach())
-            event = self.record_event()
-            with self.cond:
-                old = self.snapshot
-                self.snapshot, self.snapshot_version, self.snapshot_event = snap, k, event
-                if old is not self.reading:  # else the thread hands it back once its copy is done
-                    self.give_spare(old)
-                if arrive:
-                    self.arrived = k
-                self.cond.notify_all()
+    # ------------------------------------------------------------------------------ what a mode defines
+    def first_exchange(self, initial: torch.Tensor) -> None:  # noqa: B027 - a hook, empty unless a mode needs it
+        """A collective the mode needs before the first round, over the global group (none by default)."""
 
+    @abc.abstractmethod
+    def publish(self, tensor: torch.Tensor, k: int) -> None:
+        """Make ``tensor`` this rank's contribution, as of call ``k`` (main thread)."""
+
+    @abc.abstractmethod
+    def take_contribution(self, k: int, group: tuple[int, ...], activated_at: float) -> TakenContribution:
+        """Progress thread, lock held: take this rank's contribution to round ``k``, which starts now."""
+
+    @abc.abstractmethod
+    def outgoing(self, taken: TakenContribution) -> Outgoing:
+        """Progress thread, no lock: the buffers the exchange of ``taken`` reads and writes."""
+
+    @abc.abstractmethod
+    def decode(self, wire: torch.Tensor, out: torch.Tensor, size: int, sync: bool) -> None:
+        """With a wire dtype: widen the exchanged sum ``wire`` of ``size`` contributions into ``out``."""
+
+    @abc.abstractmethod
+    def buffers_in_use(self) -> list[torch.Tensor | None]:
+        """Lock held: the buffers the engine still reads or writes (a recycled tensor must be none of them)."""
+
+    def is_in_use(self, tensor: torch.Tensor) -> bool:
+        """Lock held: whether ``tensor``'s memory is one the engine still reads or writes (or keeps as a spare)."""
+        ptr = tensor.data_ptr()
+        return any(t is not None and t.data_ptr() == ptr for t in self.buffers_in_use())
+
+    def done_reading(self, snapshot: torch.Tensor) -> None:  # noqa: B027 - only replace mode reads snapshots
+        """The exchange has read ``snapshot``, an :attr:`Outgoing.source` (replace mode only has one)."""
+
+    # ------------------------------------------------------------------------------------ main side
     def shutdown(self) -> None:
         """Stop the threads, release the communicators and the store keys (close() and the finalizer)."""
         with self.cond:
-            if self.shut:
+            if self.shut_down:
                 return
-            self.shut = self.stop = True
+            self.shut_down = self.stopping = True
             self.cond.notify_all()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=self.timeout.total_seconds() + 5.0)  # a collective ends within its timeout
@@ -272,9 +263,12 @@ class EngineCore:
             shm.close()
         self.results.clear()
         self.spares.clear()
-        self.pins.clear()
+        self.forget_buffers()
         self.groups.clear()
         self.global_pg = None
+
+    def forget_buffers(self) -> None:  # noqa: B027 - a hook, for what a mode keeps beyond the spares
+        """On shutdown: drop what the mode keeps of its buffers."""
 
     # ---------------------------------------------------------------------------------- watcher side
     def on_activated(self, k: int) -> None:
@@ -289,11 +283,11 @@ class EngineCore:
             while self.blocking(k) or self.activated >= k:  # no key, or started here already
                 k += 1
             self.watching = k
-            return None if self.stop else k
+            return None if self.stopping else k
 
     def on_watch_error(self, exc: BaseException) -> None:
         with self.cond:
-            if self.error is None and not self.stop:
+            if self.error is None and not self.stopping:
                 self.error = exc
             self.cond.notify_all()
 
@@ -314,153 +308,95 @@ class EngineCore:
                 self.cond.notify_all()
 
     def loop(self) -> None:
+        """Run the rounds in order: wait until one may start, take the contribution, record, exchange, keep."""
         k = self.start
         while True:
-            sync, blocking = is_sync(k, self.sync_period), self.blocking(k)
-            needed = k if blocking else k - self.max_lead
             with self.cond:
-                self.thread_round = k
-                self.phase = f"waiting for this rank's main thread to reach round {needed}"
-                while not self.stop and self.arrived < needed:
-                    self.cond.wait()
-                if not blocking:
-                    self.phase = self.trigger_phase.format(k=k, i=initiator_of(self.seed, k, self.world_size))
-                    while not self.stop and self.error is None and self.activated < k:
-                        self.cond.wait()
-                # A trigger the main thread is sending for an earlier round goes out before this round's
-                # record, on the same connection: no rank can delete that round's key before it is written.
-                while self.triggering is not None and self.triggering < k:
-                    self.cond.wait()
-                if self.stop or self.error is not None:
+                if not self.wait_until_startable(k):
                     return
                 activated_at = time.time()
                 group = self.group_of(k)
                 self.phase = f"exchanging with group {group}"
-                if self.accumulate:
-                    send, event = self.swap_pending()
-                    version = self.snapshot_version
-                else:
-                    send, version, event = self.snapshot, self.snapshot_version, self.snapshot_event
-                    self.reading = send
-                    spare = self.take_spare()
-                    if self.keep_contributions:
-                        self.pins[send.data_ptr()] = self.pins.get(send.data_ptr(), 0) + 1
-                contributed = send if self.keep_contributions else None
+                taken = self.take_contribution(k, group, activated_at)
                 gc_floor, published = min(k, self.watching), self.arrived
             self.channel.record(k, gc_floor, published)
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
-                send.record_stream(torch.cuda.current_stream(self.device))
-            source = None  # replace mode: the snapshot, until the exchange has read it
-            wire = None  # wire_dtype: what goes out, narrow
-            if self.wire is not None:
-                if self.accumulate:
-                    wire = self.encode(send, None)
-                else:  # the delta is computed in `spare`, which then receives the sum
-                    spare = torch.empty_like(send) if spare is None else spare
-                    wire, send = self.encode(send, spare), spare
-            elif not self.accumulate:  # the snapshot may be contributed again next round: reduce into another buffer
-                if self.shm:  # shared memory reads the snapshot and writes the sum elsewhere: no copy of ours
-                    source, send = send, torch.empty_like(send) if spare is None else spare
-                else:
-                    snapshot, send = send, send.clone() if spare is None else spare.copy_(send)
-                    self.done_reading(snapshot)
-            t0 = time.perf_counter()
-            pg = self.global_pg if sync else self.groups[group]
-            try:
-                if wire is not None:
-                    if pg is not None:
-                        dist.all_reduce(wire, group=pg)
-                    self.decode(wire, send, len(group), sync)
-                elif pg is None:
-                    if source is not None:
-                        send.copy_(source)
-                elif self.shm:
-                    self.shm[group].all_reduce(send if source is None else source, out=send)
-                else:
-                    dist.all_reduce(send, group=pg)
-            except Exception as exc:
-                raise RuntimeError(
-                    f"round {k}: {self.channel.who_is_missing(k, group)}. The exchange failed with: {exc}"
-                ) from exc
-            finally:
-                if source is not None:
-                    self.done_reading(source)
-            exchange_s = time.perf_counter() - t0
-            with self.cond:
-                self.results[k] = Done(
-                    k, sync, group, send, version, exchange_s, activated_at, self.record_event(), contributed
-                )
-                self.cond.notify_all()
+            self.exchange(taken)
             self.channel.collect(k)
             k += 1
 
-    # -------------------------------------------------------------------------------------- helpers
-    def encode(self, send: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
-        """wire_dtype: the narrow tensor to send for ``send``, the contribution taken (accumulate mode) or the
-        snapshot read (replace mode, which it hands back; ``spare`` is scratch for the delta)."""
-        assert self.wire is not None
-        if self.accumulate:
-            wire = send.to(self.wire)
-            if self.error_feedback:  # what the cast rounded off stays pending, for a later round
-                rounded_off = send.sub_(wire)  # (`send` becomes the round's sum once the exchange is done)
-                with self.cond:
-                    if self.snapshot_event is not None:
-                        torch.cuda.current_stream(self.device).wait_event(self.snapshot_event)
-                    self.snapshot.add_(rounded_off)
-                    self.pending_empty = False
-                    self.snapshot_event = self.record_event()
-            return wire
-        if self.reference is None:
-            wire = send.to(self.wire)
-        else:
-            wire = torch.sub(send, self.reference, out=spare).to(self.wire)
-        self.done_reading(send)
-        return wire
+    def wait_until_startable(self, k: int) -> bool:
+        """Lock held: wait until round ``k`` may start here; ``False`` if the engine stops or failed first.
 
-    def decode(self, wire: torch.Tensor, out: torch.Tensor, size: int, sync: bool) -> None:
-        """wire_dtype: widen the exchanged sum ``wire`` of ``size`` contributions into ``out``; in replace mode add
-        back their references, and after a sync round make its mean the new reference."""
-        out.copy_(wire)
-        if self.accumulate:
-            return
-        if self.reference is not None:
-            out.add_(self.reference, alpha=size)
-        if sync:
-            if self.reference is None:
-                self.reference = torch.empty_like(out)
-            torch.div(out, size, out=self.reference)
+        Three conditions, in this order: the main thread is close enough (:meth:`wait_for_main_thread`), the
+        round was activated (unless it is a blocking sync round, which has no activation), and no trigger of an
+        earlier round is still being sent (:meth:`wait_for_earlier_trigger`).
+        """
+        self.thread_round = k
+        blocking = self.blocking(k)
+        self.wait_for_main_thread(k if blocking else k - self.max_lead)
+        if not blocking:
+            self.phase = self.trigger_phase.format(k=k, i=initiator_of(self.seed, k, self.world_size))
+            while not self.stopping and self.error is None and self.activated < k:
+                self.cond.wait()
+        self.wait_for_earlier_trigger(k)
+        return not (self.stopping or self.error is not None)
 
-    def done_reading(self, snapshot: torch.Tensor) -> None:
-        """Replace mode: the thread has read ``snapshot``; keep it for reuse if a newer one superseded it."""
+    def wait_for_main_thread(self, needed: int) -> None:
+        """Lock held: wait until this rank's main thread has published call ``needed`` (the lead bound, or a
+        blocking round's fresh tensor), or the engine stops."""
+        self.phase = f"waiting for this rank's main thread to reach round {needed}"
+        while not self.stopping and self.arrived < needed:
+            self.cond.wait()
+
+    def wait_for_earlier_trigger(self, k: int) -> None:
+        """Lock held: a trigger the main thread is sending for an earlier round goes out before round ``k``'s
+        progress record, on the same connection: no rank can delete that round's key before it is written."""
+        while self.triggering is not None and self.triggering < k:
+            self.cond.wait()
+
+    def exchange(self, taken: TakenContribution) -> None:
+        """Allreduce ``taken`` in its round's group and keep the result for the main thread."""
+        if taken.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(taken.event)
+            taken.send.record_stream(torch.cuda.current_stream(self.device))
+        out = self.outgoing(taken)
+        k, group = taken.round, taken.group
+        t0 = time.perf_counter()
+        try:
+            self.reduce(out, group, taken.is_sync)
+        except Exception as exc:
+            raise RuntimeError(
+                f"round {k}: {self.channel.who_is_missing(k, group)}. The exchange failed with: {exc}"
+            ) from exc
+        finally:
+            if out.source is not None:
+                self.done_reading(out.source)
+        exchange_s = time.perf_counter() - t0
+        finished = FinishedRound(
+            k, taken.is_sync, group, out.sum, taken.version, exchange_s, taken.activated_at, None, taken.contributed
+        )
         with self.cond:
-            self.reading = None
-            if snapshot is not self.snapshot:  # superseded while it was being read
-                self.give_spare(snapshot)
+            finished.event = self.record_event()
+            self.results[k] = finished
+            self.cond.notify_all()
 
-    def swap_pending(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Take the pending contribution and leave zeros in its place; caller holds the lock."""
-        out, event = self.snapshot, self.snapshot_event  # the consumer waits on `event` before reading
-        spare = self.take_spare()
-        self.snapshot = torch.zeros_like(out) if spare is None else spare.zero_()
-        self.pending_empty = True
-        self.snapshot_event = self.record_event()
-        return out, event
+    def reduce(self, out: Outgoing, group: tuple[int, ...], sync: bool) -> None:
+        """Sum this round's contributions into ``out.sum``: on the wire dtype, locally (a singleton group), through
+        shared memory or with the group's communicator."""
+        pg = self.global_pg if sync else self.groups[group]
+        if out.wire is not None:
+            if pg is not None:
+                dist.all_reduce(out.wire, group=pg)
+            self.decode(out.wire, out.sum, len(group), sync)
+        elif pg is None:
+            if out.source is not None:
+                out.sum.copy_(out.source)
+        elif self.shm:
+            self.shm[group].all_reduce(out.sum if out.source is None else out.source, out=out.sum)
+        else:
+            dist.all_reduce(out.sum, group=pg)
 
-    def unpin(self, snapshot: torch.Tensor) -> None:
-        """keep_contributions: a result that held ``snapshot`` was released; once no result holds it and it is
-        neither the current snapshot nor being read, its memory is reused. Caller holds the lock."""
-        ptr = snapshot.data_ptr()
-        count = self.pins.get(ptr, 0)
-        if count <= 0:
-            raise ValueError("release: this result's contribution is not held by the engine (released already?)")
-        if count > 1:
-            self.pins[ptr] = count - 1
-            return
-        del self.pins[ptr]
-        if snapshot is not self.snapshot and snapshot is not self.reading:
-            self.give_spare(snapshot)
-
+    # -------------------------------------------------------------------------------------- helpers
     def take_spare(self) -> torch.Tensor | None:
         """A buffer to overwrite, or None (then allocate); caller holds the lock."""
         return self.spares.pop() if self.spares else None
@@ -468,7 +404,7 @@ class EngineCore:
     def give_spare(self, tensor: torch.Tensor) -> None:
         """Keep ``tensor``, which nothing reads any more, for reuse (CPU only, at most :data:`SPARES`); caller
         holds the lock."""
-        if not self.cuda and len(self.spares) < SPARES and tensor.data_ptr() not in self.pins:
+        if not self.cuda and len(self.spares) < SPARES:
             self.spares.append(tensor)
 
     def record_event(self) -> torch.cuda.Event | None:
@@ -477,89 +413,3 @@ class EngineCore:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
-
-
-def renice_current_thread(increment: int) -> None:
-    """Make the calling thread ``increment`` nice levels nicer (capped at 19); threads it starts inherit that.
-
-    Linux only (elsewhere a nice value belongs to the whole process); raising a nice value needs no privilege.
-    """
-    tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-
-
-def _niced(increment: int, fn: Callable[[], _T], deadline_s: float) -> _T:
-    """``fn()``, run on a helper thread ``increment`` nice levels nicer than the caller (at once if 0).
-
-    Raises:
-        TimeoutError: if ``fn`` has not returned after ``deadline_s`` (the helper is left behind, a daemon).
-    """
-    if not increment:
-        return fn()
-    box: list[tuple[bool, object]] = []
-
-    def target() -> None:
-        try:
-            renice_current_thread(increment)
-            box.append((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
-            box.append((False, exc))
-
-    helper = threading.Thread(target=target, name="wagma-communicators", daemon=True)
-    helper.start()
-    helper.join(deadline_s)
-    if not box:
-        raise TimeoutError(
-            f"creating the engine's communicators did not finish within {deadline_s:.0f} s: a rank may not be "
-            f"constructing its engines, or be constructing them in another order"
-        )
-    ok, value = box[0]
-    if not ok:
-        raise value  # type: ignore[misc]
-    return value  # type: ignore[return-value]
-
-
-def _can_split(world: World) -> bool:
-    """Whether sub-communicators can be split from the default group (NCCL bound to a device).
-
-    The answer is the same on every rank of a job, so all ranks take the same path. A world smaller than the job
-    creates its groups with ``new_group`` (in every world of its family), on NCCL too.
-    """
-    default = dist.distributed_c10d._get_default_group()
-    return (
-        world.whole_job
-        and hasattr(dist, "split_group")
-        and dist.get_backend() == "nccl"
-        and getattr(default, "bound_device_id", None) is not None
-    )
-
-
-def _communicators(
-    schedule: GroupSchedule, rank: int, timeout: datetime.timedelta, world: World
-) -> tuple[dict[tuple[int, ...], dist.ProcessGroup | None], dist.ProcessGroup | None]:
-    """This rank's communicator for each of its groups in the schedule, and one over all ranks of its world.
-
-    With NCCL bound to a device, each round's partition is one ``split_group`` call (one
-    ``ncclCommSplit`` for all its groups); otherwise every distinct group is a ``new_group`` (gloo).
-    """
-    size = schedule.world_size
-    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    if size == 1:
-        return {(0,): None}, None
-    if _can_split(world):
-        seen: set[tuple[tuple[int, ...], ...]] = set()
-        for r in range(schedule.period):
-            partition = tuple(schedule.groups(r))
-            if partition in seen:
-                continue
-            seen.add(partition)
-            pg = dist.split_group(split_ranks=[list(g) for g in partition], timeout=timeout)
-            mine = schedule.group_of(rank, r)
-            groups.setdefault(mine, pg if len(mine) > 1 else None)
-        return groups, dist.split_group(split_ranks=[list(range(size))], timeout=timeout)
-    # The same groups in every world of the family, each world keeping its own (the whole job: one world).
-    for members in schedule.distinct_groups():
-        pg = world.new_group(members, timeout, wait=False) if len(members) > 1 else None
-        if rank in members:
-            groups[members] = pg
-    return groups, world.new_group(None, timeout, wait=False)

@@ -16,10 +16,10 @@ it on a thread of its own and gives up after a deadline.
 Connecting: each rank opens 3 clients of the store per engine (``set`` s, the watcher's waits, the
 caller), all ranks at about the same time. Such a burst (8 ranks, 32 connects and more) made some connects
 stall for about 5 s on the 2-core test machine, so a clone connects under :data:`CONNECT_S` (not the
-engine's timeout, which a clone would inherit as its connect deadline), and :meth:`ActivationChannel.meet`
-waits, under the same deadline, for every rank's first progress record before the communicators are
-created: a rank slowed by its connects delays the others instead of failing their group creation, which
-waits for a late member only as long as the engine's timeout.
+engine's timeout, which a clone would inherit as its connect deadline), and
+:meth:`ActivationChannel.wait_for_every_rank` waits, under the same deadline, for every rank's first progress
+record before the communicators are created: a rank slowed by its connects delays the others instead of failing
+their group creation, which waits for a late member only as long as the engine's timeout.
 
 Keys, under the engine's prefix:
 
@@ -207,7 +207,7 @@ class ActivationChannel:
         """Start the watcher thread (after every rank has written its first progress record)."""
         self._watcher.start()
 
-    def meet(self) -> None:
+    def wait_for_every_rank(self) -> None:
         """Wait, at most ``connect_s``, until every rank has opened its clients and written its first record.
 
         Called before the communicators are created: their creation waits for every member only as long as the

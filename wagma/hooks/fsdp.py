@@ -24,7 +24,7 @@ import torch.distributed as dist
 from wagma.averaging.base import AveragerStats, OwnedResources
 from wagma.averaging.tensors import local_tensor
 from wagma.checks import check_int
-from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
+from wagma.engine import AccumulatingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.partial import eager_engine, sum_residuals
 from wagma.wire import WireDtype, as_wire_dtype, narrow_for
@@ -117,7 +117,7 @@ class FSDPPartialAllreduce:
         self._resources = OwnedResources()
         self._resources.groups.append(self.group)
         self._finalizer = weakref.finalize(self, self._resources.release)
-        self.engine: WaitAvoidingGroupAllreduce | None = None
+        self.engine: AccumulatingGroupAllreduce | None = None
         self._restored: torch.Tensor | None = None  # load_state_dict(): the residual the engine starts from
         # Where each parameter's local gradient lies in the reduce-scatter output: (offset, numel, shape), by id
         self._layout: dict[int, tuple[int, int, torch.Size]] | None = None
@@ -204,7 +204,7 @@ class FSDPPartialAllreduce:
         """
         if self.engine is None or self._layout is None:
             raise RuntimeError("FSDPPartialAllreduce.flush: no backward pass ran through the hook yet")
-        residual = self.engine.take()
+        residual = self.engine.take_pending()
         start = time.perf_counter()
         total = sum_residuals(residual, self.group, self.timeout)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)

@@ -2,7 +2,7 @@
 
 Round r is iteration ``warmup_iters + r`` of DDP's backward passes. At the end of a rank's backward pass
 (its last bucket) the rank adds its fresh gradient to its *residual* and calls the engine
-(:class:`~wagma.WaitAvoidingGroupAllreduce` over one group of all ranks, in accumulate mode):
+(:class:`~wagma.AccumulatingGroupAllreduce` over one group of all ranks):
 
 - ``solo``: the first rank to finish its backward pass triggers round r for everyone;
 - ``majority``: only the initiator of round r, drawn from a seed shared by all ranks, triggers it.
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources, reduced_parameters
 from wagma.checks import check_int
-from wagma.engine import WaitAvoidingGroupAllreduce, check_progress_nice
+from wagma.engine import AccumulatingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
@@ -75,7 +75,7 @@ class PartialAllreduceState:
             iteration after one. :meth:`flush` and :meth:`state_dict` take the round in flight along.
         timeout: bound of every wait.
         progress_nice: CPU gradients on Linux: the progress thread and its communicators' threads run this many
-            nice levels below the caller (:class:`~wagma.WaitAvoidingGroupAllreduce`'s ``progress_nice``).
+            nice levels below the caller (:class:`~wagma.AccumulatingGroupAllreduce`'s ``progress_nice``).
         transport: how the rounds move CPU gradients: ``"default"`` (gloo) or ``"shm"`` (shared memory, every
             rank on one host: :class:`wagma.shm.SharedMemoryAllreduce`). The warm-up and :meth:`flush` use gloo.
         world: the ranks whose gradients are reduced (:func:`wagma.world.as_world`; ``None``: the whole job).
@@ -163,7 +163,7 @@ class PartialAllreduceState:
         self._resources.groups.append(self.group)
         self._finalizer = weakref.finalize(self, self._resources.release)
         self.world_size = self.world.size
-        self.engine: WaitAvoidingGroupAllreduce | None = None
+        self.engine: AccumulatingGroupAllreduce | None = None
         self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._warmup_views: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -412,7 +412,7 @@ class PartialAllreduceState:
         if self.engine is None or self.group is None:
             raise RuntimeError("this PartialAllreduceState is closed; flush() needs its engine")
         in_flight, _ = self._take_in_flight() if self.overlap else (None, None)
-        residual = self.engine.take()
+        residual = self.engine.take_pending()
         start = time.perf_counter()
         # overlap: the last round's sum, the same on every rank, not applied yet, goes along
         total = sum_residuals(residual, self.group, self.timeout, in_flight)
@@ -535,12 +535,12 @@ def eager_engine(
     wire_dtype: torch.dtype | None,
     error_feedback: bool,
     transport: str = "default",
-) -> WaitAvoidingGroupAllreduce:
+) -> AccumulatingGroupAllreduce:
     """The engine behind both partial hooks (DDP's and FSDP2's): one group of every rank of ``world``, accumulating
     (a contribution that misses a round stays in ``residual`` for the next), triggered by any rank (``"solo"``) or
     by the round's initiator (``"majority"``), starting at ``start_round`` (after the warm-up; a resumed run's)."""
     schedule = GroupSchedule.from_partitions([[list(range(world.size))]], name="global")
-    return WaitAvoidingGroupAllreduce(
+    return AccumulatingGroupAllreduce(
         schedule,
         residual,
         sync_period=sync_period,
@@ -548,7 +548,6 @@ def eager_engine(
         timeout=timeout,
         trigger="any" if mode == "solo" else "initiator",
         seed=seed,
-        accumulate=True,
         start_round=start_round,
         progress_nice=progress_nice,
         transport=transport,
