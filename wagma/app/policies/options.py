@@ -17,7 +17,8 @@ from typing import Any
 from wagma.averaging.gossip import TOPOLOGIES
 from wagma.averaging.wagma import MIXINGS
 from wagma.averaging.wagma import ORDERS as WAGMA_ORDERS
-from wagma.engine import SYNCS
+from wagma.checks import check_int
+from wagma.engine import SYNCS, check_max_lead, check_progress_nice
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import TRANSPORTS
 from wagma.wire import WIRE_DTYPES
@@ -61,20 +62,13 @@ def _int(options: Mapping[str, Any], key: str, minimum: int, *, required: bool =
         if required:
             raise ValueError(f"averaging.{key} is required (an integer >= {minimum})")
         return None
-    value = options[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"averaging.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_int(f"averaging.{key}", options[key], minimum)
 
 
 def _max_lead(options: Mapping[str, Any], sync_period: int) -> None:
     max_lead = options.get("max_lead")
-    if max_lead is not None and (
-        not isinstance(max_lead, int) or isinstance(max_lead, bool) or not 0 <= max_lead <= sync_period
-    ):
-        raise ValueError(
-            f"averaging.max_lead must be null or an integer in [0, sync_period={sync_period}], got {max_lead!r}"
-        )
+    if max_lead is not None:
+        check_max_lead(max_lead, sync_period, "averaging.max_lead")
 
 
 def _positive(options: Mapping[str, Any], key: str) -> None:
@@ -107,9 +101,7 @@ def _divisor(options: Mapping[str, Any], key: str, world_size: int) -> None:
 
 
 def _progress_nice(options: Mapping[str, Any]) -> None:
-    value = options.get("progress_nice", 0)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 19:
-        raise ValueError(f"averaging.progress_nice must be an integer in [0, 19], got {value!r}")
+    check_progress_nice(options.get("progress_nice", 0), "averaging.progress_nice")
 
 
 def _transport(options: Mapping[str, Any]) -> None:
