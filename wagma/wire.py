@@ -23,7 +23,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["WIRE_DTYPES", "WireDtype", "as_wire_dtype", "narrow_for", "wire_dtype_name", "wire_nbytes"]
+__all__ = [
+    "WIRE_DTYPES",
+    "WireDtype",
+    "as_wire_dtype",
+    "narrow_for",
+    "wire_dtype_for",
+    "wire_dtype_name",
+    "wire_nbytes",
+]
 
 #: Names ``wire_dtype`` accepts (besides a ``torch.dtype``); ``None`` and ``"float32"``: no compression.
 WIRE_DTYPES: dict[str, torch.dtype | None] = {
@@ -77,10 +85,14 @@ def wire_nbytes(numel: int, dtype: torch.dtype, wire_dtype: torch.dtype | None) 
     return int(numel) * itemsize
 
 
-def narrow_for(wire_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype | None:
+def wire_dtype_for(wire_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype | None:
     """The wire type for values of ``dtype``: ``wire_dtype`` for float32/float64 values, ``None`` (sent as they
     are) for the rest, e.g. a model's half-precision buffers, which are narrow already."""
     return wire_dtype if wire_dtype is not None and dtype in (torch.float32, torch.float64) else None
+
+
+#: The former name of :func:`wire_dtype_for`, kept for callers not yet renamed.
+narrow_for = wire_dtype_for
 
 
 def wire_dtype_name(dtype: torch.dtype | None) -> str:

@@ -55,7 +55,7 @@ from wagma.groups import (
     is_timeout,
     require_initialized,
 )
-from wagma.wire import WireDtype, as_wire_dtype, narrow_for, wire_nbytes
+from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for, wire_nbytes
 from wagma.world import World, WorldLike, as_world
 
 __all__ = [
@@ -385,7 +385,7 @@ class AveragerBase(ModelAverager):
             self._wire_refs = self._first_references(buffers)
         size = group.size()
         start = time.perf_counter()
-        narrows = [narrow_for(self.wire_dtype, buffer.dtype) for buffer in buffers]  # None: sent as it is
+        narrows = [wire_dtype_for(self.wire_dtype, buffer.dtype) for buffer in buffers]  # None: sent as it is
         works, narrowed, nbytes = [], [], 0
         for i, buffer in enumerate(buffers):
             narrow = None if exact else narrows[i]
@@ -420,7 +420,7 @@ class AveragerBase(ModelAverager):
         references: list[torch.Tensor | None] = []
         works = []
         for buffer in buffers:
-            if narrow_for(self.wire_dtype, buffer.dtype) is None:
+            if wire_dtype_for(self.wire_dtype, buffer.dtype) is None:
                 references.append(None)
                 continue
             reference = buffer.clone()

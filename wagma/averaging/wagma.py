@@ -48,7 +48,7 @@ from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import check_transport
-from wagma.wire import WireDtype, narrow_for
+from wagma.wire import WireDtype, wire_dtype_for
 from wagma.world import WorldLike, as_world
 
 __all__ = ["MIXINGS", "ORDERS", "SYNCS", "WagmaAverager"]
@@ -269,7 +269,7 @@ class WagmaAverager(AveragerBase):
                 transport=self.transport,
                 keep_contributions=self.mixing == "conserve",
                 world=self.world,
-                wire_dtype=narrow_for(self.wire_dtype, buffer.dtype),
+                wire_dtype=wire_dtype_for(self.wire_dtype, buffer.dtype),
             )
             for buffer in self.flat_buffers(self._tensors).pack()
         ]

@@ -21,7 +21,7 @@ from wagma.averaging.base import OwnedResources, reduced_parameters
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
 from wagma.schedule import check_group_fits
 from wagma.shm import SharedMemoryAllreduce, check_transport
-from wagma.wire import WireDtype, as_wire_dtype, narrow_for
+from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
 
 __all__ = [
     "AllreduceState",
@@ -107,7 +107,7 @@ def allreduce_hook(state: AllreduceState | None, bucket: dist.GradBucket) -> tor
     if state is not None and state.shm is not None:
         buffer = bucket.buffer().div_(group.size())  # first, as the gloo path does
         return _completed(state.shm.all_reduce(buffer))
-    narrow = narrow_for(state.wire_dtype, bucket.buffer().dtype) if state is not None else None
+    narrow = wire_dtype_for(state.wire_dtype, bucket.buffer().dtype) if state is not None else None
     if narrow is not None:
         buffer = bucket.buffer()
         wire = buffer.div_(group.size()).to(narrow)

@@ -27,7 +27,7 @@ from wagma.checks import check_int
 from wagma.engine import AccumulatingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.partial import eager_engine, sum_residuals
-from wagma.wire import WireDtype, as_wire_dtype, narrow_for
+from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
 from wagma.world import World, WorldLike, as_world
 
 __all__ = ["FSDPPartialAllreduce"]
@@ -168,7 +168,7 @@ class FSDPPartialAllreduce:
             seed=self.seed,
             start_round=max(0, self.iteration - self.warmup_iters),
             progress_nice=self.progress_nice,
-            wire_dtype=narrow_for(self.wire_dtype, out.dtype),
+            wire_dtype=wire_dtype_for(self.wire_dtype, out.dtype),
             error_feedback=self.error_feedback,
         )
         self._resources.closers[:] = [self.engine]

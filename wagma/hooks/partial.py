@@ -37,7 +37,7 @@ from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 from wagma.shm import check_transport
-from wagma.wire import WireDtype, as_wire_dtype, narrow_for
+from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
 from wagma.world import World, WorldLike, as_world
 
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook", "sum_residuals"]
@@ -141,7 +141,7 @@ class PartialAllreduceState:
         # over carried rounds) would overflow float16 before the division by P.
         self.sum_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
         #: The dtype the partial rounds send gradients in (``None``: their own; :mod:`wagma.wire`).
-        self.wire_dtype: torch.dtype | None = narrow_for(as_wire_dtype(wire_dtype), self.dtype)
+        self.wire_dtype: torch.dtype | None = wire_dtype_for(as_wire_dtype(wire_dtype), self.dtype)
         self.error_feedback = error_feedback
         self._offsets: dict[int, tuple[int, int]] = {}
         total = 0
