@@ -71,7 +71,7 @@ class WaitAvoidingGroupAllreduce(GroupAllreduceEngine):
 
     Each call ``engine(tensor)`` makes a copy of ``tensor`` this rank's snapshot, runs its next round, and returns
     a :class:`RoundResult` whose ``sum`` is the sum of the group members' snapshots. It takes the arguments of
-    :class:`GroupAllreduceEngine` and:
+    :class:`GroupAllreduceEngine` (the fields of :class:`RoundOptions` as keywords of their own) and:
 
     Args:
         keep_contributions: every :class:`RoundResult` also carries ``contributed``, the snapshot this rank's
@@ -176,12 +176,14 @@ class WaitAvoidingGroupAllreduce(GroupAllreduceEngine):
         return snapshot
 
     def collect(self, k: int) -> RoundResult:
+        """Wait (within the timeout) for round ``k``, which this rank submitted, and return its result once.
+
+        With ``keep_contributions=True``, hand the result back with :meth:`release` once it is read.
+        """
         result = super().collect(k)
         if self.keep_contributions:
             self._unreleased.add(k)
         return result
-
-    collect.__doc__ = GroupAllreduceEngine.collect.__doc__
 
     def release(self, result: RoundResult) -> None:
         """``keep_contributions=True``: hand back a collected result once its ``sum`` and ``contributed`` are read
@@ -214,7 +216,8 @@ class AccumulatingGroupAllreduce(GroupAllreduceEngine):
     counted in exactly one round (eager-SGD's partial allreduce, docs/design.md §2.4).
 
     ``initial`` is the pending contribution it starts from; :meth:`take_pending` hands the main thread what is
-    still pending. It takes the arguments of :class:`GroupAllreduceEngine` and:
+    still pending. It takes the arguments of :class:`GroupAllreduceEngine` (the fields of :class:`RoundOptions`
+    as keywords of their own) and:
 
     Args:
         error_feedback: with a ``wire_dtype`` (which casts the pending contribution itself): keep what the cast

@@ -80,34 +80,15 @@ class GroupAllreduceEngine(abc.ABC):
     returns a :class:`RoundResult`. Use it as a context manager or call :meth:`close`; an engine that is
     dropped, or still open when the interpreter exits, is closed by a finalizer.
 
-    Both engines take these arguments, as keywords after ``schedule`` and ``initial``:
+    Both engines take these arguments, the fields of ``options`` (:class:`RoundOptions`) as keywords of their own:
 
     Args:
         schedule: which ranks exchange in which round, in world ranks; its world size must be the world's.
         initial: what this rank contributes until its first call; fixes shape, dtype and device.
-        sync_period: rounds k with ``k % (sync_period + 1) == sync_period`` are blocking global
-            allreduces of fresh tensors (0: every round). Bounds staleness.
-        max_lead: how many rounds the progress thread may run ahead of its main thread (0: it waits
-            for the main thread every round). Defaults to ``sync_period``; each round of lead can
-            hold one result buffer until the main thread consumes it. It bounds staleness: a rank's
-            contribution to round k is its call ``k - max_lead`` or newer, on every round.
-        sync: ``"barrier"`` (sync rounds block until every rank's fresh tensor is in) or
-            ``"wait_avoiding"`` (sync rounds are global rounds run like the group rounds: no rank waits
-            for another to arrive; the staleness bound ``max_lead`` holds for them too).
-        timeout: bound of every wait: collectives, store calls, and the main thread's wait for a result.
-        trigger: ``"any"`` (the first rank to arrive triggers the round: WAGMA, eager-SGD solo) or
-            ``"initiator"`` (one rank per round, drawn from ``seed`` identically on every rank,
-            triggers it by its arrival alone: eager-SGD majority).
-        seed: seed of the initiator draw.
+        options: the round options, checked (:class:`RoundOptions`), kept as :attr:`options`.
         store: the c10d store for activation; defaults to the default process group's store.
         name: namespace of the engine's store keys; defaults to a per-process counter, which is the
             same on every rank because construction is collective.
-        start_round: the round of the first call (to resume a run: every rank passes the same value).
-        progress_nice: CPU tensors on Linux: run the progress thread, and the threads of the engine's gloo
-            communicators, this many nice levels below the calling thread (0: the same priority; at most 19).
-            Where ranks share cores, their compute then goes first and the exchanges fill the idle time, which
-            pays when no one waits for the exchange at once (``submit`` now, ``collect`` a step later); an
-            exchange someone waits for can take longer. Ignored for CUDA tensors, whose collectives run on the GPU.
         transport: ``"default"`` (the process groups' backend: gloo for CPU tensors, NCCL for CUDA ones) or
             ``"shm"``: CPU tensors of ranks on one host are summed through shared memory
             (:class:`wagma.shm.SharedMemoryAllreduce`, one segment per group of this rank, ``(S + 1) x`` the
@@ -119,9 +100,6 @@ class GroupAllreduceEngine(abc.ABC):
             ``torch.bfloat16`` or ``torch.float16`` (or their names) for a float32/float64 tensor. Results are
             widened back: ``RoundResult.sum`` keeps the tensor's dtype. Not with ``transport="shm"``, which moves
             no bytes over a wire.
-
-    The round options (``sync_period``, ``max_lead``, ``sync``, ``timeout``, ``trigger``, ``seed``,
-    ``start_round``, ``progress_nice``) are checked by :class:`RoundOptions`, kept as :attr:`options`.
     """
 
     def __init__(

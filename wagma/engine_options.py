@@ -57,19 +57,32 @@ def check_timeout(value: object, name: str = "timeout") -> datetime.timedelta:
 
 @dataclasses.dataclass(frozen=True)
 class RoundOptions:
-    """How an engine's rounds run, the same on every rank; checked once, when it is made.
+    """How an engine's rounds run, the same on every rank; checked once, when it is made (``ValueError``).
+
+    Both engines take these fields as keywords and keep them as ``engine.options``; a caller that checks its own
+    configuration (the application, a hook) can make one to check the values before any engine exists.
 
     Attributes:
-        sync_period: rounds k with ``k % (sync_period + 1) == sync_period`` are sync rounds, over all ranks
-            (0: every round). Bounds staleness.
-        max_lead: how many rounds the progress thread may run ahead of its main thread, in [0, sync_period];
-            ``None`` (the default) becomes ``sync_period``.
-        sync: ``"barrier"`` or ``"wait_avoiding"`` (:data:`SYNCS`).
-        trigger: ``"any"`` or ``"initiator"`` (:data:`TRIGGERS`).
-        timeout: bound of every wait, a positive ``datetime.timedelta``.
+        sync_period: rounds k with ``k % (sync_period + 1) == sync_period`` are blocking global
+            allreduces of fresh tensors (0: every round). Bounds staleness.
+        max_lead: how many rounds the progress thread may run ahead of its main thread (0: it waits
+            for the main thread every round). Defaults to ``sync_period``; each round of lead can
+            hold one result buffer until the main thread consumes it. It bounds staleness: a rank's
+            contribution to round k is its call ``k - max_lead`` or newer, on every round.
+        sync: ``"barrier"`` (sync rounds block until every rank's fresh tensor is in) or
+            ``"wait_avoiding"`` (sync rounds are global rounds run like the group rounds: no rank waits
+            for another to arrive; the staleness bound ``max_lead`` holds for them too).
+        timeout: bound of every wait: collectives, store calls, and the main thread's wait for a result.
+        trigger: ``"any"`` (the first rank to arrive triggers the round: WAGMA, eager-SGD solo) or
+            ``"initiator"`` (one rank per round, drawn from ``seed`` identically on every rank,
+            triggers it by its arrival alone: eager-SGD majority).
         seed: seed of the initiator draw.
-        start_round: the round of the first call (to resume a run).
-        progress_nice: how many nice levels below the caller the progress thread runs, in [0, 19].
+        start_round: the round of the first call (to resume a run: every rank passes the same value).
+        progress_nice: CPU tensors on Linux: run the progress thread, and the threads of the engine's gloo
+            communicators, this many nice levels below the calling thread (0: the same priority; at most 19).
+            Where ranks share cores, their compute then goes first and the exchanges fill the idle time, which
+            pays when no one waits for the exchange at once (``submit`` now, ``collect`` a step later); an
+            exchange someone waits for can take longer. Ignored for CUDA tensors, whose collectives run on the GPU.
     """
 
     sync_period: int
