@@ -15,6 +15,7 @@ import gc
 import inspect
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wagma import AccumulatingGroupAllreduce, GroupSchedule, WaitAvoidingGroupAllreduce
+from wagma import AccumulatingGroupAllreduce, GroupSchedule, RoundOptions, WaitAvoidingGroupAllreduce
 from wagma.testing import error_messages, rank_device, run_workers, run_workers_outcomes
 
 L = 4  # elements per rank block
@@ -611,6 +612,35 @@ def test_bad_use_is_rejected_with_clear_messages():
     assert "ValueError" in errors["recycle a view"] and "its own contiguous storage" in errors["recycle a view"]
     assert "ValueError" in errors["recycle another shape"] and "shape (3,)" in errors["recycle another shape"]
     assert "ValueError" in errors["publish ahead shape"] and "(3,)" in errors["publish ahead shape"]
+
+
+def test_round_options_are_checked_once_and_max_lead_defaults_to_the_sync_period():
+    assert RoundOptions(sync_period=4).max_lead == 4
+    assert RoundOptions(sync_period=4, max_lead=0, seed=_IntLike(7)).seed == 7  # a seed is converted with int()
+    cases = {
+        "sync_period: expected an integer >= 0, found -1": {"sync_period": -1},
+        "sync_period: expected an integer >= 0, found True": {"sync_period": True},
+        "max_lead: expected an integer in [0, sync_period=2]": {"sync_period": 2, "max_lead": 3},
+        "sync: expected one of 'barrier', 'wait_avoiding', found 'lazy'": {"sync_period": 2, "sync": "lazy"},
+        "start_round: expected an integer >= 0, found -1": {"sync_period": 2, "start_round": -1},
+        "timeout: expected a positive datetime.timedelta, found 5": {"sync_period": 2, "timeout": 5},
+        "progress_nice: expected an integer >= 0 and <= 19, found 20": {"sync_period": 2, "progress_nice": 20},
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RoundOptions(**kwargs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RoundOptions(sync_period=1).max_lead = 0  # type: ignore[misc]
+
+
+class _IntLike:
+    """An integer-like object that is not an int, as a numpy integer is."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
 
 
 def test_each_engine_has_only_the_methods_of_its_mode():
