@@ -208,6 +208,7 @@ class EngineCore(abc.ABC):
                 self.shm[self.all] = SharedMemoryAllreduce(self.global_pg, initial.numel(), initial.dtype)
 
     def group_of(self, k: int) -> tuple[int, ...]:
+        """This rank's group in round ``k`` (all ranks on a sync round)."""
         return self.all if is_sync(k, self.sync_period) else self.schedule.group_of(self.rank, k)
 
     def blocking(self, k: int) -> bool:
@@ -272,11 +273,14 @@ class EngineCore(abc.ABC):
 
     # ---------------------------------------------------------------------------------- watcher side
     def on_activated(self, k: int) -> None:
+        """Watcher: round ``k`` was activated (by any rank)."""
         with self.cond:
             self.activated = max(self.activated, k)
             self.cond.notify_all()
 
     def next_wait(self, k: int) -> int | None:
+        """Watcher: the next round from ``k`` on whose activation key is worth waiting for (blocking rounds have
+        none; rounds started here need none), or ``None`` once the engine stops or no round is ever activated."""
         if self.sync_period == 0 and self.blocking_sync:  # every round blocks: no round is ever activated
             return None
         with self.cond:
@@ -286,6 +290,7 @@ class EngineCore(abc.ABC):
             return None if self.stopping else k
 
     def on_watch_error(self, exc: BaseException) -> None:
+        """Watcher: it failed with ``exc``; the main thread raises it at its next call (unless stopping)."""
         with self.cond:
             if self.error is None and not self.stopping:
                 self.error = exc
@@ -293,6 +298,8 @@ class EngineCore(abc.ABC):
 
     # -------------------------------------------------------------------------------- progress thread
     def run(self) -> None:
+        """The progress thread: :meth:`loop` at its priority and on its CUDA stream; an exception is kept for the
+        main thread."""
         try:
             if self.nice:
                 renice_current_thread(self.nice)
@@ -408,6 +415,7 @@ class EngineCore(abc.ABC):
             self.spares.append(tensor)
 
     def record_event(self) -> torch.cuda.Event | None:
+        """CUDA: an event recorded on the current stream (what was written so far); ``None`` on CPU."""
         if not self.cuda:
             return None
         event = torch.cuda.Event()
