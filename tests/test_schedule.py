@@ -248,3 +248,26 @@ def test_bad_queries_rejected():
         sched.groups(-1)
     with pytest.raises(ValueError, match="unknown schedule kind"):
         GroupSchedule.create("ring", 4, 2)
+
+
+@pytest.mark.parametrize("world_size", range(1, 12))
+@pytest.mark.parametrize("group_size", [2, 3, 4])
+def test_for_members_covers_any_membership_and_mixes(world_size, group_size):
+    schedule = GroupSchedule.for_members(world_size, group_size)
+    assert schedule.world_size == world_size
+    for k in range(schedule.period):
+        groups = schedule.groups(k)
+        assert sorted(r for g in groups for r in g) == list(range(world_size))
+        if world_size >= group_size:
+            assert min(len(g) for g in groups) >= group_size
+    if world_size % group_size == 0 and world_size > group_size:
+        assert schedule == GroupSchedule.create("auto", world_size, group_size)
+
+
+def test_for_members_refuses_bad_sizes():
+    with pytest.raises(ValueError, match=r"^world_size: expected an integer >= 1, found 0$"):
+        GroupSchedule.for_members(0, 2)
+    with pytest.raises(ValueError, match=r"^group_size: expected an integer >= 2, found True$"):
+        GroupSchedule.for_members(4, True)
+    with pytest.raises(ValueError, match=r"^group_size: expected an integer >= 2, found 1$"):
+        GroupSchedule.for_members(4, 1)

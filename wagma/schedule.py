@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from wagma.checks import check_int
+
 __all__ = ["GroupSchedule", "check_group_fits"]
 
 Group = tuple[int, ...]
@@ -188,6 +190,34 @@ class GroupSchedule:
         if world_size == 1 or (group_size > 1 and _exact_log(world_size, group_size) is not None):
             return cls.butterfly(world_size, group_size)
         return cls.mixed_radix(world_size, group_size)
+
+    @classmethod
+    def for_members(cls, world_size: int, group_size: int) -> GroupSchedule:
+        """A schedule for any number of ranks: for a membership that changes, as replicas leave and join.
+
+        When ``group_size`` divides ``world_size`` this is ``create("auto", ...)``. Otherwise, with
+        ``Q = world_size // group_size`` groups, the first ``Q * group_size`` ranks follow the auto schedule of
+        that many ranks and the remaining ranks ``Q * group_size + j`` are dealt to group ``j % Q`` of every
+        round, so every group has at least ``group_size`` members and all ranks still mix. Fewer ranks than
+        ``group_size`` form one group.
+
+        Raises:
+            ValueError: ``world_size`` not an integer >= 1, or ``group_size`` not one >= 2 (groups of one never mix).
+        """
+        world_size, group_size = check_int("world_size", world_size, 1), check_int("group_size", group_size, 2)
+        if world_size <= group_size:
+            return cls([[tuple(range(world_size))]], name="members")
+        if world_size % group_size == 0:
+            return cls.create("auto", world_size, group_size)
+        groups = world_size // group_size
+        base = cls.create("auto", groups * group_size, group_size)
+        partitions = []
+        for round in range(base.period):
+            blocks = [list(group) for group in base.groups(round)]
+            for extra in range(groups * group_size, world_size):
+                blocks[(extra - groups * group_size) % groups].append(extra)
+            partitions.append(blocks)
+        return cls(partitions, name="members")
 
     # ----------------------------------------------------------------------------------------------
     # Queries

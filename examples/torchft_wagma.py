@@ -1,0 +1,133 @@
+"""One replica group of a fault-tolerant job: wagma's group averaging across torchft's live replicas (CPU, gloo).
+
+Start a lighthouse, then one process per replica group (each may be killed and started again)::
+
+    torchft_lighthouse --bind "[::]:29510" --min_replicas 2 --join_timeout_ms 500 --heartbeat_timeout_ms 1000 &
+    python examples/torchft_wagma.py --replica 0 --store-port 29600 --rounds 60 &
+    python examples/torchft_wagma.py --replica 1 --store-port 29601 --rounds 60 &
+    python examples/torchft_wagma.py --replica 2 --store-port 29602 --rounds 60 &
+
+Each replica trains a small regression model on its own stream of batches and calls ``ReplicaAverager.step()``
+after every optimizer step: a group round of two replicas, a sync round over the whole quorum every fourth round.
+Kill one (``kill -9``): the others go on with the next quorum; start it again with the same arguments: it heals
+from a live peer (model, optimizer, averager) and takes part in the next round. ``--log`` appends one JSON line per
+round (round, kind, quorum size, the parameters' checksum, time); the job ends when the replicas have committed
+``--rounds`` rounds, after a last sync round, so that every replica ends with the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torchft import Manager
+
+from wagma.integrations.torchft import ReplicaAverager, ReplicaProcessGroup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replica", type=int, required=True, help="this replica group's id (0, 1, ...)")
+    parser.add_argument("--store-port", type=int, required=True, help="a free port for this replica's TCP store")
+    parser.add_argument("--lighthouse", default="http://127.0.0.1:29510", help="the lighthouse's address")
+    parser.add_argument("--rounds", type=int, default=60, help="rounds to commit (the last one a sync round)")
+    parser.add_argument("--min-replicas", type=int, default=2, help="the smallest quorum that may run a round")
+    parser.add_argument("--group-size", type=int, default=2)
+    parser.add_argument("--sync-period", type=int, default=4)
+    parser.add_argument("--step-s", type=float, default=0.02, help="seconds of emulated compute per step")
+    parser.add_argument("--timeout-s", type=float, default=10.0, help="every collective's and quorum's deadline")
+    parser.add_argument("--log", default=None, help="append one JSON line per round to this file")
+    parser.add_argument(
+        "--die-in-round", type=int, default=None, help="fault injection: SIGKILL this process inside round N, mid-round"
+    )
+    args = parser.parse_args()
+    if args.rounds % args.sync_period:
+        parser.error(f"--rounds: expected a multiple of --sync-period ({args.sync_period}), found {args.rounds}")
+
+    torch.manual_seed(0)  # the same initial model on every replica
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = ReplicaAverager(model.parameters(), group_size=args.group_size, sync_period=args.sync_period)
+    teacher = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "wagma": averager.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        averager.load_state_dict(state["wagma"])
+
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    # The replica's own store (torchft's quorum names it to its peers); it must live as long as the manager.
+    store = torch.distributed.TCPStore("127.0.0.1", args.store_port, 1, True, wait_for_workers=False)  # noqa: F841
+    pg = ReplicaProcessGroup(timeout=timeout)
+    manager = Manager(
+        pg=pg,
+        state_dict=state_dict,
+        load_state_dict=load_state_dict,
+        min_replica_size=args.min_replicas,
+        use_async_quorum=False,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=args.store_port,
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"replica_{args.replica}",
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+    )
+    averager.attach(manager, pg)
+    if args.die_in_round is not None:
+        _die_in_round(averager, args.die_in_round)
+    log = open(args.log, "a") if args.log else None
+    try:
+        while manager.current_step() < args.rounds:
+            generator = torch.Generator().manual_seed(1000 * args.replica + averager.local_steps)
+            x = torch.randn(32, 8, generator=generator)
+            loss = nn.functional.mse_loss(model(x), torch.tanh(x @ teacher))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            time.sleep(args.step_s)
+            kind = averager.step()
+            if log is not None and kind != "none":
+                record = {
+                    "replica": args.replica,
+                    "round": manager.current_step(),
+                    "kind": kind,
+                    "quorum": manager.num_participants(),
+                    "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+                    "loss": loss.item(),
+                    "time": time.time(),
+                }
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+    finally:
+        if log is not None:
+            log.close()
+        manager.shutdown(wait=False)
+
+
+def _die_in_round(averager: ReplicaAverager, round: int) -> None:
+    """Kill this process with SIGKILL inside round ``round``: after its quorum formed, before its allreduce."""
+    average = averager._average
+
+    def dying(flat: torch.Tensor, k: int, kind: str) -> torch.Tensor:
+        if k == round:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return average(flat, k, kind)
+
+    averager._average = dying  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    main()
