@@ -7,17 +7,20 @@ Start a lighthouse, then one process per replica group (each may be killed and s
     python examples/torchft_wagma.py --replica 1 --store-port 29601 --rounds 60 &
     python examples/torchft_wagma.py --replica 2 --store-port 29602 --rounds 60 &
 
-Each replica trains a small regression model on its own stream of batches and calls ``ReplicaAverager.step()``
-after every optimizer step: a group round of two replicas, a sync round over the whole quorum every fourth round.
-Kill one (``kill -9``): the others go on with the next quorum; start it again with the same arguments: it heals
-from a live peer (model, optimizer, averager) and takes part in the next round. ``--log`` appends one JSON line per
-round (round, kind, quorum size, the parameters' checksum, time); the job ends when the replicas have committed
-``--rounds`` rounds, after a last sync round, so that every replica ends with the same model.
+Each replica joins the job (``ReplicaAverager.join()``), trains a small regression model on the share of the data
+each round hands it, and calls ``ReplicaAverager.step()`` after every optimizer step: a group round of two
+replicas, a sync round over the whole quorum every fourth round. Kill one (``kill -9``): the others go on with the
+next quorum; start it again with the same arguments: it heals from a live peer (model, optimizer, averager state,
+data position) and takes part in that round. ``--log`` appends one JSON line per round (its ``RoundReport``: round,
+kind, quorum size, the share trained and whether it was kept; the parameters' checksum, time); the job ends when
+the replicas have committed ``--rounds`` rounds, after a last sync round, so that every replica ends with the same
+model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -29,7 +32,7 @@ import torch
 from torch import nn
 from torchft import Manager
 
-from wagma.integrations.torchft import ReplicaAverager, ReplicaProcessGroup
+from wagma.integrations.torchft import ReplicaAverager, ReplicaProcessGroup, RoundReport
 
 
 def main() -> None:
@@ -89,32 +92,34 @@ def main() -> None:
     if args.die_in_round is not None:
         _die_in_round(averager, args.die_in_round)
     log = open(args.log, "a") if args.log else None
+
+    def record(report: RoundReport, loss: float) -> None:
+        if log is not None and report.kind != "none":
+            fields = {"replica": args.replica, "committed": manager.current_step(), **dataclasses.asdict(report)}
+            log.write(json.dumps({**fields, "checksum": _checksum(model), "loss": loss, "time": time.time()}) + "\n")
+            log.flush()
+
     try:
+        record(averager.join(), float("nan"))  # round 0 with the others, or heal into the job's current round
         while manager.current_step() < args.rounds:
-            generator = torch.Generator().manual_seed(1000 * args.replica + averager.local_steps)
-            x = torch.randn(32, 8, generator=generator)
+            assert averager.share is not None  # a synchronous quorum: every replica participates
+            # The period's share of the job's data: no other replica trains on share s (its batches: s * period + i).
+            seed = averager.share * averager.period + averager.local_steps % averager.period
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed))
             loss = nn.functional.mse_loss(model(x), torch.tanh(x @ teacher))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             time.sleep(args.step_s)
-            kind = averager.step()
-            if log is not None and kind != "none":
-                record = {
-                    "replica": args.replica,
-                    "round": manager.current_step(),
-                    "kind": kind,
-                    "quorum": manager.num_participants(),
-                    "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
-                    "loss": loss.item(),
-                    "time": time.time(),
-                }
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+            record(averager.step(), loss.item())
     finally:
         if log is not None:
             log.close()
         manager.shutdown(wait=False)
+
+
+def _checksum(model: nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 def _die_in_round(averager: ReplicaAverager, round: int) -> None:

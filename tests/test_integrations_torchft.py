@@ -66,6 +66,9 @@ class _Manager:
     def allreduce(self, tensor: torch.Tensor) -> _Work:
         return _Work(lambda: tensor.mul_(0.5))  # stands for the quorum's mean
 
+    def errored(self) -> Exception | None:
+        return self.errors[0] if self.errors else None
+
     def report_error(self, exc: Exception) -> None:
         self.errors.append(exc)
 
@@ -102,7 +105,10 @@ def _averager(manager: _Manager, group: _Group, monkeypatch: pytest.MonkeyPatch,
         seen.append((members, rank))
         return group
 
-    monkeypatch.setattr(pg, "member_group", member_group)
+    def member_group_allreduce(members: tuple[int, ...], rank: int, tensor: torch.Tensor) -> None:
+        member_group(members, rank).allreduce([tensor]).wait()
+
+    monkeypatch.setattr(pg, "member_group_allreduce", member_group_allreduce)
     averager.attach(manager, pg)
     averager.seen = seen
     return averager
@@ -111,7 +117,7 @@ def _averager(manager: _Manager, group: _Group, monkeypatch: pytest.MonkeyPatch,
 def test_group_round_averages_in_the_schedules_group_of_the_quorum(monkeypatch):
     manager, group = _Manager(members=5, rank=4, step=1), _Group()
     averager = _averager(manager, group, monkeypatch, group_size=2, sync_period=4)
-    assert averager.step() == "group"
+    assert averager.step().kind == "group"
     expected = GroupSchedule.for_members(5, 2).group_of(4, 1)
     assert averager.seen == [(expected, 4)] and len(expected) == 3
     assert torch.equal(averager.params[0].detach(), torch.full((4,), 2.0))  # (3 * 2) / 3
@@ -121,8 +127,8 @@ def test_group_round_averages_in_the_schedules_group_of_the_quorum(monkeypatch):
 def test_sync_round_uses_the_quorums_mean_and_period_counts_steps(monkeypatch):
     manager, group = _Manager(members=4, rank=0, step=3), _Group()
     averager = _averager(manager, group, monkeypatch, group_size=2, sync_period=4, period=2)
-    assert averager.step() == "none" and manager.quorums == 0  # between rounds: no quorum, no traffic
-    assert averager.step() == "sync"
+    assert averager.step().kind == "none" and manager.quorums == 0  # between rounds: no quorum, no traffic
+    assert averager.step().kind == "sync"
     assert group.calls == 0 and torch.equal(averager.params[0].detach(), torch.full((4,), 1.0))
 
 
@@ -132,7 +138,8 @@ def test_a_round_a_member_failed_is_rolled_back_whole(monkeypatch):
     manager, group = _Manager(members=4, rank=1, step=0), _Group(fail=True)
     averager = _averager(manager, group, monkeypatch, group_size=2, sync_period=4)
     before = averager.params[0].detach().clone()
-    assert averager.step() == "discarded"
+    report = averager.step()
+    assert report.kind == "discarded" and not report.kept
     assert len(manager.errors) == 1 and "Connection closed" in str(manager.errors[0])
     assert torch.equal(averager.params[0].detach(), before) and manager.step == 0
     assert (averager.committed, averager.discarded) == (0, 1)
@@ -143,14 +150,39 @@ def test_a_round_another_replica_failed_is_rolled_back_too(monkeypatch):
     manager, group = _Manager(members=4, rank=1, commit=False), _Group()
     averager = _averager(manager, group, monkeypatch, group_size=2, sync_period=4)
     before = averager.params[0].detach().clone()
-    assert averager.step() == "discarded" and group.calls == 1
+    assert averager.step().kind == "discarded" and group.calls == 1
     assert torch.equal(averager.params[0].detach(), before)
 
 
 def test_a_healing_replica_sits_out_group_rounds(monkeypatch):
     manager, group = _Manager(members=4, rank=None), _Group()
     averager = _averager(manager, group, monkeypatch, group_size=2, sync_period=4)
-    assert averager.step() == "group" and group.calls == 0
+    report = averager.step()
+    assert report.kind == "group" and group.calls == 0 and report.share is None
+
+
+def test_each_round_hands_every_participant_the_next_share_by_rank(monkeypatch):
+    manager = _Manager(members=3, rank=1)
+    averager = _averager(manager, _Group(), monkeypatch, group_size=3, sync_period=0)
+    joined = averager.join()
+    assert (joined.round, joined.trained_share, joined.kept, joined.share) == (0, None, False, 1)
+    assert averager.local_steps == 0  # joining is not a step
+    manager.rank = 2  # the next quorum places this replica third
+    report = averager.step()
+    assert (report.round, report.members, report.trained_share, report.kept, report.share) == (1, 3, 1, True, 5)
+
+
+def test_a_replica_that_heals_in_a_round_does_not_keep_its_period(monkeypatch):
+    # torchft loads a peer's state inside start_quorum: the shares count comes from the peer and what this replica
+    # trained since its last round is gone, so its share is reported as not kept.
+    manager = _Manager(members=2, rank=0)
+    averager = _averager(manager, _Group(), monkeypatch, group_size=2, sync_period=0)
+    averager.join()
+    peer = {"local_steps": 7, "committed": 9, "discarded": 0, "shares_assigned": 18}
+    monkeypatch.setattr(manager, "start_quorum", lambda: averager.load_state_dict(peer))
+    report = averager.step()
+    assert report.trained_share == 0 and not report.kept and report.share == 18
+    assert averager.shares_assigned == 20 and averager.local_steps == 7
 
 
 def test_state_dict_round_trip_and_bad_input(monkeypatch):
@@ -158,8 +190,8 @@ def test_state_dict_round_trip_and_bad_input(monkeypatch):
     averager.step()
     other = ReplicaAverager([torch.zeros(1)], group_size=2)
     other.load_state_dict(averager.state_dict())
-    assert other.state_dict() == {"local_steps": 1, "committed": 1, "discarded": 0}
-    with pytest.raises(ValueError, match=r"missing \['discarded'\]"):
+    assert other.state_dict() == {"local_steps": 1, "committed": 1, "discarded": 0, "shares_assigned": 2}
+    with pytest.raises(ValueError, match=r"missing \['discarded', 'shares_assigned'\]"):
         other.load_state_dict({"local_steps": 1, "committed": 0})
     with pytest.raises(ValueError, match=r"^group_size: expected an integer >= 2, found 0$"):
         ReplicaAverager([torch.zeros(1)], group_size=0)
@@ -233,7 +265,7 @@ def test_survivors_go_on_and_a_killed_replica_heals_from_a_peer(tmp_path, fault)
             procs[victim].send_signal(signal.SIGKILL)
         _wait_for(lambda: procs[victim].poll() is not None, "the victim did not die", deadline)
         assert procs[victim].returncode == -signal.SIGKILL, outs[victim].read_text()[-2000:]
-        killed_at, killed_round = time.time(), _records(logs[victim])[-1]["round"]
+        killed_at, killed_round = time.time(), _records(logs[victim])[-1]["committed"]
         time.sleep(1.0)
         procs[victim] = _replica(victim, ports[victim], address, rounds, logs[victim], outs[victim])
         for r, proc in enumerate(procs):
@@ -245,18 +277,18 @@ def test_survivors_go_on_and_a_killed_replica_heals_from_a_peer(tmp_path, fault)
                 proc.wait()
     records = [_records(log) for log in logs]
     # Every replica ends at the last round, a sync round, with the same model.
-    assert {r[-1]["round"] for r in records} == {rounds} and {r[-1]["kind"] for r in records} == {"sync"}
+    assert {r[-1]["committed"] for r in records} == {rounds} and {r[-1]["kind"] for r in records} == {"sync"}
     assert len({r[-1]["checksum"] for r in records}) == 1
     for index in (0, 1, 3):  # the survivors
         mine = records[index]
         after = [x for x in mine if x["time"] > killed_at]
         # They went on without the victim (quorums of three), lost at most one round to the fault ...
-        assert any(x["quorum"] == 3 for x in after), f"replica {index} never ran a round without the victim"
+        assert any(x["members"] == 3 for x in after), f"replica {index} never ran a round without the victim"
         assert sum(x["kind"] == "discarded" for x in mine) <= 1
         committed = [x["round"] for x in mine if x["kind"] != "discarded"]
         assert committed == sorted(set(committed)), f"replica {index} repeated a round: {committed}"
         # a replica that discarded a round heals from a peer at the next quorum: it skips that one round
-        assert len(range(committed[0], rounds + 1)) - len(committed) <= 1, f"replica {index} lost more than a round"
+        assert len(range(committed[0], rounds)) - len(committed) <= 1, f"replica {index} lost more than a round"
     if die_in is not None:  # the round the victim died in was discarded by the replicas its allreduce held
         assert killed_round == die_in  # records count rounds committed: die_in of them before round die_in began
         discarded = [index for index in (0, 1, 3) if any(x["kind"] == "discarded" for x in records[index])]
@@ -266,6 +298,13 @@ def test_survivors_go_on_and_a_killed_replica_heals_from_a_peer(tmp_path, fault)
             assert len(discarded) == 1
     # ... and the victim came back into the quorum within 30 s, healed at the job's round, not from the start.
     back = [x for x in records[victim] if x["time"] > killed_at]
-    assert back and back[0]["round"] > killed_round, (killed_round, back[:1])
+    assert back and back[0]["round"] > killed_round, (killed_round, back[:1])  # its join: a round of the job's
+    # No share of the data was trained on twice into the job's state. The fault lost the victim's two (the one it
+    # was training on, the one the round it died in still handed it) and, for each survivor whose allreduce held the
+    # victim, the one it discarded -- and, for its group partner, the period it then healed over.
+    kept = [x["trained_share"] for r in records for x in r if x["kept"]]
+    assert len(kept) == len(set(kept))
+    lost = set(range(max(kept) + 1)) - set(kept)
+    assert len(lost) <= {"between_rounds": 2, "mid_group_round": 4, "mid_sync_round": 5}[fault], sorted(lost)
     assert back[0]["time"] - killed_at < 30.0
-    assert any(x["quorum"] == 4 for x in back)
+    assert any(x["members"] == 4 for x in back)
