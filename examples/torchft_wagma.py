@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,9 @@ def main() -> None:
     parser.add_argument(
         "--die-in-round", type=int, default=None, help="fault injection: SIGKILL this process inside round N, mid-round"
     )
+    parser.add_argument("--checkpoint-dir", default=None, help="save this replica's state here (for --resume)")
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="committed rounds between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="start from this replica's checkpoint, if it has one")
     args = parser.parse_args()
     if args.rounds % args.sync_period:
         parser.error(f"--rounds: expected a multiple of --sync-period ({args.sync_period}), found {args.rounds}")
@@ -89,6 +93,11 @@ def main() -> None:
         connect_timeout=timeout,
     )
     averager.attach(manager, pg)
+    checkpoint = Path(args.checkpoint_dir) / f"replica{args.replica}.pt" if args.checkpoint_dir else None
+    if args.resume and checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=True)
+        load_state_dict(saved["user"])
+        manager.load_state_dict(saved["torchft"])
     if args.die_in_round is not None:
         _die_in_round(averager, args.die_in_round)
     log = open(args.log, "a") if args.log else None
@@ -111,11 +120,29 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             time.sleep(args.step_s)
-            record(averager.step(), loss.item())
+            report = averager.step()
+            record(report, loss.item())
+            if checkpoint is not None and report.kind in ("group", "sync") and report.round is not None:
+                if (report.round + 1) % args.checkpoint_every == 0:
+                    _save(checkpoint, {"user": state_dict(), "torchft": manager.state_dict()})
+        if log is not None:  # the final model's loss on held-out data
+            x = torch.randn(1024, 8, generator=torch.Generator().manual_seed(-1 % 2**63))
+            with torch.no_grad():
+                test_loss = nn.functional.mse_loss(model(x), torch.tanh(x @ teacher)).item()
+            log.write(json.dumps({"replica": args.replica, "final": True, "test_loss": test_loss, "time": time.time()}))
+            log.write("\n")
     finally:
         if log is not None:
             log.close()
         manager.shutdown(wait=False)
+
+
+def _save(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` whole or not at all (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
 
 
 def _checksum(model: nn.Module) -> float:
