@@ -34,6 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from wagma.app.specs import check_lengths, spec_from_options
+from wagma.checks import check_int
+
 __all__ = [
     "VOCAB",
     "Corpus",
@@ -72,26 +75,12 @@ class SourceSpec:
         Raises:
             ValueError: naming an unknown key or a value out of range.
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - fields - {"name", "test_fraction", "batching", "tokens"})
-        if unknown:
-            raise ValueError(f"data=torch_source has no option(s) {unknown}; known: {sorted(fields)}")
-        values = {}
-        for name in sorted(fields & set(options)):
-            raw = options[name]
-            if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw != int(raw):
-                raise ValueError(f"data.{name} must be an integer, got {raw!r}")
-            values[name] = int(raw)
-        spec = cls(**values)
-        spec.check()
-        return spec
+        return spec_from_options(cls, options, "torch_source")
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first parameter out of range."""
-        if not 2 <= self.min_len <= self.max_len:
-            raise ValueError(f"need 2 <= data.min_len <= data.max_len, got {self.min_len} and {self.max_len}")
-        if self.examples < 2:
-            raise ValueError(f"data.examples must be >= 2, got {self.examples}")
+        check_lengths(self.min_len, self.max_len, 2)
+        check_int("data.examples", self.examples, 2)
 
 
 @dataclasses.dataclass(frozen=True)
