@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from wagma.app.epochs import EpochBatches
-from wagma.app.specs import check_lengths, spec_from_options
+from wagma.app.specs import TaskSpec, check_lengths
 from wagma.checks import check_int, check_number, fail
 
 __all__ = ["SequenceSpec", "TokenBatchIterator", "generate", "trim_padding"]
@@ -38,8 +37,10 @@ PAD = 0
 
 
 @dataclasses.dataclass(frozen=True)
-class SequenceSpec:
+class SequenceSpec(TaskSpec):
     """The generated task's parameters (the ``data=sequences`` config's keys)."""
+
+    task: ClassVar[str] = "sequences"
 
     examples: int = 6000
     vocab: int = 32
@@ -50,16 +51,6 @@ class SequenceSpec:
     sigma: float = 0.9
     signal: float = 0.25
     data_seed: int = 0
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SequenceSpec:
-        """The spec from a data config's options (``name``, ``test_fraction``, ``batching`` and ``tokens`` are the
-        loader's, not the generator's), checked.
-
-        Raises:
-            ValueError: naming an unknown key or a value out of range.
-        """
-        return spec_from_options(cls, options, "sequences")
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first parameter out of range."""

@@ -26,15 +26,14 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wagma.app.specs import check_lengths, spec_from_options
+from wagma.app.specs import TaskSpec, check_lengths
 from wagma.checks import check_int
 
 __all__ = [
@@ -59,23 +58,15 @@ _LEFT_OUT = ("version.py",)  # names the build (CUDA or CPU): not the same bytes
 
 
 @dataclasses.dataclass(frozen=True)
-class SourceSpec:
+class SourceSpec(TaskSpec):
     """The task's parameters (the ``data=torch_source`` config's keys)."""
+
+    task: ClassVar[str] = "torch_source"
 
     examples: int = 10000
     max_len: int = 1024
     min_len: int = 16
     data_seed: int = 0
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SourceSpec:
-        """The spec from a data config's options (``name``, ``test_fraction`` and ``batching`` are the loader's),
-        checked.
-
-        Raises:
-            ValueError: naming an unknown key or a value out of range.
-        """
-        return spec_from_options(cls, options, "torch_source")
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first parameter out of range."""

@@ -1,30 +1,47 @@
 """The parameters of a data task the application makes itself (``data=sequences``, ``data=torch_source``).
 
-Each task keeps its parameters in a frozen dataclass with a ``check()`` method
-(:class:`wagma.app.sequences.SequenceSpec`, :class:`wagma.app.source_text.SourceSpec`); :func:`spec_from_options`
-reads one from a data config's options the same way for both, and :func:`check_lengths` checks the length bounds
-both have. This module imports nothing from the tasks, so both can import it.
+Each task keeps its parameters in a frozen dataclass derived from :class:`TaskSpec`, with a ``check()`` method
+(:class:`wagma.app.sequences.SequenceSpec`, :class:`wagma.app.source_text.SourceSpec`); :meth:`TaskSpec.from_options`
+(:func:`spec_from_options`) reads one from a data config's options the same way for both, and :func:`check_lengths`
+checks the length bounds both have. This module imports nothing from the tasks, so both can import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from wagma.checks import check_int, check_number, fail, is_number
 
-__all__ = ["LOADER_KEYS", "check_lengths", "spec_from_options"]
+__all__ = ["LOADER_KEYS", "TaskSpec", "check_lengths", "spec_from_options"]
 
 LOADER_KEYS = frozenset({"name", "test_fraction", "batching", "tokens"})
 """A data config's keys that are the loader's (:func:`wagma.app.data.load_dataset`), not a task's parameters."""
 
 
-class _Spec(Protocol):
-    def check(self) -> None: ...
+class TaskSpec:
+    """Base of a task's parameters: a frozen dataclass whose field defaults give each parameter's type (``int`` or
+    ``float``), its ``data=`` name in :attr:`task`, and a :meth:`check` of the ranges."""
+
+    task: ClassVar[str]
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first parameter out of range."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_options(cls: type[S], options: Mapping[str, Any]) -> S:
+        """The spec from a data config's options (``name``, ``test_fraction``, ``batching`` and ``tokens`` are the
+        loader's, not the task's), checked (:func:`spec_from_options`).
+
+        Raises:
+            ValueError: naming an unknown key, or a value of another type or out of range.
+        """
+        return spec_from_options(cls, options, cls.task)
 
 
-S = TypeVar("S", bound=_Spec)
+S = TypeVar("S", bound=TaskSpec)
 
 
 def spec_from_options(cls: type[S], options: Mapping[str, Any], task: str) -> S:
