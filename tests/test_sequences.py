@@ -116,7 +116,11 @@ def test_token_batches_fit_the_budget_cover_each_epoch_once_and_resume_exactly()
         assert torch.equal(ax, bx) and torch.equal(ay, by)
     with pytest.raises(ValueError, match="saved with tokens=512 into one with tokens=256"):
         TokenBatchIterator(x, y, 256, seed=3, rank=1).load_state_dict(saved)
-    with pytest.raises(ValueError, match="batching by tokens needs \\(N, L\\) int64 token rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"^x: expected \(N, L\) int64 token rows \(batching by tokens, data=sequences\), "
+        r"found \(torch.float32, \(10, 1, 8, 8\)\)$",
+    ):
         TokenBatchIterator(torch.randn(10, 1, 8, 8), torch.zeros(10), 512, seed=0, rank=0)
 
 

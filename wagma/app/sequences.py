@@ -116,9 +116,7 @@ class TokenBatchIterator(EpochBatches):
         if len(x) != len(y) or len(x) == 0:
             raise fail("len(x), len(y)", "non-empty and equal", (len(x), len(y)))
         if x.dtype != torch.int64 or x.dim() != 2:
-            raise ValueError(
-                f"batching by tokens needs (N, L) int64 token rows (data=sequences), got {x.dtype} {tuple(x.shape)}"
-            )
+            raise fail("x", "(N, L) int64 token rows (batching by tokens, data=sequences)", (x.dtype, tuple(x.shape)))
         self.x, self.y, self.tokens = x, y, check_int("data.tokens", tokens, 1)
         self.lengths = (x != PAD).sum(dim=1).clamp(min=1).cpu().numpy()
         super().__init__(seed=seed, rank=rank)
