@@ -118,13 +118,15 @@ def test_every_config_option_composes_validates_and_builds(group, option):
             "unknown averaging policy 'gossip'; known policies: adpsgd, allreduce, dpsgd, eager_majority",
         ),
         (["optim.name=lamb"], "unknown optimizer 'lamb'"),
-        (["checkpoint_every=-5"], "checkpoint_every must be an integer >= 0, got -5"),
-        (["eval_every=-1", "steps=0"], r"(?s)steps must be.*eval_every must be"),
+        (["checkpoint_every=-5"], "checkpoint_every: expected an integer >= 0, found -5"),
+        (["eval_every=-1", "steps=0"], r"(?s)steps: expected .*eval_every: expected "),
         (["averaging.sync_period=-2"], "averaging.sync_period must be >= 0, got -2"),
         (["averaging.group_size=3"], "group_size=3 must be a positive divisor of the world size 4"),
         (["imbalance=random_k", "imbalance.k=5"], r"k <= world size \(4\)"),
         (["batch_size=400"], "exceeds the 359 training examples each of 4 ranks holds"),
-        (["device=tpu"], "device must be"),
+        (["device=tpu"], "device: expected one of 'auto', 'cpu', 'cuda', found 'tpu'"),
+        (["telemetry_interval_s=-1"], r"telemetry_interval_s: expected a finite number >= 0, found -1 \(0: off\)"),
+        (["resume_policy_change=2"], "resume_policy_change: expected True or False, found 2"),
     ],
 )
 def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
@@ -137,11 +139,14 @@ def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
 @pytest.mark.parametrize(
     "overrides,problems",
     [
-        (["optim.lr=abc"], ["optim.lr: expected a float, found 'abc'"]),
+        (["optim.lr=abc"], ["optim.lr: expected a finite number > 0, found 'abc'"]),
         (["optim=adam", "optim.betas=[a,b]"], ["optim.betas: expected a list of floats, found ['a', 'b']"]),
         (["optim.nesterov=maybe"], ["optim.nesterov: expected true or false, found 'maybe'"]),  # passed before
-        (["optim.lr=null"], ["optim.lr: expected a float, found None"]),
-        (["data.test_fraction=abc"], ["data.test_fraction: expected a float, found 'abc'"]),  # a traceback before
+        (["optim.lr=null"], ["optim.lr: expected a finite number > 0, found None"]),
+        (
+            ["data.test_fraction=abc"],
+            ["data.test_fraction: expected a finite number > 0 and < 1, found 'abc'"],
+        ),  # a traceback before
         (["model.hidden=[abc]"], ["model.hidden: expected a list of integers, found ['abc']"]),
         (["model=cnn", "model.hidden=abc"], ["model.hidden: expected an integer, found 'abc'"]),
         (["imbalance=random_k", "imbalance.k=two"], ["imbalance.k: expected an integer, found 'two'"]),
@@ -157,12 +162,12 @@ def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
         (
             ["steps=0", "optim.lr=abc", "optim.momentum=x"],
             [
-                "steps must be an integer >= 1, got 0",
-                "optim.lr: expected a float, found 'abc'",
+                "steps: expected an integer >= 1, found 0",
+                "optim.lr: expected a finite number > 0, found 'abc'",
                 "optim.momentum: expected a float, found 'x'",
             ],
         ),
-        (["resume=maybe"], ["resume must be true or false, got 'maybe'"]),
+        (["resume=maybe"], ["resume: expected True or False, found 'maybe'"]),
     ],
 )
 def test_a_value_of_the_wrong_type_names_its_key_what_was_expected_and_what_was_found(overrides, problems):
