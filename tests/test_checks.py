@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from wagma.checks import check_bool, check_choice, check_int, check_number, is_int, is_number
+from wagma.checks import check_bool, check_choice, check_int, check_number, fail, is_int, is_number
 
 
 def test_check_int_returns_the_value_within_its_bounds() -> None:
@@ -58,3 +58,8 @@ def test_check_bool_and_check_choice() -> None:
 def test_predicates_refuse_bool() -> None:
     assert is_int(2) and not is_int(True) and not is_int(2.0)
     assert is_number(2.5) and is_number(2) and not is_number(False) and not is_number("2")
+
+
+def test_fail_appends_advice() -> None:
+    assert str(fail("n", "an integer", 1.5)) == "n: expected an integer, found 1.5"
+    assert str(fail("n", "an integer", 1.5, "round it first")) == "n: expected an integer, found 1.5; round it first"

@@ -21,9 +21,13 @@ __all__ = ["check_bool", "check_choice", "check_int", "check_number", "fail", "i
 T = TypeVar("T")
 
 
-def fail(name: str, expected: str, found: object) -> ValueError:
-    """The error every check raises: ``"{name}: expected {expected}, found {found!r}"`` (return it, then raise it)."""
-    return ValueError(f"{name}: expected {expected}, found {found!r}")
+def fail(name: str, expected: str, found: object, advice: str = "") -> ValueError:
+    """The error every check raises: ``"{name}: expected {expected}, found {found!r}"`` (return it, then raise it).
+
+    ``advice``, when given, follows after ``"; "``: what the caller can do instead, or why the value is refused.
+    """
+    message = f"{name}: expected {expected}, found {found!r}"
+    return ValueError(f"{message}; {advice}" if advice else message)
 
 
 def is_int(value: object) -> bool:
