@@ -87,8 +87,11 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_choice(name: str, value: T, choices: Collection[T]) -> T:
-    """Return ``value`` if it is one of ``choices``; raise ``ValueError`` naming them otherwise."""
+def check_choice(name: str, value: T, choices: Collection[object]) -> T:
+    """Return ``value`` if it is one of ``choices``; raise ``ValueError`` naming them otherwise.
+
+    The value keeps its static type (a ``Literal`` parameter stays one) whatever the type of ``choices``.
+    """
     try:
         ok = value in choices
     except TypeError:  # an unhashable value against a set

@@ -46,7 +46,7 @@ from wagma.averaging.tensors import (
     local_tensor,
     reduced_parameters,
 )
-from wagma.checks import check_int
+from wagma.checks import check_bool, check_int, fail
 from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
@@ -132,7 +132,7 @@ class AveragerStats:
         elif kind == "local":
             self.local_reductions += 1
         else:
-            raise ValueError(f"kind: expected 'local' or 'global', found {kind!r}")
+            raise fail("kind", "'local' or 'global'", kind)
         self.bytes_sent += int(nbytes)
         self.wait_s += float(wait_s)
 
@@ -232,8 +232,7 @@ class AveragerBase(ModelAverager):
         world: WorldLike = None,
         wire_dtype: WireDtype = None,
     ) -> None:
-        if not isinstance(average_buffers, bool):
-            raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
+        check_bool("average_buffers", average_buffers)
         self.timeout = as_timeout(timeout)
         #: The dtype reductions send float32/float64 values in (``None``: their own; :mod:`wagma.wire`).
         self.wire_dtype: torch.dtype | None = as_wire_dtype(wire_dtype)
