@@ -101,10 +101,11 @@ class GroupSchedule:
             return cls([[(x,) for x in range(world_size)]], name="butterfly")
         m = _exact_log(world_size, group_size)
         if m is None:
-            raise ValueError(
-                f"butterfly needs world_size to be a power of group_size: expected group_size**m "
-                f"(m >= 1), got world_size={world_size}, group_size={group_size}; use "
-                f"GroupSchedule.mixed_radix or GroupSchedule.create('auto', ...) for other world sizes"
+            raise fail(
+                "world_size",
+                f"a power of group_size={group_size} for a butterfly (group_size**m, m >= 1)",
+                world_size,
+                "use GroupSchedule.mixed_radix or GroupSchedule.create('auto', ...) for other world sizes",
             )
         partitions = []
         for d in range(m):

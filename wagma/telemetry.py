@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from wagma.checks import check_int, check_number
+from wagma.checks import check_int, check_number, check_optional_int
 
 __all__ = ["GpuMetrics", "GpuTelemetry", "Sample"]
 
@@ -102,8 +102,7 @@ class GpuTelemetry:
         max_buffered: int = 10_000,
     ) -> None:
         self.interval_s = check_number("GpuTelemetry: interval_s", interval_s, minimum=0, above=True)
-        if device_index is not None:
-            check_int("GpuTelemetry: device_index", device_index, minimum=0)
+        check_optional_int("GpuTelemetry: device_index", device_index, minimum=0)
         check_int("GpuTelemetry: max_buffered", max_buffered, minimum=1)
         self.device_index = _default_device_index() if device_index is None else device_index
         self.available = False
