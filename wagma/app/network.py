@@ -115,6 +115,13 @@ class NetworkError(RuntimeError):
         self.said = said if said is not None else message
 
 
+def _fail(name: str, expected: str, found: object, advice: str = "") -> ValueError:
+    """:func:`wagma.checks.fail`, imported here: the module imports nothing of wagma (its reaper runs it alone)."""
+    from wagma.checks import fail
+
+    return fail(name, expected, found, advice)
+
+
 def _off(rate: object) -> bool:
     """Whether ``rate`` means no network of its own (null, 0, an empty string)."""
     from wagma.checks import is_number  # here: the module imports nothing of wagma (its reaper runs it alone)
@@ -128,16 +135,14 @@ def parse_rate(rate: object) -> int | None:
     Raises:
         ValueError: (one line) naming the accepted forms.
     """
-    from wagma.checks import fail  # here: the module imports nothing of wagma (its reaper runs it alone)
-
     if _off(rate):
         return None
     match = _RATE.fullmatch(rate.strip()) if isinstance(rate, str) else None
     if match is None or float(match.group(1)) <= 0:
-        raise fail("rank_net", f"null (no network) or a rate: {RATE_FORMS}", rate)
+        raise _fail("rank_net", f"null (no network) or a rate: {RATE_FORMS}", rate)
     bits = round(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if bits < 8_000:
-        raise fail("rank_net", "at least 8kbit", rate, "a rank could not send one packet a second")
+        raise _fail("rank_net", "at least 8kbit", rate, "a rank could not send one packet a second")
     return bits
 
 
@@ -402,16 +407,14 @@ class RankNetwork:
     """
 
     def __init__(self, rate: str, *, job: str, rank: int) -> None:
-        from wagma.checks import fail  # here: the module imports nothing of wagma (its reaper runs it alone)
-
         global _current
         bits = parse_rate(rate)
         if bits is None:
-            raise fail("rate", "a rate such as 200mbit", rate)
+            raise _fail("rate", "a rate such as 200mbit", rate)
         if _current is not None:
             raise NetworkError(f"this process is already in a rank network ({_current.namespace})")
         if not 0 <= rank <= 252:
-            raise NetworkError(str(fail("rank", "a local rank in [0, 252] (rank_net gives a host one /24)", rank)))
+            raise NetworkError(str(_fail("rank", "a local rank in [0, 252] (rank_net gives a host one /24)", rank)))
         self.rate: str = rate_name(rate) or ""
         self.bits_per_s, self.job, self.rank = bits, job, rank
         tag = _tag(job)
@@ -682,8 +685,6 @@ def check_rank_net(rate: object, local_ranks: int, world_size: int | None = None
     goes through NVLink and shared memory); and the host must have ``ip``, ``tc``, root, and make a bridge, a
     namespace, a veth and ``tbf`` when tried (once per process, under the host lock).
     """
-    from wagma.checks import fail  # here: the module imports nothing of wagma (its reaper runs it alone)
-
     try:
         name = rate_name(rate)
     except ValueError as exc:
@@ -696,7 +697,7 @@ def check_rank_net(rate: object, local_ranks: int, world_size: int | None = None
             f"one host ({local_ranks} local of {world_size} ranks): run a multi-node job without rank_net"
         )
     if local_ranks > 253:
-        return str(fail(f"rank_net={name}", "at most 253 ranks on a host (one /24)", local_ranks))
+        return str(_fail(f"rank_net={name}", "at most 253 ranks on a host (one /24)", local_ranks))
     if device == "cuda":
         return (
             f"rank_net={name} shapes the ranks' sockets (gloo), and on CUDA devices they send through NCCL, "
