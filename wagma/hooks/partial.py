@@ -18,6 +18,11 @@ applies what is left in the residuals at the end.
 when its gradient is applied, ``w - lr * mu * v``, instead of at ``w``: :meth:`PartialAllreduceState.attach` hooks the
 optimizer so that the parameters hold that point between steps and the true weights during ``optimizer.step()``.
 
+One module, though a long one: nearly all of it is :class:`PartialAllreduceState`, one state machine over DDP's
+backward passes (warm-up, partial rounds with overlap and look-ahead, flush, checkpoints) whose methods share its
+residual, engine and round counters; splitting its methods across modules would only scatter that state. The two
+functions the FSDP hook reuses (:func:`eager_engine`, :func:`sum_residuals`) are the engine's set-up and flush.
+
 No ``from __future__ import annotations`` here: DDP checks the hook's annotations as real objects.
 """
 
