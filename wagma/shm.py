@@ -31,7 +31,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from wagma.checks import check_int
+from wagma.checks import check_choice, check_int
 
 __all__ = ["SHM_DIR", "SharedMemoryAllreduce", "check_transport", "TRANSPORTS"]
 
@@ -51,8 +51,7 @@ def check_transport(transport: object, device: torch.device | None = None) -> st
     Raises:
         ValueError: an unknown transport, or ``"shm"`` for tensors that are not on the CPU.
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport: expected one of {', '.join(map(repr, TRANSPORTS))}, found {transport!r}")
+    check_choice("transport", transport, TRANSPORTS)
     if transport == "shm" and device is not None and device.type != "cpu":
         raise ValueError(f"transport 'shm' reduces CPU tensors, found tensors on {device}: use 'default' (NCCL)")
     return str(transport)

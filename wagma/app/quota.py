@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from wagma.app.procs import sigterm_exits
-from wagma.checks import fail, is_number
+from wagma.checks import check_number, fail, is_number
 
 __all__ = [
     "PERIOD_US",
@@ -114,9 +114,7 @@ class RankQuota:
     """
 
     def __init__(self, cpus: float, *, job: str, rank: int, root: Path | None = None) -> None:
-        if not cpus > 0:
-            raise ValueError(f"cpus: expected a number > 0, found {cpus!r}")
-        self.cpus = float(cpus)
+        self.cpus = check_number("cpus", cpus, 0, above=True)
         self.root = cgroup_root() if root is None else root
         self.path = self.root / "wagma" / job / f"rank{rank}"
         self._home = _own_cgroup(self.root)
