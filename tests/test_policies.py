@@ -205,68 +205,107 @@ KNOWN = (
     [
         # the built-ins, and whatever a config's policy_module registered earlier in the session (random_peers)
         ("local_sgd", {"name": "gossip"}, f"unknown averaging policy 'gossip'; known policies: {KNOWN}"),
-        ("local_sgd", {"period": 0}, r"averaging.period must be an integer >= 1, got 0"),
-        ("local_sgd", {"period": -3}, r"averaging.period must be >= 0, got -3"),
-        ("local_sgd", {"period": 2.5}, r"averaging.period must be an integer >= 1, got 2.5"),
-        ("local_sgd", {"warmup_steps": -1}, r"averaging.warmup_steps must be >= 0, got -1"),
-        ("local_sgd", {"perod": 4}, r"averaging 'local_sgd' takes the keys .*, got unknown keys \['perod'\]"),
-        ("hierarchical", {"local_group_size": 3}, "local_group_size=3 must be a positive divisor of the world size 4"),
+        ("local_sgd", {"period": 0}, r"averaging.period: expected an integer >= 1, found 0$"),
+        ("local_sgd", {"period": -3}, r"averaging.period: expected a number >= 0, found -3$"),
+        ("local_sgd", {"period": 2.5}, r"averaging.period: expected an integer >= 1, found 2.5$"),
+        ("local_sgd", {"warmup_steps": -1}, r"averaging.warmup_steps: expected a number >= 0, found -1$"),
+        (
+            "local_sgd",
+            {"perod": 4},
+            r"averaging 'local_sgd' unknown keys: expected none \(it takes \['average_buffers', .*\]\), "
+            r"found \['perod'\]$",
+        ),
+        (
+            "hierarchical",
+            {"local_group_size": 3},
+            "local_group_size: expected a positive divisor of the world size 4, found 3; pick a group size that",
+        ),
         (
             "hierarchical",
             {"local_period": 4, "global_period": 6},
-            "global_period=6 must be a multiple of averaging.local_period=4",
+            "averaging.global_period: expected a multiple of averaging.local_period=4, found 6; a global mean replaces",
         ),
-        ("hierarchical", {"local_period": 0}, "averaging.local_period must be an integer >= 1, got 0"),
-        ("hierarchical_momentum", {"momentum": 1.0}, r"averaging.momentum must be a number in \[0, 1\), got 1.0"),
-        ("hierarchical_momentum", {"momentum": -0.1}, r"averaging.momentum must be a number in \[0, 1\), got -0.1"),
-        ("hierarchical_momentum", {"apply_to": "local"}, "averaging.apply_to must be one of global, all; got 'local'"),
-        ("hierarchical_momentum", {"lr": 0}, "averaging.lr must be a number > 0, got 0"),
-        ("wagma", {"group_size": 3}, "group_size=3 must be a positive divisor of the world size 4"),
+        ("hierarchical", {"local_period": 0}, "averaging.local_period: expected an integer >= 1, found 0$"),
+        (
+            "hierarchical_momentum",
+            {"momentum": 1.0},
+            r"averaging.momentum: expected a finite number >= 0.0 and < 1.0, found 1.0$",
+        ),
+        (
+            "hierarchical_momentum",
+            {"momentum": -0.1},
+            r"averaging.momentum: expected a finite number >= 0.0 and < 1.0, found -0.1$",
+        ),
+        (
+            "hierarchical_momentum",
+            {"apply_to": "local"},
+            "averaging.apply_to: expected one of 'global', 'all', found 'local'$",
+        ),
+        ("hierarchical_momentum", {"lr": 0}, "averaging.lr: expected a finite number > 0, found 0$"),
+        ("wagma", {"group_size": 3}, "group_size: expected a positive divisor of the world size 4, found 3; pick a"),
         (
             "wagma",
             {"order": "step_average"},
-            "averaging.order must be one of average_then_step, step_then_average; got 'step_average'",
+            "averaging.order: expected one of 'average_then_step', 'step_then_average', found 'step_average'$",
         ),
-        ("wagma", {"mixing": "gossip"}, "averaging.mixing must be one of reference, mean, conserve; got 'gossip'"),
-        ("wagma", {"sync": "lazy"}, "averaging.sync must be one of barrier, wait_avoiding; got 'lazy'"),
+        (
+            "wagma",
+            {"mixing": "gossip"},
+            "averaging.mixing: expected one of 'reference', 'mean', 'conserve', found 'gossip'$",
+        ),
+        ("wagma", {"sync": "lazy"}, "averaging.sync: expected one of 'barrier', 'wait_avoiding', found 'lazy'$"),
         ("wagma", {"max_lead": 11}, r"averaging.max_lead must be null or an integer in \[0, sync_period=10\], got 11"),
         (
             "reference/eager_solo",
             {"max_lead": 33},
             r"averaging.max_lead must be null or an integer in \[0, sync_period=32\], got 33",
         ),
-        ("wagma", {"sync_period": -1}, "averaging.sync_period must be >= 0, got -1"),
-        ("wagma", {"schedule": "ring"}, "averaging.schedule='ring' cannot be used: unknown schedule kind"),
+        ("wagma", {"sync_period": -1}, "averaging.sync_period: expected a number >= 0, found -1$"),
+        (
+            "wagma",
+            {"schedule": "ring"},
+            "averaging.schedule='ring' cannot be used: kind: expected one of 'butterfly', 'mixed_radix', 'auto', "
+            "found 'ring'$",
+        ),
         ("wagma", {"group_size": 1}, "averaging.schedule='auto' cannot be used"),  # groups of 1 never mix
-        ("reference/eager_solo", {"mode": "all"}, "averaging.mode must be one of solo, majority; got 'all'"),
-        ("reference/eager_solo", {"late": "outside"}, "averaging.late must be one of apply, lookahead; got 'outside'"),
+        ("reference/eager_solo", {"mode": "all"}, "averaging.mode: expected one of 'solo', 'majority', found 'all'$"),
+        (
+            "reference/eager_solo",
+            {"late": "outside"},
+            "averaging.late: expected one of 'apply', 'lookahead', found 'outside'$",
+        ),
         (
             "reference/eager_solo",
             {"mode": "majority"},
-            "averaging 'eager_solo' runs mode 'solo'.*use averaging=reference/eager_majority",
+            r"averaging.mode: expected 'solo' \(averaging 'eager_solo' runs it\), found 'majority'; "
+            "use averaging=reference/eager_majority$",
         ),
-        ("reference/eager_majority", {"warmup_iters": 1}, "averaging.warmup_iters must be an integer >= 2, got 1"),
-        ("reference/eager_majority", {"sync_period": 0}, "averaging.sync_period must be an integer >= 1, got 0"),
+        ("reference/eager_majority", {"warmup_iters": 1}, "averaging.warmup_iters: expected an integer >= 2, found 1$"),
+        ("reference/eager_majority", {"sync_period": 0}, "averaging.sync_period: expected an integer >= 1, found 0$"),
         ("wagma", {"progress_nice": 20}, r"averaging.progress_nice must be an integer in \[0, 19\], got 20"),
-        ("wagma", {"publish_after_step": "yes"}, "averaging.publish_after_step must be true or false, got 'yes'"),
+        ("wagma", {"publish_after_step": "yes"}, "averaging.publish_after_step: expected True or False, found 'yes'$"),
         (
             "wagma",
             {"publish_after_step": True, "order": "step_then_average"},
-            "publish_after_step=true needs averaging.order=average_then_step and averaging.overlap=false, got "
+            "publish_after_step=true: expected averaging.order=average_then_step and averaging.overlap=false, found "
             "order='step_then_average'",
         ),
-        ("wagma", {"publish_after_step": True, "overlap": True}, "publish_after_step=true needs .*overlap=True"),
+        (
+            "wagma",
+            {"publish_after_step": True, "overlap": True},
+            "publish_after_step=true: expected .*, found .*overlap=True$",
+        ),
         (
             "reference/eager_solo",
             {"progress_nice": -1},
             r"averaging.progress_nice must be an integer in \[0, 19\], got -1",
         ),
-        ("wagma", {"transport": "tcp"}, "averaging.transport must be one of default, shm, got 'tcp'"),
-        ("allreduce", {"transport": "nccl"}, "averaging.transport must be one of default, shm, got 'nccl'"),
+        ("wagma", {"transport": "tcp"}, "averaging.transport: expected one of 'default', 'shm', found 'tcp'$"),
+        ("allreduce", {"transport": "nccl"}, "averaging.transport: expected one of 'default', 'shm', found 'nccl'$"),
         ("local_sgd", {"transport": "shm"}, "transport"),  # its averages use gloo only: the key is unknown there
-        ("dpsgd", {"topology": "torus"}, "averaging.topology must be one of ring, exponential; got 'torus'"),
+        ("dpsgd", {"topology": "torus"}, "averaging.topology: expected one of 'ring', 'exponential', found 'torus'$"),
         ("sgp", {"topology": "ring"}, "topology"),  # SGP's graph is fixed: the key is unknown there
-        ("osgp", {"warmup_steps": -2}, "averaging.warmup_steps must be >= 0, got -2"),
+        ("osgp", {"warmup_steps": -2}, "averaging.warmup_steps: expected a number >= 0, found -2$"),
         ("adpsgd", {"topology": "ring"}, "topology"),
     ],
 )

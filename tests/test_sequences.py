@@ -154,7 +154,10 @@ def test_the_transformer_ignores_padding_and_learns():
     [
         (["data=sequences"], "model=mlp reads images: data=sequences needs model=transformer"),
         (["model=transformer"], "model=transformer reads token data: use it with data=sequences"),
-        (["data=sequences", "model=transformer", "data.batching=words"], "data.batching must be 'samples' or 'tokens'"),
+        (
+            ["data=sequences", "model=transformer", "data.batching=words"],
+            "data.batching: expected one of 'samples', 'tokens', found 'words'",
+        ),
         (
             ["data=sequences", "model=transformer", "data.max_len=4"],
             "data.max_len: expected an integer >= data.min_len = 8, found 4",

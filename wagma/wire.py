@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from wagma.checks import fail
+
 __all__ = ["WIRE_DTYPES", "WireDtype", "as_wire_dtype", "narrow_for", "wire_dtype_name", "wire_nbytes"]
 
 #: Names ``wire_dtype`` accepts (besides a ``torch.dtype``); ``None`` and ``"float32"``: no compression.
@@ -54,7 +56,7 @@ def as_wire_dtype(value: WireDtype, model_dtype: torch.dtype | None = None) -> t
     if isinstance(value, str):
         key = value.lower()
         if key not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype: expected one of {sorted(WIRE_DTYPES)} or a torch dtype, found {value!r}")
+            raise fail("wire_dtype", f"one of {sorted(WIRE_DTYPES)} or a torch dtype", value)
         dtype = WIRE_DTYPES[key]
     elif isinstance(value, torch.dtype):
         if value not in (torch.float32, torch.bfloat16, torch.float16):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group, require_initialized, store_barrier
 
-__all__ = ["World", "WorldLike", "as_world"]
+__all__ = ["World", "WorldLike", "as_world", "member_world"]
 
 
 class World:
@@ -175,6 +175,18 @@ def as_world(world: WorldLike, timeout: datetime.timedelta | float = DEFAULT_TIM
         "world: expected None (the whole job), a wagma.World, a ProcessGroup or a (DeviceMesh, dim_name) pair, "
         f"found {type(world).__name__}"
     )
+
+
+def member_world(world: WorldLike, timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> World:
+    """:func:`as_world`, for a rank that works inside its world: refuse one that is in none of the worlds.
+
+    Raises:
+        ValueError: if the calling rank is in none of the worlds (naming them), or whatever :func:`as_world` raises.
+    """
+    resolved = as_world(world, timeout)
+    if not resolved.is_member:
+        raise ValueError(f"world: rank {dist.get_rank()} is in none of the worlds {list(resolved.family)}")
+    return resolved
 
 
 def _mesh_world(mesh: Any, dim: str) -> World:

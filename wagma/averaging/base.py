@@ -7,7 +7,8 @@ Every averager in :mod:`wagma.averaging` (and the wait-avoiding ``WagmaAverager`
   first call (or :meth:`AveragerBase.bind`) fixes the set and its order; later calls may list the same
   tensors in any order, another set raises ``ValueError``;
 - packing them into :class:`~wagma.averaging.tensors.FlatBuffers` (one collective per buffer, not per tensor);
-- :class:`AveragerStats`, the counters every averager reports (reductions, bytes, waiting, staleness);
+- the counters every averager reports in ``self.stats`` (reductions, bytes, waiting, staleness): an
+  :class:`~wagma.averaging.stats.AveragerStats`, defined in :mod:`wagma.averaging.stats` and re-exported here;
 - the blocking mean over a process group (:meth:`AveragerBase.allreduce_mean`), the step counter,
   ``state_dict``/``load_state_dict``, ``close`` and the final :meth:`AveragerBase.synchronize`.
 
@@ -17,14 +18,13 @@ A subclass implements :meth:`AveragerBase._average_step`, which runs whatever it
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 import weakref
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from wagma.averaging.guards import (
     order_ignored_by_caller,
     warn_at_caller,
 )
+from wagma.averaging.stats import AveragerStats, Reduction
 from wagma.averaging.tensors import (
     FlatBuffers,
     ParameterBinding,
@@ -46,7 +47,7 @@ from wagma.averaging.tensors import (
     local_tensor,
     reduced_parameters,
 )
-from wagma.checks import check_int
+from wagma.checks import check_bool, check_int
 from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
@@ -70,9 +71,6 @@ __all__ = [
     "collect_parameters",
     "reduced_parameters",
 ]
-
-#: Kind of reduction an averager ran at a step: among a subset of ranks, or among all of them.
-Reduction = Literal["local", "global"]
 
 
 class OwnedResources:
@@ -99,69 +97,6 @@ class OwnedResources:
         destroy_groups(groups)
         if errors:
             raise errors[0]
-
-
-@dataclasses.dataclass
-class AveragerStats:
-    """Counters every averager keeps in ``self.stats`` (per rank, cumulative since construction).
-
-    Attributes:
-        global_reductions: reductions over all ranks (including :meth:`AveragerBase.synchronize`).
-        local_reductions: reductions over a subset of ranks (node-local or schedule groups).
-        bytes_sent: payload bytes this rank handed to collectives: the size of every reduced buffer,
-            once per reduction (not the algorithm's wire traffic, which depends on the backend).
-        wait_s: seconds spent issuing and waiting for blocking collectives.
-        fresh_contributions: rounds in which this rank's current model made it into its group's
-            reduction (wait-avoiding averagers; synchronous ones leave it at 0).
-        stale_contributions: rounds in which an older snapshot was used instead.
-        staleness_hist: staleness in rounds -> number of contributions with that staleness.
-    """
-
-    global_reductions: int = 0
-    local_reductions: int = 0
-    bytes_sent: int = 0
-    wait_s: float = 0.0
-    fresh_contributions: int = 0
-    stale_contributions: int = 0
-    staleness_hist: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    def record_reduction(self, kind: Reduction, nbytes: int, wait_s: float) -> None:
-        """Count one reduction of ``kind`` that sent ``nbytes`` and blocked for ``wait_s`` seconds."""
-        if kind == "global":
-            self.global_reductions += 1
-        elif kind == "local":
-            self.local_reductions += 1
-        else:
-            raise ValueError(f"kind: expected 'local' or 'global', found {kind!r}")
-        self.bytes_sent += int(nbytes)
-        self.wait_s += float(wait_s)
-
-    def record_contribution(self, staleness: int) -> None:
-        """Count one contribution that was ``staleness`` rounds old (0: fresh)."""
-        check_int("staleness", staleness, 0)
-        if staleness == 0:
-            self.fresh_contributions += 1
-        else:
-            self.stale_contributions += 1
-        self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
-
-    def as_dict(self) -> dict[str, Any]:
-        """A plain, independent copy of the counters (for logging, JSON and checkpoints)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> AveragerStats:
-        """Rebuild counters from :meth:`as_dict` output (histogram keys may have become strings in JSON).
-
-        Raises:
-            ValueError: if ``state`` lacks a field or has an unknown one.
-        """
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(state) != names:
-            raise ValueError(f"stats: expected the fields {sorted(names)}, found {sorted(state)}")
-        values = dict(state)
-        values["staleness_hist"] = {int(k): int(v) for k, v in state["staleness_hist"].items()}
-        return cls(**values)
 
 
 class AveragerBase(ModelAverager):
@@ -232,8 +167,7 @@ class AveragerBase(ModelAverager):
         world: WorldLike = None,
         wire_dtype: WireDtype = None,
     ) -> None:
-        if not isinstance(average_buffers, bool):
-            raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
+        check_bool("average_buffers", average_buffers)
         self.timeout = as_timeout(timeout)
         #: The dtype reductions send float32/float64 values in (``None``: their own; :mod:`wagma.wire`).
         self.wire_dtype: torch.dtype | None = as_wire_dtype(wire_dtype)

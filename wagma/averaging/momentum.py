@@ -23,6 +23,7 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from wagma.averaging.base import AveragerBase, AveragerStats, Reduction
 from wagma.averaging.tensors import FlatBuffers, ParameterBinding, ParamsLike, collect_named, local_tensor
+from wagma.checks import check_bool, check_choice, check_number
 
 __all__ = ["MomentumLevels", "ReductionMomentum", "reduction_momentum_update_"]
 
@@ -112,14 +113,10 @@ class ReductionMomentum(ModelAverager):
         nesterov: bool = False,
         apply_to: MomentumLevels = "global",
     ) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum: expected a number in [0, 1), found {momentum!r}")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0.0:
-            raise ValueError(f"lr: expected a number > 0, found {lr!r}")
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"nesterov: expected a bool, found {nesterov!r}")
-        if apply_to not in ("global", "all"):
-            raise ValueError(f"apply_to: expected 'global' or 'all', found {apply_to!r}")
+        check_number("momentum", momentum, 0.0, 1.0, below=True)
+        check_number("lr", lr, 0.0, above=True)
+        check_bool("nesterov", nesterov)
+        check_choice("apply_to", apply_to, ("global", "all"))
         if not isinstance(averager, AveragerBase):
             raise ValueError(
                 f"averager: expected a wagma AveragerBase (PeriodicAverager, HierarchicalAverager, ...), "

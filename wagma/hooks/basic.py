@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import OwnedResources, reduced_parameters
+from wagma.checks import check_int
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
 from wagma.schedule import check_group_fits
 from wagma.shm import SharedMemoryAllreduce, check_transport
@@ -134,9 +135,7 @@ class GroupAllreduceState:
     """
 
     def __init__(self, group_size: int, *, timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> None:
-        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-            raise ValueError(f"group_size: expected an integer >= 1, found {group_size!r}")
-        self.group_size = group_size
+        self.group_size = check_int("group_size", group_size, minimum=1)
         self.timeout = as_timeout(timeout)
         self.subgroup: dist.ProcessGroup | None = None
         self.blocks: list[list[int]] = []

@@ -35,6 +35,7 @@ from wagma.averaging import (
     flatten_parameters,
 )
 from wagma.averaging.tensors import local_tensor
+from wagma.checks import check_choice
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 from wagma.wire import as_wire_dtype, wire_dtype_name
@@ -417,8 +418,7 @@ class GossipPolicy(ModelAveragingPolicy):
     KINDS: tuple[str, ...] = ("dpsgd", "sgp", "osgp", "adpsgd")
 
     def __init__(self, *, kind: str, topology: str = "ring", average_buffers: bool = True, **kwargs: Any) -> None:
-        if kind not in self.KINDS:
-            raise ValueError(f"kind: expected one of {self.KINDS}, found {kind!r}")
+        check_choice("kind", kind, self.KINDS)
         super().__init__(**kwargs)
         if self.wire_dtype is not None:
             raise ValueError(

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from wagma.app.parallel import shard_model
+from wagma.checks import check_number
 from wagma.hooks.basic import AllreduceState, allreduce_hook
 from wagma.shm import check_transport
 from wagma.wire import as_wire_dtype, narrow_for, wire_dtype_name, wire_nbytes
@@ -118,10 +119,8 @@ class AllreducePolicy(Policy):
                 (:func:`wagma.allreduce_hook` with an :class:`wagma.AllreduceState`'s ``wire_dtype``; no error
                 feedback).
         """
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.device = device
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0, above=True)
         self.transport = check_transport(transport, device)
         self.wire_dtype = as_wire_dtype(wire_dtype)
         if self.wire_dtype is not None and self.transport == "shm":
