@@ -60,6 +60,18 @@ def is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def default_group() -> dist.ProcessGroup:
+    """The job's default process group (``dist.group.WORLD``).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+    require_initialized("default_group")
+    group = dist.group.WORLD
+    assert group is not None  # initialized
+    return group
+
+
 def require_initialized(what: str) -> None:
     """Raise ``RuntimeError`` naming ``what`` if the default process group does not exist yet."""
     if not dist.is_available() or not dist.is_initialized():

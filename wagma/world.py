@@ -80,6 +80,13 @@ class World:
         g = self.ranks[world_rank] if 0 <= world_rank < len(self.ranks) else world_rank
         return f"rank {g}" if self.whole_job else f"rank {g} (world rank {world_rank})"
 
+    def new_world_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        """:meth:`new_group` over the whole world, which always holds the calling rank: its group, never ``None``."""
+        group = self.new_group(None, timeout)
+        if group is None:  # pragma: no cover -- every rank is in its own world
+            raise RuntimeError(f"World.new_world_group: this rank is in no world of {self.family}")
+        return group
+
     def new_group(
         self, world_ranks: Sequence[int] | None, timeout: datetime.timedelta, *, wait: bool = True
     ) -> dist.ProcessGroup | None:

@@ -161,7 +161,7 @@ def _resume(run: Run) -> None:
 
 def _fingerprint(cfg: DictConfig, layout: Layout) -> dict[str, Any]:
     """What a checkpoint records of its run and a resume must match (``averaging`` may be allowed to change)."""
-    plain = {group: group_options(cfg, group) for group in ("model", "optim", "averaging", "data")}
+    plain: dict[str, Any] = {group: group_options(cfg, group) for group in ("model", "optim", "averaging", "data")}
     plain |= {"batch_size": int(cfg.batch_size), "seed": int(cfg.seed)}
     plain |= {"parallel": layout.parallel, "shard_size": layout.shard_size}
     return json.loads(json.dumps(plain, sort_keys=True))  # as meta.json gives it back: lists, sorted keys

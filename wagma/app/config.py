@@ -173,7 +173,8 @@ def _check_groups(plain: Mapping[str, Any], world_size: int, found: dict[str, li
     data = plain["data"]
     info: DataInfo | None = _attempt(found["data"], lambda: dataset_info(data))
     if info is not None:
-        _attempt(found["data"], lambda: _check_split(plain, info, world_size, found))
+        known: DataInfo = info
+        _attempt(found["data"], lambda: _check_split(plain, known, world_size, found))
     if info is None:  # the model is checked against some data all the same
         info = DataInfo(*DATASET_INFO["digits"])
     model = dict(plain["model"])
@@ -270,11 +271,11 @@ def _shipped_values(configs_dir: Path) -> dict[str, dict[Any, dict[str, list[Any
         match = _INTERPOLATION.fullmatch(value) if isinstance(value, str) else None
         return root.get(match.group(1)) if match else value
 
-    values: dict[str, dict[Any, dict[str, list[Any]]]] = {"": {None: {k: [v] for k, v in root.items()}}}
+    values: dict[str, dict[Any, dict[str, list[Any]]]] = {"": {None: {str(k): [v] for k, v in root.items()}}}
     for group in _GROUPS:
         by_name = values.setdefault(group, {})
         for path in sorted((configs_dir / group).rglob("*.yaml")):
-            own = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            own: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
             if not isinstance(own, dict):
                 continue
             own.pop("defaults", None)
@@ -321,8 +322,9 @@ def _type_problems(plain: Mapping[str, Any], configs_dir: Path) -> dict[str, dic
             kinds = [_kind(example) for example in examples]
             if not kinds or any(k is None or k[0](value) for k in kinds) or (group and key == "name"):
                 continue
+            expected = kinds[0][1]  # type: ignore[index]  # no kind is None here (the line above)
             path = f"{group}.{key}" if group else str(key)
-            result.setdefault(group, {})[path] = (f"{path}: expected {kinds[0][1]}, found {value!r}", value is None)
+            result.setdefault(group, {})[path] = (f"{path}: expected {expected}, found {value!r}", value is None)
     return result
 
 

@@ -267,7 +267,7 @@ class MetricsWriter:
         """
         if self._tb is None:
             return
-        from tensorboard.compat.proto.summary_pb2 import Summary  # installed: self._tb exists
+        from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]  # installed: self._tb exists
 
         values = [
             Summary.Value(tag=tensorboard_tag(key), simple_value=float(value))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -231,10 +231,9 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str
             rebuilt[index] = per_param
             continue
         shard_shape = local_tensor(param).shape
+        mesh, placements = cast(DTensor, param).device_mesh, cast(DTensor, param).placements
         rebuilt[index] = {
-            key: DTensor.from_local(
-                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
+            key: DTensor.from_local(value, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
             if isinstance(value, torch.Tensor) and key != "step" and value.shape == shard_shape
             else value
             for key, value in per_param.items()

@@ -48,7 +48,7 @@ class Totals:
 def window_record(window: list[dict[str, float]]) -> dict[str, Any]:
     """Means over the steps since the last record, and this rank's throughput over them."""
     n = len(window)
-    record = {key: sum(t[key] for t in window) / n for key in window[0]}
+    record: dict[str, Any] = {key: sum(t[key] for t in window) / n for key in window[0]}
     record["samples_per_s"] = record["samples"] / record["step_s"] if record["step_s"] > 0 else None
     record["steps_in_record"] = n
     return record

@@ -37,6 +37,7 @@ from wagma.averaging.guards import (
 )
 from wagma.averaging.stats import AveragerStats, Reduction
 from wagma.averaging.tensors import (
+    BuffersLike,
     FlatBuffers,
     ParameterBinding,
     ParamsLike,
@@ -213,7 +214,7 @@ class AveragerBase(ModelAverager):
         :meth:`flat_buffers` and ``self.stats``).
         """
 
-    def average_parameters(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> Reduction | None:
+    def average_parameters(self, params: ParamsLike, buffers: BuffersLike | None = None) -> Reduction | None:
         """Average what the policy schedules for this step, then advance the step counter.
 
         Args:
@@ -239,7 +240,7 @@ class AveragerBase(ModelAverager):
         self.step += 1
         return kind
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Blocking mean over all ranks, for evaluation and checkpoints; counts as a global reduction.
 
         Does not advance ``self.step`` and does not change ``self.last_reduction``.
@@ -256,7 +257,7 @@ class AveragerBase(ModelAverager):
     # -- building blocks for subclasses ------------------------------------------------------------------
 
     def tensors_to_average(
-        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None, *, where: str = "average_parameters"
+        self, params: ParamsLike, buffers: BuffersLike | None = None, *, where: str = "average_parameters"
     ) -> list[torch.Tensor]:
         """The bound parameters, then (if ``average_buffers``) floating-point buffers, in the bound order; of a
         ``DTensor`` (an FSDP2 parameter) its local shard.
@@ -273,7 +274,7 @@ class AveragerBase(ModelAverager):
         arranged = self._binding.arrange(tensors, names, where=f"{type(self).__name__}.{where}")
         return [local_tensor(t) for t in arranged]  # bound by the DTensor, averaged as this rank's shard
 
-    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def bind(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Bind the averager to these tensors (and their order) from now on, replacing an earlier binding.
 
         Every rank must bind the same parameters at the same step (e.g. after ``add_param_group``).
@@ -283,9 +284,7 @@ class AveragerBase(ModelAverager):
         self._flat = None
         self._wire_refs = []
 
-    def _collect(
-        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None
-    ) -> tuple[list[torch.Tensor], list[str | None]]:
+    def _collect(self, params: ParamsLike, buffers: BuffersLike | None) -> tuple[list[torch.Tensor], list[str | None]]:
         tensors, names = collect_named(params)
         if self.average_buffers and buffers is not None:
             more, more_names = collect_named_buffers(buffers, exclude=tensors)
@@ -380,6 +379,12 @@ class AveragerBase(ModelAverager):
                     f"{where} did not finish within the group's timeout; a peer is slow, hung or gone ({err})"
                 ) from err
             raise RuntimeError(f"{where} failed; a peer is gone or its connection broke ({err})") from err
+
+    def _new_world_group(self) -> dist.ProcessGroup:
+        """:meth:`_new_group` over the whole world: this rank's group, never ``None``."""
+        group = self.world.new_world_group(self.timeout)
+        self._owned_groups.append(group)
+        return group
 
     def _new_group(self, ranks: Sequence[int] | None) -> dist.ProcessGroup | None:
         """Create a group over ``ranks`` (world ranks; ``None``: the whole world) with this averager's timeout, in

@@ -22,14 +22,14 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
-from wagma.averaging.tensors import widened
+from wagma.averaging.tensors import BuffersLike, widened
 from wagma.checks import check_bool, check_choice, check_int, check_number
 from wagma.groups import DEFAULT_TIMEOUT, is_timeout
 from wagma.world import WorldLike
@@ -407,7 +407,7 @@ class SGPAverager(AveragerBase):
 
     # -- evaluation, state ------------------------------------------------------------------------------
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Blocking global push-sum average: every rank gets ``Σx / Σw`` and ``w = 1`` (nothing in flight is lost).
 
         Does not advance ``self.step``; counts as a global reduction.

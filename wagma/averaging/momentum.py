@@ -13,7 +13,6 @@ torch reference of the update on flat buffers (a fused kernel may replace it; it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Literal
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from wagma.averaging.base import AveragerBase, AveragerStats, Reduction
-from wagma.averaging.tensors import FlatBuffers, ParameterBinding, ParamsLike, collect_named, local_tensor
+from wagma.averaging.tensors import BuffersLike, FlatBuffers, ParameterBinding, ParamsLike, collect_named, local_tensor
 from wagma.checks import check_bool, check_choice, check_number
 
 __all__ = ["MomentumLevels", "ReductionMomentum", "reduction_momentum_update_"]
@@ -172,7 +171,7 @@ class ReductionMomentum(ModelAverager):
 
     # -- averaging --------------------------------------------------------------------------------------
 
-    def average_parameters(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> Reduction | None:
+    def average_parameters(self, params: ParamsLike, buffers: BuffersLike | None = None) -> Reduction | None:
         """Run the wrapped averager's step, then the momentum update if it reduced at a momentum level.
 
         Args:
@@ -220,11 +219,11 @@ class ReductionMomentum(ModelAverager):
                 level.anchor = [v.clone() for v in values]
         return kind
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """The wrapped averager's blocking global mean (no momentum; anchors are left as they are)."""
         self.averager.synchronize(params, buffers)
 
-    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def bind(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Rebind the wrapped averager and the momentum to these tensors; the momentum state starts afresh.
 
         Every rank must call it at the same step.

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
-from wagma.averaging.tensors import FlatBuffers, local_tensor, widened
+from wagma.averaging.tensors import BuffersLike, FlatBuffers, local_tensor, widened
 from wagma.checks import check_bool, check_choice, check_int, fail
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
@@ -176,7 +176,7 @@ class WagmaAverager(AveragerBase):
         sync_period: int,
         *,
         params: ParamsLike,
-        buffers: Iterable[torch.Tensor] | None = None,
+        buffers: BuffersLike | None = None,
         schedule: str | GroupSchedule | Sequence[Sequence[Sequence[int]]] = "auto",
         mixing: Mixing = "reference",
         order: Order = "average_then_step",
@@ -339,7 +339,7 @@ class WagmaAverager(AveragerBase):
         flat.unpack()
         return kind
 
-    def publish(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def publish(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """``publish_after_step=True``: publish the model as it is now, right after ``optimizer.step()``, as this
         rank's contribution to its next round.
 
@@ -418,7 +418,7 @@ class WagmaAverager(AveragerBase):
                 sent, alpha=size / (size + 1)
             )  # w + (sent + sum)/(S+1) - sent
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Blocking mean over all ranks (for evaluation and checkpoints); with ``overlap``, the round in flight
         is collected first and not applied: the mean of fresh models supersedes its mix."""
         self._check_open()
@@ -431,7 +431,7 @@ class WagmaAverager(AveragerBase):
             for engine in self._engines:
                 self._give_back(engine, engine.collect(pending))
 
-    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def bind(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Average another set of tensors from now on: rebind and restart the engines at this step.
 
         Collective: every rank calls it at the same step (it creates communicators), with the model

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import OwnedResources, reduced_parameters
 from wagma.checks import check_int
-from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, default_group, require_initialized
 from wagma.schedule import check_group_fits
 from wagma.shm import SharedMemoryAllreduce, check_transport
 from wagma.wire import WireDtype, as_wire_dtype, narrow_for
@@ -104,7 +104,7 @@ def allreduce_hook(state: AllreduceState | None, bucket: dist.GradBucket) -> tor
         state: an :class:`AllreduceState`, or ``None`` for the default group.
         bucket: the gradient bucket DDP hands over; its buffer is reduced in place.
     """
-    group = state.process_group if state is not None and state.process_group is not None else dist.group.WORLD
+    group = state.process_group if state is not None and state.process_group is not None else default_group()
     if state is not None and state.shm is not None:
         buffer = bucket.buffer().div_(group.size())  # first, as the gloo path does
         return _completed(state.shm.all_reduce(buffer))

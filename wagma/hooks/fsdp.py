@@ -93,7 +93,7 @@ class FSDPPartialAllreduce:
         self.stats = AveragerStats()
         self.iteration = 0
         self.rounds = 0
-        self.group = self.world.new_group(None, self.timeout)  # warm-up and flush
+        self.group = self.world.new_world_group(self.timeout)  # warm-up and flush
         self._resources = OwnedResources()
         self._resources.groups.append(self.group)
         self._finalizer = weakref.finalize(self, self._resources.release)
@@ -101,7 +101,7 @@ class FSDPPartialAllreduce:
         self._restored: torch.Tensor | None = None  # load_state_dict(): the residual the engine starts from
         # Where each parameter's local gradient lies in the reduce-scatter output: (offset, numel, shape), by id
         self._layout: dict[int, tuple[int, int, torch.Size]] | None = None
-        module.set_all_reduce_hook(self._hook)
+        module.set_all_reduce_hook(self._hook)  # type: ignore[operator]  # an FSDPModule (checked above)
 
     # --------------------------------------------------------------------------------------- the hook
     def _hook(self, out: torch.Tensor) -> None:

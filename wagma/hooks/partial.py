@@ -165,7 +165,7 @@ class PartialAllreduceState:
         Released by :meth:`close`, or by the finalizer when the state is dropped or alive at interpreter exit
         (a progress thread inside a collective at exit would otherwise abort the process).
         """
-        group = self.world.new_group(None, self.timeout)
+        group = self.world.new_world_group(self.timeout)
         self._resources = OwnedResources()
         self._resources.groups.append(group)
         self._finalizer = weakref.finalize(self, self._resources.release)

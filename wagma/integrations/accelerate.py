@@ -20,7 +20,7 @@ accumulation), in the averager's ``order``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ class _CountingAveragingOptimizer(AveragingOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = super().step(closure)
         self.steps += 1
         if isinstance(self.hook_state, PostLocalState):
@@ -220,7 +220,7 @@ def prepare_wagma(
     if hook is not None:
         check_unsharded(module, "Accelerate's DDP", "use wagma.FSDPPartialAllreduce on an FSDP2 model instead")
         state = build(comm_state, module, "comm_state")
-        model.register_comm_hook(state, hook)
+        cast(DistributedDataParallel, model).register_comm_hook(state, hook)  # _require_ddp checked it
     built = build(averager, module, "averager")
     if built is not None:
         optimizer.optimizer = _CountingAveragingOptimizer(optimizer.optimizer, built, module, state)

@@ -181,7 +181,7 @@ def timeout(seconds: float) -> datetime.timedelta:
 
 
 # torch >= 2.13 renamed DDP's per-forward buffer broadcast; older releases only know broadcast_buffers.
-_NO_BUFFER_SYNC = (
+_NO_BUFFER_SYNC: dict[str, Any] = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     else {"broadcast_buffers": False}
@@ -189,7 +189,7 @@ _NO_BUFFER_SYNC = (
 
 
 # The gradients are views of DDP's buckets: backward writes them there directly, and DDP copies nothing back.
-_DDP_OPTIONS = {"gradient_as_bucket_view": True}
+_DDP_OPTIONS: dict[str, Any] = {"gradient_as_bucket_view": True}
 
 
 def ddp_without_buffer_sync(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
