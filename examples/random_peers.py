@@ -24,7 +24,8 @@ from torch import nn
 
 from wagma.app.policies import ModelAveragingPolicy, register_policy
 from wagma.app.policies.base import timeout
-from wagma.averaging.base import AveragerBase, Reduction, check_int
+from wagma.averaging.base import AveragerBase, Reduction
+from wagma.checks import check_int
 
 
 def pairing(world_size: int, round_: int, seed: int) -> list[tuple[int, int]]:

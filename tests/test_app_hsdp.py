@@ -50,10 +50,11 @@ def _cfg(run_dir: Path | None, *overrides: str) -> DictConfig:
         ),
         (("parallel=hsdp", "shard_size=1"), "shard_size: expected an integer >= 2 with parallel=hsdp .*, found 1"),
         (("parallel=ddp", "shard_size=2"), "shard_size: expected 1 with parallel=ddp .*, found 2; set parallel=hsdp"),
-        (("parallel=fsdp",), "parallel: expected one of ddp, hsdp, found 'fsdp'"),
+        (("parallel=fsdp",), "parallel: expected one of 'ddp', 'hsdp', found 'fsdp'"),
         (
             (*HSDP, "averaging=wagma", "averaging.group_size=4"),
-            r"group_size=4 must be a positive divisor of the world size 2.*\(parallel=hsdp: the policy averages "
+            r"averaging.group_size: expected a positive divisor of the world size 2, found 4.*"
+            r"\(parallel=hsdp: the policy averages "
             r"over the 2 replicas = 4 ranks / shard_size 2\)",
         ),
         (

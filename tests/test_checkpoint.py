@@ -299,8 +299,8 @@ def test_saving_a_step_again_replaces_it_and_keeps_the_older_one(tmp_path):
 def test_counters_of_a_checkpoint_from_before_samples_were_counted_count_its_batches():
     """Older checkpoints lack ``samples``: their steps held ``batch_size`` examples each, and samples/s must
     count them (counting only the steps after the resume would understate throughput)."""
+    from wagma.app.assembly import restored_totals as _restored_totals
     from wagma.app.data import BatchIterator
-    from wagma.app.train import _restored_totals
 
     batches = BatchIterator(torch.zeros(40, 2), torch.zeros(40, dtype=torch.long), 8, seed=0, rank=0)
     old = {"steps": 5, "train_s": 1.0, "compute_s": 0.5, "wait_s": 0.2, "imbalance_s": 0.0, "elapsed_s": 2.0}

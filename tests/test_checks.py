@@ -6,7 +6,17 @@ import math
 
 import pytest
 
-from wagma.checks import check_bool, check_choice, check_int, check_number, is_int, is_number
+from wagma.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+    check_optional_number,
+    fail,
+    is_int,
+    is_number,
+)
 
 
 def test_check_int_returns_the_value_within_its_bounds() -> None:
@@ -58,3 +68,19 @@ def test_check_bool_and_check_choice() -> None:
 def test_predicates_refuse_bool() -> None:
     assert is_int(2) and not is_int(True) and not is_int(2.0)
     assert is_number(2.5) and is_number(2) and not is_number(False) and not is_number("2")
+
+
+def test_fail_appends_advice() -> None:
+    assert str(fail("n", "an integer", 1.5)) == "n: expected an integer, found 1.5"
+    assert str(fail("n", "an integer", 1.5, "round it first")) == "n: expected an integer, found 1.5; round it first"
+
+
+def test_optional_checks_take_none_and_say_so() -> None:
+    assert check_optional_int("lead", None) is None
+    assert check_optional_int("lead", 3, minimum=0) == 3
+    assert check_optional_number("s", None, minimum=0) is None
+    assert check_optional_number("s", 2, minimum=0) == 2.0
+    with pytest.raises(ValueError, match=r"^lead: expected None or an integer >= 0 and <= 4, found 5$"):
+        check_optional_int("lead", 5, minimum=0, maximum=4)
+    with pytest.raises(ValueError, match=r"^s: expected None or a finite number > 0, found False$"):
+        check_optional_number("s", False, minimum=0, above=True)

@@ -620,7 +620,7 @@ def test_round_options_are_checked_once_and_max_lead_defaults_to_the_sync_period
     cases = {
         "sync_period: expected an integer >= 0, found -1": {"sync_period": -1},
         "sync_period: expected an integer >= 0, found True": {"sync_period": True},
-        "max_lead: expected an integer in [0, sync_period=2]": {"sync_period": 2, "max_lead": 3},
+        "max_lead: expected an integer in [0, sync_period=2], found 3; no thread": {"sync_period": 2, "max_lead": 3},
         "sync: expected one of 'barrier', 'wait_avoiding', found 'lazy'": {"sync_period": 2, "sync": "lazy"},
         "start_round: expected an integer >= 0, found -1": {"sync_period": 2, "start_round": -1},
         "timeout: expected a positive datetime.timedelta, found 5": {"sync_period": 2, "timeout": 5},

@@ -369,8 +369,8 @@ def test_bad_arguments_are_one_clear_error():
         return errors
 
     errors = run_workers(worker, 2, timeout_s=60, collective_timeout_s=TIMEOUT_S)[0]
-    assert "topology: expected one of ('ring', 'exponential'), found 'torus'" in errors[0]
-    assert "overlap: expected a bool, found 'yes'" in errors[1]
+    assert "topology: expected one of 'ring', 'exponential', found 'torus'" in errors[0]
+    assert "overlap: expected True or False, found 'yes'" in errors[1]
     assert "warmup_steps: expected an integer >= 0, found -1" in errors[2]
 
 

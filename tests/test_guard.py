@@ -103,7 +103,9 @@ def test_chance_accuracy_at_the_end_is_flagged():
 
 @pytest.mark.parametrize("bad", [-1, "high", True])
 def test_bad_validated_staleness_is_a_value_error(bad):
-    with pytest.raises(ValueError, match="validated_staleness: expected null or a number >= 0"):
+    with pytest.raises(
+        ValueError, match=rf"^validated_staleness: expected None or a finite number >= 0, found {bad!r}$"
+    ):
         TrainingGuard("wagma", 10, validated_staleness=bad)
 
 

@@ -214,7 +214,10 @@ def test_a_config_group_larger_than_the_world_says_so() -> None:
 def test_an_order_key_for_a_policy_without_order_is_a_config_error() -> None:
     from wagma.app.policies.options import validate_local_sgd
 
-    with pytest.raises(ValueError, match=r"averaging 'local_sgd' takes the keys .* got unknown keys \['order'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"averaging 'local_sgd' unknown keys: expected none \(it takes \[.*'period'.*\]\), found \['order'\]",
+    ):
         validate_local_sgd({"period": 2, "order": "average_then_step"}, 2)
 
 

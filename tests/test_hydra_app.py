@@ -73,12 +73,12 @@ def test_cfg_job_prints_the_composed_config_and_starts_nothing(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("nproc=0", "nproc must be an integer >= 1, got 0"),
+        ("nproc=0", "nproc: expected an integer >= 1, found 0"),
         # one subprocess each (3 s): the quick suite keeps two, the slow phase the rest
-        pytest.param("nproc=-1", "nproc must be an integer >= 1, got -1", marks=pytest.mark.slow),
-        pytest.param("nproc=abc", "nproc must be an integer >= 1, got 'abc'", marks=pytest.mark.slow),
-        pytest.param("max_restarts=-1", "max_restarts must be an integer >= 0, got -1", marks=pytest.mark.slow),
-        ("averaging.group_size=3", "averaging.group_size=3 must be a positive divisor of the world size 4"),
+        pytest.param("nproc=-1", "nproc: expected an integer >= 1, found -1", marks=pytest.mark.slow),
+        pytest.param("nproc=abc", "nproc: expected an integer >= 1, found 'abc'", marks=pytest.mark.slow),
+        pytest.param("max_restarts=-1", "max_restarts: expected an integer >= 0, found -1", marks=pytest.mark.slow),
+        ("averaging.group_size=3", "averaging.group_size: expected a positive divisor of the world size 4, found 3"),
     ],
 )
 def test_a_bad_launch_argument_or_config_is_one_line_and_exit_status_2(tmp_path, override, message):
@@ -177,8 +177,8 @@ def test_every_config_problem_is_on_the_one_line(tmp_path):
     proc = _train(tmp_path, "nproc=0", "max_restarts=-2", timeout=60)
     assert proc.returncode == 2
     assert _lines(proc.stderr) == [
-        "error: invalid configuration: nproc must be an integer >= 1, got 0; "
-        "max_restarts must be an integer >= 0, got -2"
+        "error: invalid configuration: nproc: expected an integer >= 1, found 0; "
+        "max_restarts: expected an integer >= 0, found -2"
     ], proc.stderr
 
 
@@ -333,7 +333,9 @@ def test_a_multirun_starts_fresh_ranks_per_job_and_ends_with_a_table_and_plots(t
     rows = json.loads((out / "sweep.json").read_text())
     assert [(r["summary"] or {}).get("policy") for r in rows] == ["allreduce", None, "local_sgd", None]
     assert [r["exit"] for r in rows] == [0, 2, 0, 2]
-    assert _lines(proc.stderr).count("job 1: error: invalid configuration: steps must be an integer >= 1, got 0") == 1
+    assert (
+        _lines(proc.stderr).count("job 1: error: invalid configuration: steps: expected an integer >= 1, found 0") == 1
+    )
     table = proc.stdout[proc.stdout.index("job ") :]
     assert "0_averaging=allreduce,steps=20  allreduce" in table and "failed (exit status 2)" in table
     for png in ("accuracy_vs_time.png", "throughput.png"):

@@ -91,14 +91,47 @@ def test_none_never_sleeps():
 @pytest.mark.parametrize(
     "cfg,match",
     [
-        ({"name": "random_k", "k": 5, "delay_s": 0.1}, r"k <= world size \(4\)"),
-        ({"name": "random_k", "k": 1, "delay_s": -0.1}, "delay_s >= 0"),
-        ({"name": "persistent", "ranks": [0], "factor": 0.5}, "factor >= 1"),
-        ({"name": "persistent", "ranks": [4], "factor": 2}, r"ranks in \[0, 4\)"),
-        ({"name": "persistent", "ranks": [1, 1], "factor": 2}, "distinct"),
-        ({"name": "heavy_tail", "scale_s": -1, "shape": 1}, "scale_s >= 0"),
+        (
+            {"name": "random_k", "k": 5, "delay_s": 0.1},
+            r"^imbalance.k: expected 0 <= k <= the world size 4 \(random_k\), found 5$",
+        ),
+        (
+            {"name": "random_k", "k": 1, "delay_s": -0.1},
+            "^imbalance.delay_s: expected a finite number >= 0, found -0.1$",
+        ),
+        (
+            {"name": "persistent", "ranks": [0], "factor": 0.5},
+            "^imbalance.factor: expected a finite number >= 1, found 0.5$",
+        ),
+        (
+            {"name": "persistent", "ranks": [4], "factor": 2},
+            r"^imbalance.ranks: expected distinct ranks in \[0, 4\) \(persistent\), found \[4\]$",
+        ),
+        (
+            {"name": "persistent", "ranks": [1, 1], "factor": 2},
+            r"^imbalance.ranks: expected distinct ranks in \[0, 4\) \(persistent\), found \[1, 1\]$",
+        ),
+        (
+            {"name": "persistent", "ranks": [1], "factor": 2, "base_s": "1"},
+            "^imbalance.base_s: expected None or a finite number >= 0, found '1'$",
+        ),
+        (
+            {"name": "heavy_tail", "scale_s": -1, "shape": 1},
+            "^imbalance.scale_s: expected a finite number >= 0, found -1$",
+        ),
+        (
+            {"name": "heavy_tail", "scale_s": 1, "shape": 0},
+            "^imbalance.shape: expected a finite number > 0, found 0$",
+        ),
+        (
+            {"name": "heavy_tail", "scale_s": 1, "shape": 1, "max_s": -2},
+            "^imbalance.max_s: expected None or a finite number >= 0, found -2$",
+        ),
         ({"name": "heavy_tail", "distribution": "pareto", "scale_s": 0.1, "shape": 1.0}, "infinite mean"),
-        ({"name": "heavy_tail", "distribution": "cauchy", "scale_s": 0.1, "shape": 1.0}, "lognormal"),
+        (
+            {"name": "heavy_tail", "distribution": "cauchy", "scale_s": 0.1, "shape": 1.0},
+            "^imbalance.distribution: expected one of 'lognormal', 'pareto', found 'cauchy'$",
+        ),
         ({"name": "random_k", "k": 1, "delay_s": 0.1, "rank": 3}, "bad arguments"),
         ({"name": "stragglers"}, "known imbalances: heavy_tail, none, persistent, random_k"),
     ],

@@ -380,9 +380,18 @@ def test_allowed_aliasing():
         (lambda: K.wagma_combine_(torch.zeros(3), torch.zeros(3, dtype=torch.float64), 2.0), "dtype"),
         (lambda: K.wagma_combine_(torch.zeros(4, 2).t(), torch.zeros(2, 4), 2.0), "contiguous"),
         (lambda: K.wagma_combine_(torch.zeros(3), torch.zeros(3, device="meta"), 2.0), "meta"),
-        (lambda: K.wagma_combine_(torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 2), "floating"),
-        (lambda: K.wagma_combine_(torch.zeros(3), [0.0, 0.0, 0.0], 2.0), "torch.Tensor"),
-        (lambda: K.wagma_combine_(torch.zeros(3), torch.zeros(3), 0.0), "divisor"),
+        (
+            lambda: K.wagma_combine_(torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 2),
+            "^wagma_combine_: w: expected a floating-point tensor, found torch.int32$",
+        ),
+        (
+            lambda: K.wagma_combine_(torch.zeros(3), [0.0, 0.0, 0.0], 2.0),
+            "^wagma_combine_: group_sum: expected a torch.Tensor, found <class 'list'>$",
+        ),
+        (
+            lambda: K.wagma_combine_(torch.zeros(3), torch.zeros(3), 0.0),
+            "^wagma_combine_: divisor: expected a finite number > 0, found 0.0$",
+        ),
         (lambda: K.wagma_combine_(torch.zeros(3), torch.zeros(3), math.nan), "divisor"),
         (lambda: K.reduction_momentum_(*torch.zeros(3, 2).unbind(1), torch.zeros(3), 0.9), "contiguous"),
         (lambda: K.reduction_momentum_(torch.zeros(3), torch.zeros(3), torch.zeros(3), -0.1), "momentum"),

@@ -190,9 +190,9 @@ def test_roll_call_does_not_wait_when_every_rank_reports():
 
 
 def test_roll_call_rejects_a_negative_wait_and_an_unknown_step():
-    with pytest.raises(ValueError, match="report_s must be >= 0"):
+    with pytest.raises(ValueError, match="^report_s: expected a finite number >= 0, found -1.0$"):
         RollCall(0, 1, report_s=-1.0, store=dist.HashStore())
-    with pytest.raises(ValueError, match="step must be an int >= 0 or 'final'"):
+    with pytest.raises(ValueError, match="^step: expected an integer >= 0 or 'final', found 'end'$"):
         RollCall(0, 1, store=dist.HashStore()).begin("end")
 
 

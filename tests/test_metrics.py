@@ -71,7 +71,7 @@ def test_every_record_has_a_wall_clock_time_and_elapsed_training_seconds(tmp_pat
     assert all(before <= t <= after for t in times) and times == sorted(times)
     assert all(b - a >= 0.009 for a, b in itertools.pairwise(elapsed))
     assert 100.0 < elapsed[0] < elapsed[-1] < 100.0 + (after - before) + 0.01
-    with pytest.raises(ValueError, match="elapsed_s must be >= 0"):
+    with pytest.raises(ValueError, match=r"^elapsed_s: expected a finite number >= 0, found -1.0$"):
         MetricsWriter(tmp_path, 1, elapsed_s=-1.0)
 
 
@@ -184,8 +184,11 @@ def test_progress_is_a_line_every_n_steps_off_a_terminal_and_a_live_bar_on_one()
 def test_progress_every_defaults_to_a_tenth_of_the_steps_and_refuses_bad_values():
     assert progress_every(None, 300) == 30 and progress_every(None, 4) == 1 and progress_every(7, 300) == 7
     for bad in (0, -3, 2.5, "10", True):
-        with pytest.raises(ConfigError, match="progress_every must be an integer >= 1"):
+        expected = "an integer >= 1 (steps between progress lines) or null (a tenth of the steps)"
+        message = f"invalid configuration:\n  - progress_every: expected {expected}, found {bad!r}"
+        with pytest.raises(ConfigError) as info:
             progress_every(bad, 300)
+        assert str(info.value) == message
 
 
 # --- train() on forked ranks ------------------------------------------------------------------------
@@ -261,7 +264,7 @@ def test_progress_of_a_run_is_lines_in_a_log_file_and_a_bar_on_a_terminal(tmp_pa
 
 def test_bad_progress_every_fails_on_every_rank_before_training(tmp_path):
     outcomes = run_workers_outcomes(_train_worker, 2, _cfg(tmp_path, "progress_every=0"))
-    assert all(not o.ok and "progress_every must be an integer >= 1" in o.error for o in outcomes)
+    assert all(not o.ok and "progress_every: expected an integer >= 1 (steps between" in o.error for o in outcomes)
     assert list(tmp_path.iterdir()) == []
 
 

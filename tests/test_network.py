@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 import wagma.app.network as network
 from wagma.app.config import ConfigError, validate_config
 from wagma.app.network import (
+    RATE_FORMS,
     RankNetwork,
     bridge_name,
     check_rank_net,
@@ -79,8 +80,9 @@ def test_a_rate_is_a_number_and_kbit_mbit_or_gbit():
     assert parse_rate("1.5Gbit") == 1_500_000_000 and rate_name("1.5Gbit") == "1.5gbit"
     assert parse_rate(None) is None and parse_rate(0) is None and rate_name("") is None
     for bad in ("200mb", "fast", "200", 200, "-1mbit", "0mbit", True):
-        with pytest.raises(ValueError, match=r"e\.g\. 500kbit, 100mbit, 1gbit; got"):
+        with pytest.raises(ValueError) as info:
             parse_rate(bad)
+        assert str(info.value) == f"rank_net: expected null (no network) or a rate: {RATE_FORMS}, found {bad!r}"
     assert tbf_burst(200_000_000) == 250_000  # 10 ms of the rate
     assert tbf_burst(1_000_000) == 16 * 1024  # the floor
 
@@ -93,12 +95,20 @@ def test_names_fit_linux_interface_names():
 
 def test_check_rank_net_names_what_is_wrong_in_one_line():
     assert check_rank_net(None, 8) is None and check_rank_net(0, 8) is None
-    assert check_rank_net("200mb", 2).startswith("rank_net must be null (no network) or a rate: a number and kbit")
+    assert check_rank_net("200mb", 2) == (
+        "rank_net: expected null (no network) or a rate: a number and kbit, mbit or gbit, "
+        "e.g. 500kbit, 100mbit, 1gbit, found '200mb'"
+    )
+    assert check_rank_net("1kbit", 2) == (
+        "rank_net: expected at least 8kbit, found '1kbit'; a rank could not send one packet a second"
+    )
     assert check_rank_net("200mbit", 2, 4) == (
         "rank_net=200mbit puts the ranks of one host on a network of their own, but this job spans more than one host "
         "(2 local of 4 ranks): run a multi-node job without rank_net"
     )
-    assert "at most 253 ranks" in check_rank_net("200mbit", 300, 300)
+    assert check_rank_net("200mbit", 300, 300) == (
+        "rank_net=200mbit: expected at most 253 ranks on a host (one /24), found 300"
+    )
     assert "on CUDA devices they send through NCCL" in check_rank_net("200mbit", 2, 2, device="cuda")
     for line in (check_rank_net("x", 2), check_rank_net("1gbit", 2, 4)):
         assert "\n" not in line
@@ -149,7 +159,7 @@ def test_check_rank_net_names_a_host_without_tbf(monkeypatch, fresh_host_check):
 def test_a_bad_rate_is_a_config_error_before_any_rank_starts():
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         cfg = compose("config", overrides=["rank_net=200mb"])
-    with pytest.raises(ConfigError, match=r"rank_net must be null \(no network\) or a rate: .* got '200mb'"):
+    with pytest.raises(ConfigError, match=r"rank_net: expected null \(no network\) or a rate: .*, found '200mb'"):
         validate_config(cfg, 4)
 
 
@@ -473,8 +483,8 @@ def test_python_train_py_stops_with_one_line_for_a_bad_rate(tmp_path):
     assert proc.returncode == 2
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert errors == [
-        "error: invalid configuration: rank_net must be null (no network) or a rate: a number and kbit, "
-        "mbit or gbit, e.g. 500kbit, 100mbit, 1gbit; got 'fast'"
+        "error: invalid configuration: rank_net: expected null (no network) or a rate: a number and kbit, "
+        "mbit or gbit, e.g. 500kbit, 100mbit, 1gbit, found 'fast'"
     ], output
 
 
@@ -565,14 +575,14 @@ def test_the_benchmarks_refuse_a_bad_rate_in_one_line(tmp_path, capsys):
         chaos.main(["--rank-net", "2OOmbit", "--out", str(tmp_path / "c.json")])
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith(
-        "--rank-net: rank_net must be null (no network) or a rate: a number and kbit, mbit or "
-        "gbit, e.g. 500kbit, 100mbit, 1gbit; got '2OOmbit'"
+        "--rank-net: rank_net: expected null (no network) or a rate: a number and kbit, mbit or "
+        "gbit, e.g. 500kbit, 100mbit, 1gbit, found '2OOmbit'"
     )
-    assert any(line.endswith("got 'fast'") for line in err)
+    assert any(line.endswith("found 'fast'") for line in err)
     assert any(
         line.endswith(
-            "--rank-net: rank_net must be null (no network) or a rate: a number and kbit, mbit or "
-            "gbit, e.g. 500kbit, 100mbit, 1gbit; got '1OOmbit'"
+            "--rank-net: rank_net: expected null (no network) or a rate: a number and kbit, mbit or "
+            "gbit, e.g. 500kbit, 100mbit, 1gbit, found '1OOmbit'"
         )
         for line in err
     )

@@ -219,7 +219,7 @@ def _bad_args_worker(rank, world):
 
 def test_bad_arguments_raise_value_errors():
     errors = run_workers(_bad_args_worker, 2)[0]
-    assert "'solo' or 'majority'" in errors["mode"]
+    assert "mode: expected one of 'solo', 'majority', found 'plurality'" in errors["mode"]
     assert "sync_period" in errors["sync"]
     assert "warmup_iters" in errors["warmup"]
 
@@ -619,6 +619,6 @@ def _lookahead_bad_worker(rank, world):
 
 def test_lookahead_bad_arguments_raise():
     errors = run_workers(_lookahead_bad_worker, 2)[0]
-    assert "'apply', 'lookahead'" in errors["late"]
+    assert "late: expected one of 'apply', 'lookahead', found 'outside'" in errors["late"]
     assert all("nesterov=False" in errors[k] for k in ("nesterov", "momentum", "adam")), errors
     assert "attach(optimizer)" in errors["unattached"]

@@ -36,7 +36,8 @@ needs_cgroups = pytest.mark.skipif(_WHY is not None, reason=f"no writable cgroup
 
 def test_check_rank_cpus_names_what_is_wrong_in_one_line():
     assert check_rank_cpus(None, 8) is None and check_rank_cpus(0, 8) is None
-    assert "got -1" in check_rank_cpus(-1, 2) and "got 'half'" in check_rank_cpus("half", 2)
+    expected = "rank_cpus: expected null, 0 (no quota) or a number of CPUs > 0, found "
+    assert check_rank_cpus(-1, 2) == expected + "-1" and check_rank_cpus("half", 2) == expected + "'half'"
     too_many = check_rank_cpus(0.5, 8, usable_cores=2)
     assert too_many == (
         "rank_cpus=0.5 for 8 local rank(s) needs 4 CPUs, but this host has 2 usable core(s): use rank_cpus <= 0.25"

@@ -179,13 +179,13 @@ def test_create_auto_picks_correctly():
 
 @pytest.mark.parametrize("factory", [GroupSchedule.butterfly, GroupSchedule.mixed_radix])
 def test_bad_sizes_rejected(factory):
-    with pytest.raises(ValueError, match="world_size must be >= 1"):
+    with pytest.raises(ValueError, match="^world_size: expected an integer >= 1, found 0$"):
         factory(0, 2)
-    with pytest.raises(ValueError, match="group_size must be >= 1"):
+    with pytest.raises(ValueError, match="^group_size: expected an integer >= 1, found 0$"):
         factory(4, 0)
-    with pytest.raises(ValueError, match="must divide world_size: expected a divisor of 12, got 5"):
+    with pytest.raises(ValueError, match="^group_size: expected a divisor of world_size 12, found 5$"):
         factory(12, 5)
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(ValueError, match="^world_size: expected an integer, found 4.0$"):
         factory(4.0, 2)
 
 
@@ -228,10 +228,10 @@ def test_same_partition_every_round_rejected():
         ([[[0, 1], [2, 3]], [[0, 1], [2, -1]]], r"out of range \[-1\]"),
         ([[[0, 1], [2, 3]], [[0, 1], [2, 3], [4, 5]]], "different world sizes"),
         ([[[0, 1], [2, 3]], [[0, 1], [2]]], "different world sizes"),
-        ([[[0, 1], []]], "empty group"),
-        ([[]], "no groups"),
-        ([[[0, 1.5]]], "integer"),
-        ([[[0, True]]], "integer"),
+        ([[[0, 1], []]], r"round 0, group 1: expected at least one rank, found \[\]"),
+        ([[]], r"round 0: expected a partition of the ranks \(at least one group\), found \[\]"),
+        ([[[0, 1.5]]], "^round 0, group 0: rank: expected an integer, found 1.5$"),
+        ([[[0, True]]], "^round 0, group 0: rank: expected an integer, found True$"),
         ([[0, 1], [2, 3]], "whole partition"),
     ],
 )
@@ -242,9 +242,32 @@ def test_bad_partitions_rejected(parts, pattern):
 
 def test_bad_queries_rejected():
     sched = GroupSchedule.butterfly(4, 2)
-    with pytest.raises(ValueError, match="rank out of range"):
+    with pytest.raises(ValueError, match="^rank: expected an integer >= 0 and <= 3, found 4$"):
         sched.group_of(4, 0)
-    with pytest.raises(ValueError, match="round must be >= 0"):
+    with pytest.raises(ValueError, match="^round: expected an integer >= 0, found -1$"):
         sched.groups(-1)
-    with pytest.raises(ValueError, match="unknown schedule kind"):
+    with pytest.raises(ValueError, match="^kind: expected one of 'butterfly', 'mixed_radix', 'auto', found 'ring'$"):
         GroupSchedule.create("ring", 4, 2)
+
+
+@pytest.mark.parametrize("world_size", range(1, 12))
+@pytest.mark.parametrize("group_size", [2, 3, 4])
+def test_for_members_covers_any_membership_and_mixes(world_size, group_size):
+    schedule = GroupSchedule.for_members(world_size, group_size)
+    assert schedule.world_size == world_size
+    for k in range(schedule.period):
+        groups = schedule.groups(k)
+        assert sorted(r for g in groups for r in g) == list(range(world_size))
+        if world_size >= group_size:
+            assert min(len(g) for g in groups) >= group_size
+    if world_size % group_size == 0 and world_size > group_size:
+        assert schedule == GroupSchedule.create("auto", world_size, group_size)
+
+
+def test_for_members_refuses_bad_sizes():
+    with pytest.raises(ValueError, match=r"^world_size: expected an integer >= 1, found 0$"):
+        GroupSchedule.for_members(0, 2)
+    with pytest.raises(ValueError, match=r"^group_size: expected an integer >= 2, found True$"):
+        GroupSchedule.for_members(4, True)
+    with pytest.raises(ValueError, match=r"^group_size: expected an integer >= 2, found 1$"):
+        GroupSchedule.for_members(4, 1)

@@ -55,11 +55,17 @@ def test_generated_data_is_deterministic_heavy_tailed_and_carries_its_label():
 @pytest.mark.parametrize(
     "options,match",
     [
-        ({"vocab": 4, "classes": 4}, "data.vocab must be >= classes \\+ 1 = 5"),
-        ({"min_len": 10, "max_len": 5}, "need 1 <= data.min_len <= data.max_len, got 10 and 5"),
-        ({"median_len": 500}, "data.median_len must lie in \\[min_len, max_len\\]"),
-        ({"signal": 1.5}, "0 <= data.signal <= 1"),
-        ({"examples": 3.5}, "data.examples must be an integer, got 3.5"),
+        (
+            {"vocab": 4, "classes": 4},
+            "data.vocab: expected an integer >= classes \\+ 1 = 5 \\(token 0 pads\\), found 4",
+        ),
+        ({"min_len": 10, "max_len": 5}, "data.max_len: expected an integer >= data.min_len = 10, found 5"),
+        (
+            {"median_len": 500},
+            "data.median_len: expected a number in \\[min_len, max_len\\] = \\[8, 256\\], found 500.0",
+        ),
+        ({"signal": 1.5}, "data.signal: expected a finite number >= 0 and <= 1, found 1.5"),
+        ({"examples": 3.5}, "data.examples: expected an integer, found 3.5"),
         ({"lenght": 3}, "data=sequences has no option\\(s\\) \\['lenght'\\]"),
     ],
 )
@@ -110,7 +116,11 @@ def test_token_batches_fit_the_budget_cover_each_epoch_once_and_resume_exactly()
         assert torch.equal(ax, bx) and torch.equal(ay, by)
     with pytest.raises(ValueError, match="saved with tokens=512 into one with tokens=256"):
         TokenBatchIterator(x, y, 256, seed=3, rank=1).load_state_dict(saved)
-    with pytest.raises(ValueError, match="batching by tokens needs \\(N, L\\) int64 token rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"^x: expected \(N, L\) int64 token rows \(batching by tokens, data=sequences\), "
+        r"found \(torch.float32, \(10, 1, 8, 8\)\)$",
+    ):
         TokenBatchIterator(torch.randn(10, 1, 8, 8), torch.zeros(10), 512, seed=0, rank=0)
 
 
@@ -144,8 +154,14 @@ def test_the_transformer_ignores_padding_and_learns():
     [
         (["data=sequences"], "model=mlp reads images: data=sequences needs model=transformer"),
         (["model=transformer"], "model=transformer reads token data: use it with data=sequences"),
-        (["data=sequences", "model=transformer", "data.batching=words"], "data.batching must be 'samples' or 'tokens'"),
-        (["data=sequences", "model=transformer", "data.max_len=4"], "need 1 <= data.min_len <= data.max_len"),
+        (
+            ["data=sequences", "model=transformer", "data.batching=words"],
+            "data.batching: expected one of 'samples', 'tokens', found 'words'",
+        ),
+        (
+            ["data=sequences", "model=transformer", "data.max_len=4"],
+            "data.max_len: expected an integer >= data.min_len = 8, found 4",
+        ),
     ],
 )
 def test_a_config_that_cannot_work_is_refused_in_one_line(overrides, match):
@@ -190,3 +206,13 @@ def test_train_on_sequences_counts_the_samples_each_step_really_had(tmp_path, ba
     assert all(r["tokens"] > 0 and r["samples_per_s"] == pytest.approx(r["samples"] / r["step_s"]) for r in records)
     # samples_per_s counts what the ranks trained on, over the slowest rank's training time.
     assert summary["samples_per_s"] == pytest.approx(sum(map(sum, samples)) / summary["step_time_s"], rel=1e-6)
+
+
+def test_an_integer_option_takes_an_integral_float_and_the_token_budget_is_checked_by_name():
+    spec = SequenceSpec.from_options({"examples": 100.0, "median_len": 16})
+    assert spec.examples == 100 and type(spec.examples) is int and type(spec.median_len) is float
+    x, y = torch.ones(4, 8, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^data\.tokens: expected an integer >= 1, found 0$"):
+        TokenBatchIterator(x, y, 0, seed=0, rank=0)
+    with pytest.raises(ValueError, match=r"^len\(x\), len\(y\): expected non-empty and equal, found \(4, 3\)$"):
+        TokenBatchIterator(x, y[:3], 8, seed=0, rank=0)

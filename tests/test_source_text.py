@@ -136,9 +136,9 @@ def test_options_are_checked_by_name():
     assert dataset_info({"name": "torch_source", "max_len": 64}).token_targets
     with pytest.raises(ValueError, match=r"has no option\(s\) \['vocab'\]"):
         SourceSpec.from_options({"name": "torch_source", "vocab": 3})
-    with pytest.raises(ValueError, match=r"^data\.max_len must be an integer, got 1\.5"):
+    with pytest.raises(ValueError, match=r"^data\.max_len: expected an integer, found 1\.5$"):
         SourceSpec.from_options({"max_len": 1.5})
-    with pytest.raises(ValueError, match=r"^need 2 <= data\.min_len <= data\.max_len, got 64 and 32"):
+    with pytest.raises(ValueError, match=r"^data\.max_len: expected an integer >= data\.min_len = 64, found 32$"):
         SourceSpec.from_options({"max_len": 32, "min_len": 64})
     with pytest.raises(ValueError, match=r"torch_source batches by samples"):
         dataset_info({"name": "torch_source", "batching": "tokens"})

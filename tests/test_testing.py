@@ -1,6 +1,7 @@
 """The multi-process harness itself: values come back, failures are reported with their rank."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -69,7 +70,7 @@ def test_setup_runs_in_each_child_before_its_group_and_its_failure_is_the_ranks(
 
 def test_rank_device_is_the_cpu_or_a_gpu_and_says_what_is_wrong():
     assert rank_device("cpu", 3) == torch.device("cpu")
-    with pytest.raises(ValueError, match="device kind must be 'cpu' or 'cuda', got 'tpu'"):
+    with pytest.raises(ValueError, match="^device kind: expected one of 'cpu', 'cuda', found 'tpu'$"):
         rank_device("tpu", 0)
     if torch.cuda.is_available():
         assert rank_device("cuda", 0).type == "cuda"
@@ -102,3 +103,18 @@ def test_a_rank_whose_setup_failed_before_the_store_was_announced_is_reported(mo
     monkeypatch.setattr(testing, "_store_port", lambda: (time.sleep(1.0), slow())[1])
     outs = run_workers_outcomes(_read_setup, 2, setup=_fail_setup, timeout_s=30)
     assert [o.ok for o in outs] == [False, False] and "RuntimeError: no network for rank 1" in outs[1].error
+
+
+def _sleep_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(30)
+    return rank
+
+
+def test_a_rank_still_running_at_the_deadline_is_killed_and_reported_and_the_world_size_is_checked():
+    with pytest.raises(ValueError, match=r"^world_size: expected an integer >= 1, found 0$"):
+        run_workers_outcomes(_sleep_on_rank_1, 0)
+    outcomes = run_workers_outcomes(_sleep_on_rank_1, 2, timeout_s=3)
+    assert outcomes[0].ok and outcomes[0].value == 0 and outcomes[0].exitcode == 0
+    assert not outcomes[1].ok and outcomes[1].error == "did not finish within 3 s (killed)"
+    assert outcomes[1].exitcode == -signal.SIGKILL

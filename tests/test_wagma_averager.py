@@ -310,7 +310,7 @@ def test_bad_arguments_raise_value_errors():
     errors = run_workers(_bad_args_worker, 4)[0]
     assert "divisor of the world size 4" in errors["group size"]
     assert "sync_period" in errors["negative sync"]
-    assert "('reference', 'mean', 'conserve'), found 'median'" in errors["mixing"]
+    assert "mixing: expected one of 'reference', 'mean', 'conserve', found 'median'" in errors["mixing"]
     assert "average_then_step" in errors["order"]
     assert "max_lead" in errors["lead"]
     assert "schedule" in errors["schedule"]

@@ -14,26 +14,61 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "fail", "is_int", "is_number"]
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_optional_int",
+    "check_optional_number",
+    "fail",
+    "is_int",
+    "is_number",
+]
 
 T = TypeVar("T")
 
 
-def fail(name: str, expected: str, found: object) -> ValueError:
-    """The error every check raises: ``"{name}: expected {expected}, found {found!r}"`` (return it, then raise it)."""
-    return ValueError(f"{name}: expected {expected}, found {found!r}")
+def fail(name: str, expected: str, found: object, advice: str = "") -> ValueError:
+    """The error every check raises: ``"{name}: expected {expected}, found {found!r}"`` (return it, then raise it).
+
+    ``advice``, when given, follows after ``"; "``: what the caller can do instead, or why the value is refused.
+    """
+    message = f"{name}: expected {expected}, found {found!r}"
+    return ValueError(f"{message}; {advice}" if advice else message)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an integer and not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """Whether ``value`` is an ``int`` or a ``float`` and not a ``bool`` (NaN and infinities included)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _described(
+    kind: str, minimum: float | None, maximum: float | None, above: bool = False, below: bool = False
+) -> str:
+    """``kind`` and its bounds, as a message says what was expected: ``"an integer >= 0 and <= 19"``."""
+    parts = [] if minimum is None else [f"{'>' if above else '>='} {minimum}"]
+    parts += [] if maximum is None else [f"{'<' if below else '<='} {maximum}"]
+    return " ".join([kind, " and ".join(parts)]).rstrip()
+
+
+def _int_fits(value: object, minimum: int | None, maximum: int | None) -> bool:
+    return is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+
+
+def _number_fits(value: object, minimum: float | None, maximum: float | None, above: bool, below: bool) -> bool:
+    if not is_number(value) or not math.isfinite(value):
+        return False
+    if minimum is not None and not (value > minimum if above else value >= minimum):
+        return False
+    return maximum is None or (value < maximum if below else value <= maximum)
 
 
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -41,9 +76,15 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
 
     Either bound may be ``None`` (unbounded on that side).
     """
-    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
-        parts = ([] if minimum is None else [f">= {minimum}"]) + ([] if maximum is None else [f"<= {maximum}"])
-        raise fail(name, " ".join(["an integer", " and ".join(parts)]).rstrip(), value)
+    if not _int_fits(value, minimum, maximum):
+        raise fail(name, _described("an integer", minimum, maximum), value)
+    return value  # type: ignore[return-value]
+
+
+def check_optional_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    """``None``, or what :func:`check_int` takes; the message then says ``expected None or an integer ...``."""
+    if value is not None and not _int_fits(value, minimum, maximum):
+        raise fail(name, "None or " + _described("an integer", minimum, maximum), value)
     return value  # type: ignore[return-value]
 
 
@@ -61,18 +102,25 @@ def check_number(
     ``minimum`` and ``maximum`` are inclusive unless ``above`` (the value must be greater than ``minimum``) or
     ``below`` (less than ``maximum``) says otherwise; either bound may be ``None``.
     """
-    ok = is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
-    if ok and minimum is not None:
-        ok = value > minimum if above else value >= minimum  # type: ignore[operator]
-    if ok and maximum is not None:
-        ok = value < maximum if below else value <= maximum  # type: ignore[operator]
-    if not ok:
-        parts = []
-        if minimum is not None:
-            parts.append(f"{'>' if above else '>='} {minimum}")
-        if maximum is not None:
-            parts.append(f"{'<' if below else '<='} {maximum}")
-        raise fail(name, " ".join(["a finite number", " and ".join(parts)]).rstrip(), value)
+    if not _number_fits(value, minimum, maximum, above, below):
+        raise fail(name, _described("a finite number", minimum, maximum, above, below), value)
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_optional_number(
+    name: str,
+    value: object,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    above: bool = False,
+    below: bool = False,
+) -> float | None:
+    """``None``, or what :func:`check_number` takes (as a ``float``); the message then says ``expected None or ...``."""
+    if value is None:
+        return None
+    if not _number_fits(value, minimum, maximum, above, below):
+        raise fail(name, "None or " + _described("a finite number", minimum, maximum, above, below), value)
     return float(value)  # type: ignore[arg-type]
 
 
@@ -83,8 +131,11 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_choice(name: str, value: T, choices: Collection[T]) -> T:
-    """Return ``value`` if it is one of ``choices``; raise ``ValueError`` naming them otherwise."""
+def check_choice(name: str, value: T, choices: Collection[object]) -> T:
+    """Return ``value`` if it is one of ``choices``; raise ``ValueError`` naming them otherwise.
+
+    The value keeps its static type (a ``Literal`` parameter stays one) whatever the type of ``choices``.
+    """
     try:
         ok = value in choices
     except TypeError:  # an unhashable value against a set

@@ -43,9 +43,9 @@ def check_max_lead(value: object, sync_period: int, name: str = "max_lead") -> i
     A blocking sync round needs the fresh tensor, so the thread can never lead by more; under
     ``sync="wait_avoiding"`` ``max_lead`` is the staleness bound, kept within the sync period.
     """
-    if not is_int(value) or not 0 <= value <= max(sync_period, 0):  # type: ignore[operator]
-        raise fail(name, f"an integer in [0, sync_period={sync_period}] (no thread leads past a sync round)", value)
-    return value  # type: ignore[return-value]
+    if not is_int(value) or not 0 <= value <= max(sync_period, 0):
+        raise fail(name, f"an integer in [0, sync_period={sync_period}]", value, "no thread leads past a sync round")
+    return value
 
 
 def check_timeout(value: object, name: str = "timeout") -> datetime.timedelta:

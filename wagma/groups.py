@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from wagma.checks import check_int, fail, is_number
 from wagma.schedule import check_group_fits
 
 __all__ = [
@@ -40,10 +41,10 @@ def as_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
     """
     if isinstance(timeout, datetime.timedelta):
         value = timeout
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+    elif is_number(timeout):
         value = datetime.timedelta(seconds=float(timeout))
     else:
-        raise ValueError(f"timeout: expected a datetime.timedelta or seconds as a number, found {timeout!r}")
+        raise fail("timeout", "a datetime.timedelta or seconds as a number", timeout)
     if value.total_seconds() <= 0:
         raise ValueError(f"timeout: expected a positive duration, found {value.total_seconds()} s")
     return value
@@ -57,6 +58,18 @@ def is_timeout(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
+
+
+def default_group() -> dist.ProcessGroup:
+    """The job's default process group (``dist.group.WORLD``).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+    """
+    require_initialized("default_group")
+    group = dist.group.WORLD
+    assert group is not None  # initialized
+    return group
 
 
 def require_initialized(what: str) -> None:
@@ -162,11 +175,10 @@ def contiguous_subgroups(
         ValueError: if ``group_size`` is not a positive integer dividing ``len(ranks)`` (one larger than
             ``len(ranks)`` is named as such).
     """
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-        raise ValueError(f"group_size: expected a positive integer, found {group_size!r}")
+    check_int("group_size", group_size, minimum=1)
     check_group_fits(group_size, len(ranks))
     if len(ranks) % group_size != 0:
-        raise ValueError(f"group_size: expected a divisor of the number of ranks ({len(ranks)}), found {group_size}")
+        raise fail("group_size", f"a divisor of the number of ranks ({len(ranks)})", group_size)
     me = dist.get_rank()
     blocks = [list(ranks[i : i + group_size]) for i in range(0, len(ranks), group_size)]
     mine: dist.ProcessGroup | None = None

@@ -28,7 +28,6 @@ a source checkout (or an editable install) and ``wagma/_cuda`` in an installed w
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 import threading
@@ -39,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+from wagma.checks import check_number, fail
 
 __all__ = [
     "backend",
@@ -131,7 +132,7 @@ def _check(op: str, tensors: dict[str, Tensor], dtypes: dict[str, torch.dtype] |
     first_name, first = next(iter(tensors.items()))
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
-            raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise fail(f"{op}: {name}", "a torch.Tensor", type(t))
         if not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous (a flat buffer); call .contiguous() first")
         if t.device != first.device:
@@ -139,7 +140,7 @@ def _check(op: str, tensors: dict[str, Tensor], dtypes: dict[str, torch.dtype] |
         if t.shape != first.shape:
             raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, {first_name} {tuple(first.shape)}")
         if not t.is_floating_point():
-            raise ValueError(f"{op}: {name} must be floating point, got {t.dtype}")
+            raise fail(f"{op}: {name}", "a floating-point tensor", t.dtype)
         expected = dtypes[name] if dtypes is not None else first.dtype
         if t.dtype != expected:
             raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected {expected}")
@@ -162,12 +163,8 @@ def _check_overlap(op: str, tensors: dict[str, Tensor], may_alias: tuple[tuple[s
 
 
 def _check_scalar(op: str, name: str, value: float, *, positive: bool = False, nonneg: bool = False) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{op}: {name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{op}: {name} must be > 0, got {value}")
-    if nonneg and value < 0:
-        raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+    """A finite number, ``> 0`` when ``positive``, ``>= 0`` when ``nonneg``; the message names ``op`` too."""
+    check_number(f"{op}: {name}", value, minimum=0 if positive or nonneg else None, above=positive)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from wagma.checks import check_choice, check_int, fail
+
 __all__ = ["GroupSchedule", "check_group_fits"]
 
 Group = tuple[int, ...]
@@ -99,10 +101,11 @@ class GroupSchedule:
             return cls([[(x,) for x in range(world_size)]], name="butterfly")
         m = _exact_log(world_size, group_size)
         if m is None:
-            raise ValueError(
-                f"butterfly needs world_size to be a power of group_size: expected group_size**m "
-                f"(m >= 1), got world_size={world_size}, group_size={group_size}; use "
-                f"GroupSchedule.mixed_radix or GroupSchedule.create('auto', ...) for other world sizes"
+            raise fail(
+                "world_size",
+                f"a power of group_size={group_size} for a butterfly (group_size**m, m >= 1)",
+                world_size,
+                "use GroupSchedule.mixed_radix or GroupSchedule.create('auto', ...) for other world sizes",
             )
         partitions = []
         for d in range(m):
@@ -178,8 +181,7 @@ class GroupSchedule:
         Raises:
             ValueError: an unknown ``kind``, or whatever the chosen constructor refuses.
         """
-        if kind not in _KINDS:
-            raise ValueError(f"unknown schedule kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
+        check_choice("kind", kind, _KINDS)
         if kind == "butterfly":
             return cls.butterfly(world_size, group_size)
         if kind == "mixed_radix":
@@ -188,6 +190,34 @@ class GroupSchedule:
         if world_size == 1 or (group_size > 1 and _exact_log(world_size, group_size) is not None):
             return cls.butterfly(world_size, group_size)
         return cls.mixed_radix(world_size, group_size)
+
+    @classmethod
+    def for_members(cls, world_size: int, group_size: int) -> GroupSchedule:
+        """A schedule for any number of ranks: for a membership that changes, as replicas leave and join.
+
+        When ``group_size`` divides ``world_size`` this is ``create("auto", ...)``. Otherwise, with
+        ``Q = world_size // group_size`` groups, the first ``Q * group_size`` ranks follow the auto schedule of
+        that many ranks and the remaining ranks ``Q * group_size + j`` are dealt to group ``j % Q`` of every
+        round, so every group has at least ``group_size`` members and all ranks still mix. Fewer ranks than
+        ``group_size`` form one group.
+
+        Raises:
+            ValueError: ``world_size`` not an integer >= 1, or ``group_size`` not one >= 2 (groups of one never mix).
+        """
+        world_size, group_size = check_int("world_size", world_size, 1), check_int("group_size", group_size, 2)
+        if world_size <= group_size:
+            return cls([[tuple(range(world_size))]], name="members")
+        if world_size % group_size == 0:
+            return cls.create("auto", world_size, group_size)
+        groups = world_size // group_size
+        base = cls.create("auto", groups * group_size, group_size)
+        partitions = []
+        for round in range(base.period):
+            blocks = [list(group) for group in base.groups(round)]
+            for extra in range(groups * group_size, world_size):
+                blocks[(extra - groups * group_size) % groups].append(extra)
+            partitions.append(blocks)
+        return cls(partitions, name="members")
 
     # ----------------------------------------------------------------------------------------------
     # Queries
@@ -213,9 +243,7 @@ class GroupSchedule:
 
     def group_of(self, rank: int, round: int) -> tuple[int, ...]:
         """The group ``rank`` belongs to in ``round``, itself included (a table lookup)."""
-        r = _as_int(rank, "rank")
-        if not 0 <= r < self._world_size:
-            raise ValueError(f"rank out of range: expected 0 <= rank < {self._world_size}, got {r}")
+        r = check_int("rank", _as_int(rank, "rank"), minimum=0, maximum=self._world_size - 1)
         return self._table[self._slot(round)][r]
 
     def distinct_groups(self) -> list[tuple[int, ...]]:
@@ -241,10 +269,7 @@ class GroupSchedule:
         return w
 
     def _slot(self, round: int) -> int:
-        r = _as_int(round, "round")
-        if r < 0:
-            raise ValueError(f"round must be >= 0, got {r}")
-        return r % len(self._rounds)
+        return check_int("round", _as_int(round, "round"), minimum=0) % len(self._rounds)
 
     def __repr__(self) -> str:
         return (
@@ -266,12 +291,13 @@ class GroupSchedule:
 
 
 def _as_int(value: Any, what: str) -> int:
+    """``value`` as an ``int``: any integer type (a NumPy one too, unlike :func:`wagma.checks.check_int`), no bool."""
     if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{what} must be an integer, got {value!r} (bool)")
+        raise fail(what, "an integer", value)
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
+        raise fail(what, "an integer", value) from None
 
 
 def check_group_fits(group_size: int, world_size: int, what: str = "group_size") -> None:
@@ -298,15 +324,11 @@ def check_group_fits(group_size: int, world_size: int, what: str = "group_size")
 
 
 def _check_sizes(world_size: Any, group_size: Any) -> tuple[int, int]:
-    p = _as_int(world_size, "world_size")
-    s = _as_int(group_size, "group_size")
-    if p < 1:
-        raise ValueError(f"world_size must be >= 1, got {p}")
-    if s < 1:
-        raise ValueError(f"group_size must be >= 1, got {s}")
+    p = check_int("world_size", _as_int(world_size, "world_size"), minimum=1)
+    s = check_int("group_size", _as_int(group_size, "group_size"), minimum=1)
     check_group_fits(s, p)
     if p % s != 0:
-        raise ValueError(f"group_size must divide world_size: expected a divisor of {p}, got {s}")
+        raise fail("group_size", f"a divisor of world_size {p}", s)
     return p, s
 
 
@@ -324,30 +346,32 @@ def _normalize(partitions: Any) -> tuple[tuple[Partition, ...], int]:
     try:
         raw_rounds = list(partitions)
     except TypeError:
-        raise ValueError(f"partitions must be a sequence of partitions, got {type(partitions).__name__}") from None
+        raise fail("partitions", "a sequence of partitions", type(partitions)) from None
     if not raw_rounds:
-        raise ValueError("partitions must hold at least one round: expected a non-empty list, got an empty one")
+        raise fail("partitions", "at least one round", raw_rounds)
     rounds: list[Partition] = []
     world_size = 0
     for j, raw in enumerate(raw_rounds):
         try:
             raw_groups = list(raw)
         except TypeError:
-            raise ValueError(f"round {j}: expected a sequence of groups, got {raw!r}") from None
+            raise fail(f"round {j}", "a sequence of groups", raw) from None
         if not raw_groups:
-            raise ValueError(f"round {j}: expected a partition of the ranks, got no groups")
+            raise fail(f"round {j}", "a partition of the ranks (at least one group)", raw_groups)
         groups: list[Group] = []
         owner: dict[int, int] = {}
         for g, raw_group in enumerate(raw_groups):
             try:
                 members = list(raw_group)
             except TypeError:
-                raise ValueError(
-                    f"round {j}, group {g}: expected a sequence of ranks, got {raw_group!r}; each entry "
-                    f"of partitions is a whole partition (a list of groups), not one group"
+                raise fail(
+                    f"round {j}, group {g}",
+                    "a sequence of ranks",
+                    raw_group,
+                    "each entry of partitions is a whole partition (a list of groups), not one group",
                 ) from None
             if not members:
-                raise ValueError(f"round {j}, group {g}: expected at least one rank, got an empty group")
+                raise fail(f"round {j}, group {g}", "at least one rank", members)
             group = tuple(sorted(_as_int(x, f"round {j}, group {g}: rank") for x in members))
             for x in group:
                 if x in owner:

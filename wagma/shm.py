@@ -31,6 +31,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from wagma.checks import check_choice, check_int
+
 __all__ = ["SHM_DIR", "SharedMemoryAllreduce", "check_transport", "TRANSPORTS"]
 
 #: Where the segments are created (a tmpfs on Linux).
@@ -49,8 +51,7 @@ def check_transport(transport: object, device: torch.device | None = None) -> st
     Raises:
         ValueError: an unknown transport, or ``"shm"`` for tensors that are not on the CPU.
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport: expected one of {', '.join(map(repr, TRANSPORTS))}, found {transport!r}")
+    check_choice("transport", transport, TRANSPORTS)
     if transport == "shm" and device is not None and device.type != "cpu":
         raise ValueError(f"transport 'shm' reduces CPU tensors, found tensors on {device}: use 'default' (NCCL)")
     return str(transport)
@@ -86,10 +87,8 @@ class SharedMemoryAllreduce:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int, dtype: torch.dtype = torch.float32) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"capacity: expected an integer >= 1, found {capacity!r}")
         self.group = group
-        self.capacity, self.dtype = capacity, dtype
+        self.capacity, self.dtype = check_int("capacity", capacity, minimum=1), dtype
         self.ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         self.size = len(self.ranks)
         self.index = dist.get_rank(group)

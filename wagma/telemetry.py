@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from wagma.checks import check_int, check_number, check_optional_int
+
 __all__ = ["GpuMetrics", "GpuTelemetry", "Sample"]
 
 Sample = dict[str, Any]
@@ -99,13 +101,9 @@ class GpuTelemetry:
         on_sample: Callable[[Sample], None] | None = None,
         max_buffered: int = 10_000,
     ) -> None:
-        if not isinstance(interval_s, (int, float)) or not math.isfinite(interval_s) or interval_s <= 0:
-            raise ValueError(f"GpuTelemetry: interval_s must be a finite number > 0, got {interval_s!r}")
-        if device_index is not None and (not isinstance(device_index, int) or device_index < 0):
-            raise ValueError(f"GpuTelemetry: device_index must be an int >= 0 or None, got {device_index!r}")
-        if max_buffered < 1:
-            raise ValueError(f"GpuTelemetry: max_buffered must be >= 1, got {max_buffered}")
-        self.interval_s = float(interval_s)
+        self.interval_s = check_number("GpuTelemetry: interval_s", interval_s, minimum=0, above=True)
+        check_optional_int("GpuTelemetry: device_index", device_index, minimum=0)
+        check_int("GpuTelemetry: max_buffered", max_buffered, minimum=1)
         self.device_index = _default_device_index() if device_index is None else device_index
         self.available = False
         self.unavailable_reason: str | None = None

@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from wagma.checks import check_choice, check_int
+
 __all__ = [
     "RankOutcome",
     "WorkerError",
@@ -83,10 +85,8 @@ def rank_device(kind: str, rank: int) -> Any:
     """
     import torch  # this module imports torch lazily, for the store host's sake
 
-    if kind == "cpu":
+    if check_choice("device kind", kind, ("cpu", "cuda")) == "cpu":
         return torch.device("cpu")
-    if kind != "cuda":
-        raise ValueError(f"device kind must be 'cpu' or 'cuda', got {kind!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("device kind 'cuda' needs a CUDA GPU, and torch.cuda.is_available() is False")
     device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -199,76 +199,103 @@ def run_workers_outcomes(
     Returns:
         One :class:`RankOutcome` per rank, in rank order. Nothing is raised for a failed rank.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_int("world_size", world_size, 1)
     # A world started right after the previous one ended often saw one store connect per process stall
     # for exactly 5 s (with a fresh interpreter per world it never happened). The cause is not pinned
     # down: not the server backend (libuv or classic), not DNS, not tcp_tw_reuse; spacing worlds at
     # least 1 s apart made the stall rare (about 1 world in 6 instead of 4 in 6 on a loaded machine).
     global _last_world_end
     time.sleep(max(0.0, _last_world_end + 1.0 - time.monotonic()))
-    ctx = mp.get_context("fork")
-    procs, port_conns, result_conns = [], [], []
-    for rank in range(world_size):
-        port_recv, port_send = ctx.Pipe(duplex=False)
-        res_recv, res_send = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=_child,
-            args=(fn, rank, world_size, args, port_recv, res_send, collective_timeout_s, backend, setup),
-            name=f"wagma-test-rank{rank}",
-            daemon=True,
-        )
-        p.start()
-        res_send.close()
-        procs.append(p)
-        port_conns.append(port_send)
-        result_conns.append(res_recv)
-    outcomes: list[RankOutcome | None] = [None] * world_size
+    ranks = [
+        _start_rank(fn, rank, world_size, args, collective_timeout_s, backend, setup) for rank in range(world_size)
+    ]
     deadline = time.monotonic() + timeout_s
     try:
         port, prefix = _store_port(), f"world{next(_world_ids)}/"
-        for conn in port_conns:
+        for rank in ranks:
             try:
-                conn.send((port, prefix))
+                rank.port_conn.send((port, prefix))
             except OSError:  # (BrokenPipeError) the child has ended already, e.g. its setup failed: it reported
                 pass
-        pending = set(range(world_size))
-        while pending and time.monotonic() < deadline:
-            for rank in sorted(pending):
-                conn = result_conns[rank]
-                if not conn.poll(0.01):
-                    continue
-                try:
-                    kind, value = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    # The pipe closed without a report: the process died.
-                    procs[rank].join(timeout=5.0)
-                    code = procs[rank].exitcode
-                    outcomes[rank] = RankOutcome(
-                        rank, False, error=f"process ended without a result (exit code {code})", exitcode=code
-                    )
-                else:
-                    outcomes[rank] = (
-                        RankOutcome(rank, True, value=value) if kind == "ok" else RankOutcome(rank, False, error=value)
-                    )
-                pending.discard(rank)
-        for rank in pending:
-            outcomes[rank] = RankOutcome(rank, False, error=f"did not finish within {timeout_s:.0f} s (killed)")
+        outcomes = _collect(ranks, deadline, timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-            if p.is_alive() and p.pid is not None:  # a started process has a pid
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
-        for conn in result_conns + port_conns:
-            conn.close()
+        _reap(ranks, deadline)
         _last_world_end = time.monotonic()
-    for rank, p in enumerate(procs):
-        out = outcomes[rank]
-        assert out is not None
+    for rank, out in zip(ranks, outcomes):
         if out.exitcode is None:
-            out.exitcode = p.exitcode
-    return [o for o in outcomes if o is not None]
+            out.exitcode = rank.proc.exitcode
+    return outcomes
+
+
+@dataclasses.dataclass
+class _Rank:
+    """A forked rank of :func:`run_workers_outcomes` and the parent's ends of its two pipes."""
+
+    proc: Any  # a multiprocessing Process
+    port_conn: Any  # sends the store's port and key prefix
+    result_conn: Any  # receives the pickled outcome
+
+
+def _start_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    collective_timeout_s: float,
+    backend: str,
+    setup: Callable[[int, int], str | None] | None,
+) -> _Rank:
+    """Fork rank ``rank`` of the world, running :func:`_child`."""
+    ctx = mp.get_context("fork")
+    port_recv, port_send = ctx.Pipe(duplex=False)
+    res_recv, res_send = ctx.Pipe(duplex=False)
+    p = ctx.Process(
+        target=_child,
+        args=(fn, rank, world_size, args, port_recv, res_send, collective_timeout_s, backend, setup),
+        name=f"wagma-test-rank{rank}",
+        daemon=True,
+    )
+    p.start()
+    res_send.close()
+    return _Rank(p, port_send, res_recv)
+
+
+def _collect(ranks: list[_Rank], deadline: float, timeout_s: float) -> list[RankOutcome]:
+    """Every rank's outcome as its report arrives, until ``deadline``; a rank without one by then did not finish."""
+    outcomes: dict[int, RankOutcome] = {}
+    pending = set(range(len(ranks)))
+    while pending and time.monotonic() < deadline:
+        for rank in sorted(pending):
+            if ranks[rank].result_conn.poll(0.01):
+                outcomes[rank] = _read_outcome(rank, ranks[rank])
+                pending.discard(rank)
+    for rank in pending:
+        outcomes[rank] = RankOutcome(rank, False, error=f"did not finish within {timeout_s:.0f} s (killed)")
+    return [outcomes[rank] for rank in range(len(ranks))]
+
+
+def _read_outcome(rank: int, started: _Rank) -> RankOutcome:
+    """The outcome rank ``rank`` reported, or how its process ended when its pipe closed without a report."""
+    try:
+        kind, value = pickle.loads(started.result_conn.recv_bytes())
+    except (EOFError, OSError):
+        # The pipe closed without a report: the process died.
+        started.proc.join(timeout=5.0)
+        code = started.proc.exitcode
+        return RankOutcome(rank, False, error=f"process ended without a result (exit code {code})", exitcode=code)
+    return RankOutcome(rank, True, value=value) if kind == "ok" else RankOutcome(rank, False, error=value)
+
+
+def _reap(ranks: list[_Rank], deadline: float) -> None:
+    """Join every rank (killing one still alive, at the latest by ``deadline``) and close the parent's pipe ends."""
+    for rank in ranks:
+        p = rank.proc
+        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        if p.is_alive() and p.pid is not None:  # a started process has a pid
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    for conn in [r.result_conn for r in ranks] + [r.port_conn for r in ranks]:
+        conn.close()
 
 
 def run_workers(

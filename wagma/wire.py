@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from wagma.checks import fail
+
 __all__ = [
     "WIRE_DTYPES",
     "WireDtype",
     "as_wire_dtype",
-    "narrow_for",
     "wire_dtype_for",
     "wire_dtype_name",
     "wire_nbytes",
@@ -62,7 +63,7 @@ def as_wire_dtype(value: WireDtype, model_dtype: torch.dtype | None = None) -> t
     if isinstance(value, str):
         key = value.lower()
         if key not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype: expected one of {sorted(WIRE_DTYPES)} or a torch dtype, found {value!r}")
+            raise fail("wire_dtype", f"one of {sorted(WIRE_DTYPES)} or a torch dtype", value)
         dtype = WIRE_DTYPES[key]
     elif isinstance(value, torch.dtype):
         if value not in (torch.float32, torch.bfloat16, torch.float16):
@@ -89,10 +90,6 @@ def wire_dtype_for(wire_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.
     """The wire type for values of ``dtype``: ``wire_dtype`` for float32/float64 values, ``None`` (sent as they
     are) for the rest, e.g. a model's half-precision buffers, which are narrow already."""
     return wire_dtype if wire_dtype is not None and dtype in (torch.float32, torch.float64) else None
-
-
-#: The former name of :func:`wire_dtype_for`, kept for callers not yet renamed.
-narrow_for = wire_dtype_for
 
 
 def wire_dtype_name(dtype: torch.dtype | None) -> str:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, new_timeout_group, require_initialized, store_barrier
 
-__all__ = ["World", "WorldLike", "as_world"]
+__all__ = ["World", "WorldLike", "as_world", "member_world"]
 
 
 class World:
@@ -79,6 +79,13 @@ class World:
         """``"rank g"`` for the whole job, ``"rank g (world rank r)"`` otherwise: for messages."""
         g = self.ranks[world_rank] if 0 <= world_rank < len(self.ranks) else world_rank
         return f"rank {g}" if self.whole_job else f"rank {g} (world rank {world_rank})"
+
+    def new_world_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        """:meth:`new_group` over the whole world, which always holds the calling rank: its group, never ``None``."""
+        group = self.new_group(None, timeout)
+        if group is None:  # pragma: no cover -- every rank is in its own world
+            raise RuntimeError(f"World.new_world_group: this rank is in no world of {self.family}")
+        return group
 
     def new_group(
         self, world_ranks: Sequence[int] | None, timeout: datetime.timedelta, *, wait: bool = True
@@ -175,6 +182,18 @@ def as_world(world: WorldLike, timeout: datetime.timedelta | float = DEFAULT_TIM
         "world: expected None (the whole job), a wagma.World, a ProcessGroup or a (DeviceMesh, dim_name) pair, "
         f"found {type(world).__name__}"
     )
+
+
+def member_world(world: WorldLike, timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> World:
+    """:func:`as_world`, for a rank that works inside its world: refuse one that is in none of the worlds.
+
+    Raises:
+        ValueError: if the calling rank is in none of the worlds (naming them), or whatever :func:`as_world` raises.
+    """
+    resolved = as_world(world, timeout)
+    if not resolved.is_member:
+        raise ValueError(f"world: rank {dist.get_rank()} is in none of the worlds {list(resolved.family)}")
+    return resolved
 
 
 def _mesh_world(mesh: Any, dim: str) -> World:

@@ -55,6 +55,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from wagma.checks import check_int, fail
+
 __all__ = [
     "RESETTABLE",
     "CheckpointError",
@@ -156,8 +158,8 @@ def save_checkpoint(
         CheckpointError: on every rank, if any rank could not write its shard (e.g. a full disk) or
             rank 0 could not commit; the previous complete checkpoint is then untouched.
     """
-    if keep < 1 or step < 0:
-        raise ValueError(f"need keep >= 1 and step >= 0, got keep={keep}, step={step}")
+    check_int("keep", keep, 1)
+    check_int("step", step, 0)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     root = checkpoint_dir(run_dir)
     partial = root / f".partial_step_{step:08d}"
@@ -323,7 +325,7 @@ def resume_checkpoint(
         ``(step, state, changed)`` with ``changed`` the allowed entries that differ, or None.
     """
     if not set(allow_changed) <= set(RESETTABLE):
-        raise ValueError(f"allow_changed may hold only {RESETTABLE}, got {allow_changed}")
+        raise fail("allow_changed", f"entries of {RESETTABLE}", allow_changed)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     chosen: list[int | None] = [latest_step(run_dir) if rank == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
@@ -393,7 +395,7 @@ def capture_rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

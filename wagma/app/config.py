@@ -26,6 +26,7 @@ from wagma.app.parallel import check_parallel, replica_count
 from wagma.app.policies import validate_hsdp, validate_policy_config
 from wagma.app.presets import CONFIGS_DIR
 from wagma.app.quota import check_rank_cpus
+from wagma.checks import check_bool, check_choice, check_int, check_number, is_number
 
 __all__ = [
     "ConfigError",
@@ -81,15 +82,11 @@ def build_optimizer(cfg: Mapping[str, Any], params: Iterable[torch.nn.Parameter]
     """
     options = dict(cfg)
     name = options.pop("name", None)
-    lr = float(options.pop("lr", -1.0))
-    if lr <= 0:
-        raise ValueError(f"optim.lr must be > 0, got {cfg.get('lr')}")
-    if float(options.get("weight_decay", 0.0)) < 0:
-        raise ValueError(f"optim.weight_decay must be >= 0, got {options['weight_decay']}")
+    lr = check_number("optim.lr", options.pop("lr", None), 0, above=True)
+    check_number("optim.weight_decay", options.get("weight_decay", 0.0), 0)
     try:
         if name == "sgd":
-            if float(options.get("momentum", 0.0)) < 0:
-                raise ValueError(f"optim.momentum must be >= 0, got {options['momentum']}")
+            check_number("optim.momentum", options.get("momentum", 0.0), 0)
             return torch.optim.SGD(params, lr=lr, **options)
         if name == "adam":
             if "betas" in options:
@@ -100,10 +97,10 @@ def build_optimizer(cfg: Mapping[str, Any], params: Iterable[torch.nn.Parameter]
     raise ValueError(f"unknown optimizer {name!r}; known optimizers: {', '.join(KNOWN_OPTIMIZERS)}")
 
 
-def _nonneg_int(cfg: Mapping[str, Any], key: str, minimum: int, problems: list[str]) -> None:
-    value = cfg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        problems.append(f"{key} must be an integer >= {minimum}, got {value!r}")
+def _check_ints(cfg: Mapping[str, Any], minimums: Mapping[str, int], problems: list[str]) -> None:
+    """Each ``cfg[key]`` an integer >= its minimum (:func:`wagma.checks.check_int`); the failures go to ``problems``."""
+    for key, minimum in minimums.items():
+        _attempt(problems, functools.partial(check_int, key, cfg.get(key), minimum))
 
 
 def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> None:
@@ -136,40 +133,48 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
         raise ConfigError(message, [message])
     # Each check's problems by the group it checked ("": the top-level keys), for _with_types.
     found: dict[str, list[str]] = {group: [] for group in ("", *_GROUPS)}
-    problems = found[""]
-    if world_size < 1:
-        problems.append(f"world size must be >= 1, got {world_size}")
-    _nonneg_int(plain, "steps", 1, problems)
-    _nonneg_int(plain, "batch_size", 1, problems)
-    _nonneg_int(plain, "checkpoint_every", 0, problems)
-    _nonneg_int(plain, "eval_every", 0, problems)
-    _nonneg_int(plain, "log_every", 1, problems)
-    if "consensus_every" in plain:
-        _nonneg_int(plain, "consensus_every", 0, problems)
-    interval = plain.get("telemetry_interval_s", 0.0)
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
-        problems.append(f"telemetry_interval_s must be a number >= 0 (0: off), got {interval!r}")
-    if plain["device"] not in ("auto", "cpu", "cuda"):
-        problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {plain['device']!r}")
-    if not isinstance(plain["resume"], bool):
-        problems.append(f"resume must be true or false, got {plain['resume']!r}")
-    if not isinstance(plain.get("resume_policy_change", False), bool):
-        problems.append(f"resume_policy_change must be true or false, got {plain['resume_policy_change']!r}")
-    if world_size >= 1:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        quota_problem = check_rank_cpus(plain.get("rank_cpus"), min(local_ranks, world_size))
-        if quota_problem is not None:
-            problems.append(quota_problem)
-        if plain.get("rank_net") is not None:  # (null, the default, needs no look at the device)
-            device = plain["device"] if plain["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            net_problem = check_rank_net(plain.get("rank_net"), min(local_ranks, world_size), world_size, device)
-            if net_problem is not None:
-                problems.append(net_problem)
+    _check_top_level(plain, world_size, found[""])
+    _check_groups(plain, world_size, found)
+    problems = _with_types(found, plain)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), problems)
 
+
+def _check_top_level(plain: Mapping[str, Any], world_size: int, problems: list[str]) -> None:
+    """The world size and the top-level keys: step counts and intervals, telemetry, device, resume, placement."""
+    _attempt(problems, lambda: check_int("world size", world_size, 1))
+    minimums = {"steps": 1, "batch_size": 1, "checkpoint_every": 0, "eval_every": 0, "log_every": 1}
+    _check_ints(plain, minimums | ({"consensus_every": 0} if "consensus_every" in plain else {}), problems)
+    interval = plain.get("telemetry_interval_s", 0.0)
+    _attempt(problems, lambda: check_number("telemetry_interval_s", interval, 0), advice=" (0: off)")
+    _attempt(problems, lambda: check_choice("device", plain["device"], ("auto", "cpu", "cuda")))
+    _attempt(problems, lambda: check_bool("resume", plain["resume"]))
+    _attempt(problems, lambda: check_bool("resume_policy_change", plain.get("resume_policy_change", False)))
+    if world_size >= 1:
+        _check_placement(plain, world_size, problems)
+
+
+def _check_placement(plain: Mapping[str, Any], world_size: int, problems: list[str]) -> None:
+    """``rank_cpus`` and ``rank_net`` for the ranks this host runs of ``world_size``."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    quota_problem = check_rank_cpus(plain.get("rank_cpus"), min(local_ranks, world_size))
+    if quota_problem is not None:
+        problems.append(quota_problem)
+    if plain.get("rank_net") is not None:  # (null, the default, needs no look at the device)
+        device = plain["device"] if plain["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        net_problem = check_rank_net(plain.get("rank_net"), min(local_ranks, world_size), world_size, device)
+        if net_problem is not None:
+            problems.append(net_problem)
+
+
+def _check_groups(plain: Mapping[str, Any], world_size: int, found: dict[str, list[str]]) -> None:
+    """The config groups: the data and its split, the model (against the data, or the digits when the data is
+    unusable), the optimizer, the imbalance injector and the averaging policy; problems by group in ``found``."""
     data = plain["data"]
     info: DataInfo | None = _attempt(found["data"], lambda: dataset_info(data))
     if info is not None:
-        _attempt(found["data"], lambda: _check_split(plain, info, world_size, found))
+        known: DataInfo = info
+        _attempt(found["data"], lambda: _check_split(plain, known, world_size, found))
     if info is None:  # the model is checked against some data all the same
         info = DataInfo(*DATASET_INFO["digits"])
     model = dict(plain["model"])
@@ -189,28 +194,23 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
         _attempt(found["imbalance"], lambda: build_imbalance(plain["imbalance"], 0, world_size))
         _check_averaging(plain, world_size, found)
 
-    problems = _with_types(found, plain)
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), problems)
 
-
-def _attempt(problems: list[str], check: Callable[[], Any]) -> Any:
-    """``check()``; its ``ValueError`` or ``TypeError`` (a value of the wrong type) goes to ``problems``, as None."""
+def _attempt(problems: list[str], check: Callable[[], Any], advice: str = "") -> Any:
+    """``check()``; its ``ValueError`` or ``TypeError`` (a value of the wrong type) goes to ``problems`` (followed by
+    ``advice``), as None."""
     try:
         return check()
     except (ValueError, TypeError) as exc:
-        problems.append(str(exc))
+        problems.append(f"{exc}{advice}")
         return None
 
 
 def _check_split(plain: Mapping[str, Any], info: DataInfo, world_size: int, found: dict[str, list[str]]) -> None:
     """``data.test_fraction`` in (0, 1), and a batch that every rank's shard of the training split holds."""
     data = plain["data"]
-    fraction = data.get("test_fraction", 0.2)
-    if not 0.0 < float(fraction) < 1.0:
-        found["data"].append(f"data.test_fraction must be in (0, 1), got {fraction}")
-    elif isinstance(plain["batch_size"], int) and world_size >= 1:
-        shard = train_split_size(data["name"], float(fraction), info.examples) // world_size
+    fraction = check_number("data.test_fraction", data.get("test_fraction", 0.2), 0, 1, above=True, below=True)
+    if isinstance(plain["batch_size"], int) and world_size >= 1:
+        shard = train_split_size(data["name"], fraction, info.examples) // world_size
         if plain["batch_size"] > shard and data.get("batching", "samples") == "samples":
             found[""].append(
                 f"batch_size={plain['batch_size']} exceeds the {shard} training examples each of "
@@ -271,11 +271,11 @@ def _shipped_values(configs_dir: Path) -> dict[str, dict[Any, dict[str, list[Any
         match = _INTERPOLATION.fullmatch(value) if isinstance(value, str) else None
         return root.get(match.group(1)) if match else value
 
-    values: dict[str, dict[Any, dict[str, list[Any]]]] = {"": {None: {k: [v] for k, v in root.items()}}}
+    values: dict[str, dict[Any, dict[str, list[Any]]]] = {"": {None: {str(k): [v] for k, v in root.items()}}}
     for group in _GROUPS:
         by_name = values.setdefault(group, {})
         for path in sorted((configs_dir / group).rglob("*.yaml")):
-            own = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            own: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
             if not isinstance(own, dict):
                 continue
             own.pop("defaults", None)
@@ -290,9 +290,7 @@ def _kind(example: Any) -> tuple[Callable[[Any], bool], str] | None:
     if isinstance(example, bool):
         return (lambda v: isinstance(v, bool)), "true or false"
     if isinstance(example, (int, float)):  # an integer key may take a float (rank_cpus=0.5): its check says
-        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), (
-            "an integer" if isinstance(example, int) else "a float"
-        )
+        return is_number, ("an integer" if isinstance(example, int) else "a float")
     if isinstance(example, list):
         item = next((k for k in map(_kind, example) if k is not None), None)
         if item is None:
@@ -324,8 +322,9 @@ def _type_problems(plain: Mapping[str, Any], configs_dir: Path) -> dict[str, dic
             kinds = [_kind(example) for example in examples]
             if not kinds or any(k is None or k[0](value) for k in kinds) or (group and key == "name"):
                 continue
+            expected = kinds[0][1]  # type: ignore[index]  # no kind is None here (the line above)
             path = f"{group}.{key}" if group else str(key)
-            result.setdefault(group, {})[path] = (f"{path}: expected {kinds[0][1]}, found {value!r}", value is None)
+            result.setdefault(group, {})[path] = (f"{path}: expected {expected}, found {value!r}", value is None)
     return result
 
 
@@ -370,7 +369,6 @@ def validate_launch(cfg: DictConfig | Mapping[str, Any]) -> None:
         ConfigError: listing every problem.
     """
     problems: list[str] = []
-    _nonneg_int(cfg, "nproc", 1, problems)
-    _nonneg_int(cfg, "max_restarts", 0, problems)
+    _check_ints(cfg, {"nproc": 1, "max_restarts": 0}, problems)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), problems)

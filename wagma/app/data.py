@@ -31,6 +31,7 @@ import torch
 from wagma.app.epochs import EpochBatches
 from wagma.app.sequences import SequenceSpec, TokenBatchIterator, generate, trim_padding
 from wagma.app.source_text import VOCAB, SourceSpec, load_rows
+from wagma.checks import check_choice, check_int, check_number, fail
 
 __all__ = [
     "BatchIterator",
@@ -105,8 +106,7 @@ def dataset_info(options: dict[str, Any]) -> DataInfo:
         return DataInfo(n, shape, classes)
     if name == "sequences":
         spec = SequenceSpec.from_options(options)
-        if options.get("batching", "samples") not in ("samples", "tokens"):
-            raise ValueError(f"data.batching must be 'samples' or 'tokens', got {options.get('batching')!r}")
+        check_choice("data.batching", options.get("batching", "samples"), ("samples", "tokens"))
         return DataInfo(spec.examples, (spec.max_len,), spec.classes, spec.vocab)
     if name == "torch_source":
         source = SourceSpec.from_options(options)
@@ -162,8 +162,8 @@ class Dataset:
         Rank r gets examples r, r + P, r + 2P, ... of the (already shuffled) training split: the shards
         are disjoint, together cover the split, and differ in size by at most one.
         """
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        check_int("world_size", world_size, 1)
+        check_int("rank", rank, 0, world_size - 1)
         if world_size > len(self.y_train):
             raise ValueError(
                 f"world_size={world_size} exceeds the {len(self.y_train)} training examples of {self.name!r}"
@@ -186,8 +186,7 @@ def load_dataset(name: str, *, seed: int = 0, test_fraction: float = 0.2, **opti
     """
     if name not in KNOWN_DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    check_number("test_fraction", test_fraction, 0.0, 1.0, above=True, below=True)
     from sklearn.model_selection import train_test_split
 
     if name == "torch_source":
@@ -269,7 +268,7 @@ class BatchIterator(EpochBatches):
         if len(x) != len(y):
             raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
         if not 1 <= batch_size <= len(x):
-            raise ValueError(f"batch_size must be in [1, {len(x)}] (the shard size), got {batch_size}")
+            raise fail("batch_size", f"1 to {len(x)} (the shard size)", batch_size)
         self.x, self.y = x, y
         self.batch_size = batch_size
         super().__init__(seed=seed, rank=rank)

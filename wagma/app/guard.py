@@ -31,6 +31,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from wagma.checks import check_optional_number
+
 __all__ = ["TrainingGuard"]
 
 _IMPROVEMENT = 0.01  # a window must beat the best by this fraction to count as progress
@@ -64,18 +66,12 @@ class TrainingGuard:
         start_step: int = 0,
         chance_loss: float | None = None,
     ) -> None:
-        if validated_staleness is not None and (
-            isinstance(validated_staleness, bool)
-            or not isinstance(validated_staleness, (int, float))
-            or validated_staleness < 0
-        ):
-            raise ValueError(f"validated_staleness: expected null or a number >= 0, found {validated_staleness!r}")
+        self.validated_staleness = check_optional_number("validated_staleness", validated_staleness, 0)
         self.window = max(10, steps // 20) if window is None else int(window)
         self.patience = max(5 * self.window, steps // 4) if patience is None else int(patience)
         if self.window < 1 or self.patience < 1:
             raise ValueError(f"window and patience: expected integers >= 1, found {self.window} and {self.patience}")
         self.policy = policy
-        self.validated_staleness = None if validated_staleness is None else float(validated_staleness)
         self.remedy = remedy
         self.chance_loss = chance_loss
         self.warnings: list[str] = []

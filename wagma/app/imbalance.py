@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from wagma.checks import check_choice, check_int, check_number, check_optional_number, fail
+
 __all__ = [
     "HeavyTail",
     "Imbalance",
@@ -49,9 +51,8 @@ class Imbalance(abc.ABC):
     name: str = ""
 
     def __init__(self, rank: int, world_size: int) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        self.rank, self.world_size = rank, world_size
+        self.world_size = check_int("world_size", world_size, 1)
+        self.rank = check_int("rank", rank, 0, world_size - 1)
 
     @abc.abstractmethod
     def delay_s(self, step: int, compute_s: float = 0.0) -> float:
@@ -98,10 +99,8 @@ class RandomK(Imbalance):
     def __init__(self, rank: int, world_size: int, *, k: int, delay_s: float, seed: int = 0) -> None:
         super().__init__(rank, world_size)
         if not 0 <= int(k) <= world_size:
-            raise ValueError(f"random_k needs 0 <= k <= world size ({world_size}), got k={k}")
-        if delay_s < 0:
-            raise ValueError(f"random_k needs delay_s >= 0, got {delay_s}")
-        self.k, self.delay, self.seed = int(k), float(delay_s), int(seed)
+            raise fail("imbalance.k", f"0 <= k <= the world size {world_size} (random_k)", k)
+        self.k, self.delay, self.seed = int(k), check_number("imbalance.delay_s", delay_s, 0), int(seed)
 
     def delayed_ranks(self, step: int) -> frozenset[int]:
         """The ranks that sleep at ``step``; the same set on every rank."""
@@ -132,18 +131,10 @@ class Persistent(Imbalance):
         super().__init__(rank, world_size)
         slow = [int(r) for r in ranks]
         if any(not 0 <= r < world_size for r in slow) or len(set(slow)) != len(slow):
-            raise ValueError(
-                f"persistent needs distinct ranks in [0, {world_size}) for world size {world_size}, got {slow}"
-            )
-        if factor < 1:
-            raise ValueError(f"persistent needs factor >= 1 (a slowdown), got {factor}")
-        if base_s is not None and (isinstance(base_s, bool) or not isinstance(base_s, (int, float))):
-            # null in its preset, so the config's type check (wagma.app.config) cannot tell it takes a number
-            raise ValueError(f"imbalance.base_s: expected a number of seconds or null, found {base_s!r}")
-        if base_s is not None and base_s < 0:
-            raise ValueError(f"persistent needs base_s >= 0 or null, got {base_s}")
-        self.ranks, self.factor = frozenset(slow), float(factor)
-        self.base_s = None if base_s is None else float(base_s)
+            raise fail("imbalance.ranks", f"distinct ranks in [0, {world_size}) (persistent)", slow)
+        self.ranks, self.factor = frozenset(slow), check_number("imbalance.factor", factor, 1)  # a slowdown
+        # null in its preset, so the config's type check (wagma.app.config) cannot tell it takes a number
+        self.base_s = check_optional_number("imbalance.base_s", base_s, 0)
 
     def _extra(self, compute_s: float) -> float:
         base = self.base_s if self.base_s is not None else max(0.0, compute_s)
@@ -182,16 +173,13 @@ class HeavyTail(Imbalance):
         seed: int = 0,
     ) -> None:
         super().__init__(rank, world_size)
-        if distribution not in ("lognormal", "pareto"):
-            raise ValueError(f"heavy_tail distribution must be 'lognormal' or 'pareto', got {distribution!r}")
-        if scale_s < 0 or shape <= 0:
-            raise ValueError(f"heavy_tail needs scale_s >= 0 and shape > 0, got scale_s={scale_s}, shape={shape}")
-        if max_s is not None and max_s < 0:
-            raise ValueError(f"heavy_tail needs max_s >= 0 or null, got {max_s}")
+        check_choice("imbalance.distribution", distribution, ("lognormal", "pareto"))
+        self.scale = check_number("imbalance.scale_s", scale_s, 0)
+        self.shape = check_number("imbalance.shape", shape, 0, above=True)
+        self.cap = check_optional_number("imbalance.max_s", max_s, 0)
         if distribution == "pareto" and shape <= 1 and max_s is None:
             raise ValueError(f"an uncapped Pareto delay with shape={shape} <= 1 has an infinite mean; set max_s")
-        self.distribution, self.scale, self.shape = distribution, float(scale_s), float(shape)
-        self.cap = None if max_s is None else float(max_s)
+        self.distribution = distribution
         self.seed = int(seed)
 
     def _draw(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None) -> Any:

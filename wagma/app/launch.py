@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.app.procs import process_start_time
+from wagma.checks import check_choice
 
 __all__ = [
     "SHARED_FAILURE_EXIT_CODE",
@@ -168,8 +169,7 @@ def init_distributed(device: str, timeout_s: float = 300.0) -> DistContext:
         ValueError: for another device string.
         RuntimeError: on every rank when ``device="cuda"`` and some rank has no GPU.
     """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    check_choice("device", device, ("auto", "cpu", "cuda"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
     owns = not dist.is_initialized()

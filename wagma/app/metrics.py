@@ -32,6 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from wagma.checks import check_int, check_number, is_number
+
 __all__ = [
     "CSV_COLUMNS",
     "SUMMARY_KEYS",
@@ -122,7 +124,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _is_scalar(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def preload_tensorboard() -> None:
@@ -221,10 +223,8 @@ class MetricsWriter:
             with_tensorboard: also write TensorBoard events (one rank should); without the tensorboard
                 package this logs one warning and the run goes on.
         """
-        if flush_every < 1:
-            raise ValueError(f"flush_every must be >= 1, got {flush_every}")
-        if elapsed_s < 0:
-            raise ValueError(f"elapsed_s must be >= 0 (seconds trained before), got {elapsed_s}")
+        check_int("flush_every", flush_every, minimum=1)
+        check_number("elapsed_s", elapsed_s, 0)  # seconds trained before
         self.path = metrics_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep_through is not None and self.path.exists():
@@ -267,7 +267,7 @@ class MetricsWriter:
         """
         if self._tb is None:
             return
-        from tensorboard.compat.proto.summary_pb2 import Summary  # installed: self._tb exists
+        from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]  # installed: self._tb exists
 
         values = [
             Summary.Value(tag=tensorboard_tag(key), simple_value=float(value))

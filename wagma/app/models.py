@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from wagma.checks import check_int, fail
+
 __all__ = ["ByteLM", "CNN", "KNOWN_MODELS", "MLP", "Transformer", "build_model"]
 
 
@@ -32,7 +34,7 @@ class MLP(nn.Sequential):
             hidden: widths of the hidden layers (may be empty: a linear model).
         """
         if any(int(h) < 1 for h in hidden):
-            raise ValueError(f"hidden sizes must be positive, got {list(hidden)}")
+            raise fail("model.hidden", "positive layer widths", list(hidden))
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(int(d) for d in in_shape)
         for h in hidden:
@@ -60,9 +62,10 @@ class CNN(nn.Sequential):
             hidden: width of the fully connected hidden layer.
         """
         if len(in_shape) != 3 or min(int(in_shape[1]), int(in_shape[2])) < 2:
-            raise ValueError(f"CNN needs a (C, H, W) input with H, W >= 2, got {tuple(in_shape)}")
-        if len(channels) != 2 or min(int(c) for c in channels) < 1 or hidden < 1:
-            raise ValueError(f"CNN needs two positive channel counts and hidden >= 1, got {list(channels)}, {hidden}")
+            raise fail("in_shape", "a (C, H, W) input with H, W >= 2 (CNN)", tuple(in_shape))
+        if len(channels) != 2 or min(int(c) for c in channels) < 1:
+            raise fail("model.channels", "two positive channel counts", list(channels))
+        check_int("model.hidden", hidden, minimum=1)
         c1, c2 = int(channels[0]), int(channels[1])
         super().__init__(
             nn.Conv2d(int(in_shape[0]), c1, 3, padding=1),
@@ -104,11 +107,11 @@ class Transformer(nn.Module):
         """
         super().__init__()
         if len(in_shape) != 1 or int(in_shape[0]) < 1:
-            raise ValueError(f"{type(self).__name__} needs token rows of shape (max_len,), got {tuple(in_shape)}")
+            raise fail("in_shape", f"token rows of shape (max_len,) ({type(self).__name__})", tuple(in_shape))
         if min(vocab_size, d_model, heads, layers, ff) < 1 or d_model % heads:
-            raise ValueError(
-                f"{type(self).__name__} needs positive sizes and heads dividing d_model, got vocab_size={vocab_size}, "
-                f"d_model={d_model}, heads={heads}, layers={layers}, ff={ff}"
+            raise ValueError(  # the form of wagma.checks.fail, with several values found
+                f"{type(self).__name__}: expected positive sizes and heads dividing d_model, found "
+                f"vocab_size={vocab_size}, d_model={d_model}, heads={heads}, layers={layers}, ff={ff}"
             )
         self.max_len = int(in_shape[0])
         self.embed = nn.Embedding(int(vocab_size), int(d_model), padding_idx=0)
@@ -120,9 +123,13 @@ class Transformer(nn.Module):
         self.norm = nn.LayerNorm(int(d_model))
         self.head = nn.Linear(int(d_model), int(num_classes))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        """Refuse anything but ``(N, L)`` token rows no longer than the model's ``max_len``."""
         if tokens.dim() != 2 or tokens.shape[1] > self.max_len:
-            raise ValueError(f"expected (N, L) token rows with L <= {self.max_len}, got {tuple(tokens.shape)}")
+            raise fail("tokens", f"(N, L) token rows with L <= {self.max_len}", tuple(tokens.shape))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._check_tokens(tokens)
         pad = tokens == 0
         h = self.embed(tokens) + self.position[: tokens.shape[1]]
         h = self.norm(self.encoder(h, src_key_padding_mask=pad))
@@ -158,14 +165,13 @@ class ByteLM(Transformer):
                 feed-forward width.
         """
         if int(num_classes) != int(vocab_size):
-            raise ValueError(f"ByteLM predicts tokens: num_classes must be vocab_size={vocab_size}, got {num_classes}")
+            raise fail("num_classes", f"vocab_size={vocab_size} (ByteLM predicts tokens)", num_classes)
         super().__init__(
             in_shape, num_classes, vocab_size=vocab_size, d_model=d_model, heads=heads, layers=layers, ff=ff
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 2 or tokens.shape[1] > self.max_len:
-            raise ValueError(f"expected (N, L) token rows with L <= {self.max_len}, got {tuple(tokens.shape)}")
+        self._check_tokens(tokens)
         length = tokens.shape[1]
         mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
         h = self.embed(tokens) + self.position[:length]

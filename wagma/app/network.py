@@ -36,6 +36,11 @@ sets up) removes: creating and entering a namespace happen under the lock, so ou
 
 Setting up needs root (CAP_NET_ADMIN), ``ip`` and ``tc`` (iproute2) and the ``tbf`` qdisc: :func:`check_rank_net`
 names what is missing in one line. One host only: a job that spans nodes is refused.
+
+One module, though a long one: it is one concept (a rank's own shaped network, from its rate to its removal), and
+this file is also the reaper's script, run with the standard library alone (``python -I``). The reaper removes what
+the set-up creates through the same names, lock and helpers, so neither half can move to another wagma module
+without the reaper losing them (the few uses of wagma, :mod:`wagma.checks` among them, import inside functions).
 """
 
 from __future__ import annotations
@@ -110,9 +115,18 @@ class NetworkError(RuntimeError):
         self.said = said if said is not None else message
 
 
+def _fail(name: str, expected: str, found: object, advice: str = "") -> ValueError:
+    """:func:`wagma.checks.fail`, imported here: the module imports nothing of wagma (its reaper runs it alone)."""
+    from wagma.checks import fail
+
+    return fail(name, expected, found, advice)
+
+
 def _off(rate: object) -> bool:
     """Whether ``rate`` means no network of its own (null, 0, an empty string)."""
-    return rate is None or (not isinstance(rate, bool) and rate in (0, "", "0"))
+    from wagma.checks import is_number  # here: the module imports nothing of wagma (its reaper runs it alone)
+
+    return rate is None or (is_number(rate) and rate == 0) or rate in ("", "0")
 
 
 def parse_rate(rate: object) -> int | None:
@@ -125,10 +139,10 @@ def parse_rate(rate: object) -> int | None:
         return None
     match = _RATE.fullmatch(rate.strip()) if isinstance(rate, str) else None
     if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"rank_net must be null (no network) or a rate: {RATE_FORMS}; got {rate!r}")
+        raise _fail("rank_net", f"null (no network) or a rate: {RATE_FORMS}", rate)
     bits = round(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if bits < 8_000:
-        raise ValueError(f"rank_net must be at least 8kbit (a rank could not send one packet a second), got {rate!r}")
+        raise _fail("rank_net", "at least 8kbit", rate, "a rank could not send one packet a second")
     return bits
 
 
@@ -396,11 +410,11 @@ class RankNetwork:
         global _current
         bits = parse_rate(rate)
         if bits is None:
-            raise ValueError(f"rate: expected a rate such as 200mbit, found {rate!r}")
+            raise _fail("rate", "a rate such as 200mbit", rate)
         if _current is not None:
             raise NetworkError(f"this process is already in a rank network ({_current.namespace})")
         if not 0 <= rank <= 252:
-            raise NetworkError(f"rank_net gives a host at most 253 ranks (one /24), got rank {rank}")
+            raise NetworkError(str(_fail("rank", "a local rank in [0, 252] (rank_net gives a host one /24)", rank)))
         self.rate: str = rate_name(rate) or ""
         self.bits_per_s, self.job, self.rank = bits, job, rank
         tag = _tag(job)
@@ -683,7 +697,7 @@ def check_rank_net(rate: object, local_ranks: int, world_size: int | None = None
             f"one host ({local_ranks} local of {world_size} ranks): run a multi-node job without rank_net"
         )
     if local_ranks > 253:
-        return f"rank_net={name} gives a host at most 253 ranks (one /24), got {local_ranks}"
+        return str(_fail(f"rank_net={name}", "at most 253 ranks on a host (one /24)", local_ranks))
     if device == "cuda":
         return (
             f"rank_net={name} shapes the ranks' sockets (gloo), and on CUDA devices they send through NCCL, "

@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from wagma.averaging.tensors import local_tensor
+from wagma.checks import fail, is_int
 
 __all__ = [
     "PARALLELS",
@@ -64,22 +65,21 @@ def check_parallel(parallel: Any, shard_size: Any, world_size: int) -> list[str]
     that divides the world size.
     """
     if parallel not in PARALLELS:
-        return [f"parallel: expected one of {', '.join(PARALLELS)}, found {parallel!r}"]
-    if not isinstance(shard_size, int) or isinstance(shard_size, bool):
-        return [f"shard_size: expected an integer, found {shard_size!r}"]
+        return [str(fail("parallel", f"one of {', '.join(map(repr, PARALLELS))}", parallel))]
+    if not is_int(shard_size):
+        return [str(fail("shard_size", "an integer", shard_size))]
     if parallel == "ddp":
         if shard_size != 1:
-            return [
-                f"shard_size: expected 1 with parallel=ddp (each rank holds the whole model), found {shard_size}; "
-                "set parallel=hsdp to shard the model"
-            ]
+            expected, advice = (
+                "1 with parallel=ddp (each rank holds the whole model)",
+                "set parallel=hsdp to shard the model",
+            )
+            return [str(fail("shard_size", expected, shard_size, advice))]
         return []
     if shard_size < 2:
-        return [
-            f"shard_size: expected an integer >= 2 with parallel=hsdp (ranks sharing one replica), found {shard_size}"
-        ]
+        return [str(fail("shard_size", "an integer >= 2 with parallel=hsdp (ranks sharing one replica)", shard_size))]
     if world_size >= 1 and world_size % shard_size:
-        return [f"shard_size: expected a divisor of the world size {world_size} with parallel=hsdp, found {shard_size}"]
+        return [str(fail("shard_size", f"a divisor of the world size {world_size} with parallel=hsdp", shard_size))]
     return []
 
 
@@ -231,10 +231,9 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str
             rebuilt[index] = per_param
             continue
         shard_shape = local_tensor(param).shape
+        mesh, placements = cast(DTensor, param).device_mesh, cast(DTensor, param).placements
         rebuilt[index] = {
-            key: DTensor.from_local(
-                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
+            key: DTensor.from_local(value, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
             if isinstance(value, torch.Tensor) and key != "step" and value.shape == shard_shape
             else value
             for key, value in per_param.items()

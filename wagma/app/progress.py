@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 from wagma.app.config import ConfigError
+from wagma.checks import check_int, fail, is_int
 
 __all__ = ["Progress", "progress_every"]
 
@@ -35,11 +36,9 @@ def progress_every(value: Any, steps: int) -> int:
     """
     if value is None:
         return max(1, round(steps / DEFAULT_LINES))
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"invalid configuration:\n  - progress_every must be an integer >= 1 (steps between progress lines) "
-            f"or null (a tenth of the steps), got {value!r}"
-        )
+    if not is_int(value) or value < 1:
+        expected = "an integer >= 1 (steps between progress lines) or null (a tenth of the steps)"
+        raise ConfigError(f"invalid configuration:\n  - {fail('progress_every', expected, value)}")
     return value
 
 
@@ -69,8 +68,7 @@ class Progress:
             enabled: False shows nothing (other ranks, ``progress=false``).
             stream: where to write; ``sys.stderr`` (as it is now) by default.
         """
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+        check_int("every", every, minimum=1)
         self._stream = stream if stream is not None else sys.stderr
         self._total, self._initial, self._every = total, initial, every
         self._samples_per_step = samples_per_step

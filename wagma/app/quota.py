@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from wagma.app.procs import sigterm_exits
+from wagma.checks import check_number, fail, is_number
 
 __all__ = [
     "PERIOD_US",
@@ -62,10 +63,10 @@ def check_rank_cpus(cpus: object, local_ranks: int, usable_cores: int | None = N
     ``cpus`` must be null/0 (no quota) or a number > 0; the ranks' quotas together must fit the usable cores;
     the cgroup v1 cpu hierarchy must be writable.
     """
-    if cpus is None or (not isinstance(cpus, bool) and isinstance(cpus, (int, float)) and cpus == 0):
+    if cpus is None or (is_number(cpus) and cpus == 0):
         return None
-    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
-        return f"rank_cpus must be null, 0 (no quota) or a number of CPUs > 0, got {cpus!r}"
+    if not is_number(cpus) or cpus < 0:
+        return str(fail("rank_cpus", "null, 0 (no quota) or a number of CPUs > 0", cpus))
     cores = (
         usable_cores
         if usable_cores is not None
@@ -113,9 +114,7 @@ class RankQuota:
     """
 
     def __init__(self, cpus: float, *, job: str, rank: int, root: Path | None = None) -> None:
-        if not cpus > 0:
-            raise ValueError(f"cpus: expected a number > 0, found {cpus!r}")
-        self.cpus = float(cpus)
+        self.cpus = check_number("cpus", cpus, 0, above=True)
         self.root = cgroup_root() if root is None else root
         self.path = self.root / "wagma" / job / f"rank{rank}"
         self._home = _own_cgroup(self.root)

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from wagma.checks import check_number, fail, is_int
+
 __all__ = ["FINAL", "RollCall"]
 
 log = logging.getLogger(__name__)
@@ -59,8 +61,7 @@ class RollCall:
     """
 
     def __init__(self, rank: int, world_size: int, *, report_s: float = 3.0, store: dist.Store | None = None) -> None:
-        if report_s < 0:
-            raise ValueError(f"report_s must be >= 0 seconds, got {report_s}")
+        check_number("report_s", report_s, 0)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(f"wagma/roll_call/{next(_calls)}/", base)
         self.rank, self.world_size, self.report_s = rank, world_size, float(report_s)
@@ -69,8 +70,8 @@ class RollCall:
     def begin(self, step: Step) -> None:
         """Publish that this rank begins ``step`` (0-based, or :data:`FINAL`); :meth:`watching` blames a failure on
         it."""
-        if not (step == FINAL or (isinstance(step, int) and not isinstance(step, bool) and step >= 0)):
-            raise ValueError(f"step must be an int >= 0 or {FINAL!r}, got {step!r}")
+        if not (step == FINAL or (is_int(step) and step >= 0)):
+            raise fail("step", f"an integer >= 0 or {FINAL!r}", step)
         self._step = step
         self._store.set(f"step/{self.rank}", str(step))
 

@@ -279,7 +279,8 @@ def run_job(cfg: DictConfig) -> int:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     # run_dir=DIR puts the run there (its ranks, metrics, checkpoints); Hydra's own files stay in its output directory.
     directory = Path(str(cfg.run_dir)) if cfg.get("run_dir") else Path(hydra_cfg.runtime.output_dir)
-    record: dict[str, Any] = {"num": hydra_cfg.job.get("num", 0), "overrides": list(hydra_cfg.overrides.task)}
+    job_num = hydra_cfg.job.get("num", 0)  # type: ignore[attr-defined]  # a DictConfig at run time
+    record: dict[str, Any] = {"num": job_num, "overrides": list(hydra_cfg.overrides.task)}
     prefix = f"job {record['num']}: " if sweeping else ""
     log = logging.getLogger(__name__)
     try:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from wagma.app.epochs import EpochBatches
+from wagma.app.specs import TaskSpec, check_lengths
+from wagma.checks import check_int, check_number, fail
 
 __all__ = ["SequenceSpec", "TokenBatchIterator", "generate", "trim_padding"]
 
@@ -36,8 +37,10 @@ PAD = 0
 
 
 @dataclasses.dataclass(frozen=True)
-class SequenceSpec:
+class SequenceSpec(TaskSpec):
     """The generated task's parameters (the ``data=sequences`` config's keys)."""
+
+    task: ClassVar[str] = "sequences"
 
     examples: int = 6000
     vocab: int = 32
@@ -49,47 +52,20 @@ class SequenceSpec:
     signal: float = 0.25
     data_seed: int = 0
 
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SequenceSpec:
-        """The spec from a data config's options (``name``, ``test_fraction``, ``batching`` and ``tokens`` are the
-        loader's, not the generator's), checked.
-
-        Raises:
-            ValueError: naming an unknown key or a value out of range.
-        """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - set(fields) - {"name", "test_fraction", "batching", "tokens"})
-        if unknown:
-            raise ValueError(f"data=sequences has no option(s) {unknown}; known: {sorted(fields)}")
-        values = {}
-        for name, field in fields.items():
-            if name in options:
-                raw = options[name]
-                kind = type(field.default)
-                if isinstance(raw, bool) or not isinstance(raw, (int, float)) or (kind is int and raw != int(raw)):
-                    raise ValueError(f"data.{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}")
-                values[name] = kind(raw)
-        spec = cls(**values)
-        spec.check()
-        return spec
-
     def check(self) -> None:
         """Raise ``ValueError`` naming the first parameter out of range."""
-        if self.classes < 2:
-            raise ValueError(f"data.classes must be >= 2, got {self.classes}")
+        check_int("data.classes", self.classes, 2)
         if self.vocab < self.classes + 1:
-            raise ValueError(f"data.vocab must be >= classes + 1 = {self.classes + 1} (token 0 pads), got {self.vocab}")
-        if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"need 1 <= data.min_len <= data.max_len, got {self.min_len} and {self.max_len}")
+            raise fail("data.vocab", f"an integer >= classes + 1 = {self.classes + 1} (token 0 pads)", self.vocab)
+        check_lengths(self.min_len, self.max_len, 1)
         if not self.min_len <= self.median_len <= self.max_len:
-            raise ValueError(
-                f"data.median_len must lie in [min_len, max_len] = [{self.min_len}, {self.max_len}], "
-                f"got {self.median_len}"
+            raise fail(
+                "data.median_len", f"a number in [min_len, max_len] = [{self.min_len}, {self.max_len}]", self.median_len
             )
-        if self.sigma < 0 or not 0.0 <= self.signal <= 1.0:
-            raise ValueError(f"need data.sigma >= 0 and 0 <= data.signal <= 1, got {self.sigma} and {self.signal}")
+        check_number("data.sigma", self.sigma, 0)
+        check_number("data.signal", self.signal, 0, 1)
         if self.examples < 2 * self.classes:
-            raise ValueError(f"data.examples must be >= 2 x classes = {2 * self.classes}, got {self.examples}")
+            raise fail("data.examples", f"an integer >= 2 x classes = {2 * self.classes}", self.examples)
 
 
 def generate(spec: SequenceSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -138,14 +114,10 @@ class TokenBatchIterator(EpochBatches):
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, tokens: int, *, seed: int, rank: int) -> None:
         if len(x) != len(y) or len(x) == 0:
-            raise ValueError(f"x and y must be non-empty and of one length, got {len(x)} and {len(y)}")
+            raise fail("len(x), len(y)", "non-empty and equal", (len(x), len(y)))
         if x.dtype != torch.int64 or x.dim() != 2:
-            raise ValueError(
-                f"batching by tokens needs (N, L) int64 token rows (data=sequences), got {x.dtype} {tuple(x.shape)}"
-            )
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"data.tokens must be a positive integer, got {tokens!r}")
-        self.x, self.y, self.tokens = x, y, tokens
+            raise fail("x", "(N, L) int64 token rows (batching by tokens, data=sequences)", (x.dtype, tuple(x.shape)))
+        self.x, self.y, self.tokens = x, y, check_int("data.tokens", tokens, 1)
         self.lengths = (x != PAD).sum(dim=1).clamp(min=1).cpu().numpy()
         super().__init__(seed=seed, rank=rank)
 

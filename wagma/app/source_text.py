@@ -26,13 +26,15 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from wagma.app.specs import TaskSpec, check_lengths
+from wagma.checks import check_int
 
 __all__ = [
     "VOCAB",
@@ -56,42 +58,20 @@ _LEFT_OUT = ("version.py",)  # names the build (CUDA or CPU): not the same bytes
 
 
 @dataclasses.dataclass(frozen=True)
-class SourceSpec:
+class SourceSpec(TaskSpec):
     """The task's parameters (the ``data=torch_source`` config's keys)."""
+
+    task: ClassVar[str] = "torch_source"
 
     examples: int = 10000
     max_len: int = 1024
     min_len: int = 16
     data_seed: int = 0
 
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SourceSpec:
-        """The spec from a data config's options (``name``, ``test_fraction`` and ``batching`` are the loader's),
-        checked.
-
-        Raises:
-            ValueError: naming an unknown key or a value out of range.
-        """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - fields - {"name", "test_fraction", "batching", "tokens"})
-        if unknown:
-            raise ValueError(f"data=torch_source has no option(s) {unknown}; known: {sorted(fields)}")
-        values = {}
-        for name in sorted(fields & set(options)):
-            raw = options[name]
-            if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw != int(raw):
-                raise ValueError(f"data.{name} must be an integer, got {raw!r}")
-            values[name] = int(raw)
-        spec = cls(**values)
-        spec.check()
-        return spec
-
     def check(self) -> None:
         """Raise ``ValueError`` naming the first parameter out of range."""
-        if not 2 <= self.min_len <= self.max_len:
-            raise ValueError(f"need 2 <= data.min_len <= data.max_len, got {self.min_len} and {self.max_len}")
-        if self.examples < 2:
-            raise ValueError(f"data.examples must be >= 2, got {self.examples}")
+        check_lengths(self.min_len, self.max_len, 2)
+        check_int("data.examples", self.examples, 2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,6 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -52,7 +51,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
 from wagma.averaging.gossip import _check_world, _Exchange
-from wagma.averaging.tensors import widened
+from wagma.averaging.tensors import BuffersLike, widened
 from wagma.checks import check_int
 from wagma.engine_store import CONNECT_S, StoreCaller, _address, _clone
 from wagma.groups import DEFAULT_TIMEOUT
@@ -138,7 +137,7 @@ class ADPSGDAverager(AveragerBase):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         super().__init__(None, average_buffers=average_buffers, timeout=timeout, world=world)
         self._period = len(_offsets(self.world_size))  # validates the world; a rank meets each peer once a period
-        self._p2p = self._new_group(None)  # the thread's own: never used by two threads at once
+        self._p2p = self._new_world_group()  # the thread's own: never used by two threads at once
         # The meetings' store: a client of its own, whose request/response calls run with a deadline
         base = dist.distributed_c10d._get_default_store()
         prefix = f"wagma/adpsgd/{self.world.key}{next(_instance_ids)}/"
@@ -390,7 +389,7 @@ class ADPSGDAverager(AveragerBase):
             self._target, self._frozen, self._used = None, False, self._version
             self._cond.notify_all()
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Finish the exchanges the ranks agree on, add them, then the blocking global mean (collective).
 
         Does not advance ``self.step``; counts as a global reduction. The thread goes on afterwards.

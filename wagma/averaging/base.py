@@ -7,7 +7,8 @@ Every averager in :mod:`wagma.averaging` (and the wait-avoiding ``WagmaAverager`
   first call (or :meth:`AveragerBase.bind`) fixes the set and its order; later calls may list the same
   tensors in any order, another set raises ``ValueError``;
 - packing them into :class:`~wagma.averaging.tensors.FlatBuffers` (one collective per buffer, not per tensor);
-- :class:`AveragerStats`, the counters every averager reports (reductions, bytes, waiting, staleness);
+- the counters every averager reports in ``self.stats`` (reductions, bytes, waiting, staleness): an
+  :class:`~wagma.averaging.stats.AveragerStats`, defined in :mod:`wagma.averaging.stats` and re-exported here;
 - the blocking mean over a process group (:meth:`AveragerBase.allreduce_mean`), the step counter,
   ``state_dict``/``load_state_dict``, ``close`` and the final :meth:`AveragerBase.synchronize`.
 
@@ -17,14 +18,13 @@ A subclass implements :meth:`AveragerBase._average_step`, which runs whatever it
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 import weakref
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,9 @@ from wagma.averaging.guards import (
     order_ignored_by_caller,
     warn_at_caller,
 )
+from wagma.averaging.stats import AveragerStats, Reduction
 from wagma.averaging.tensors import (
+    BuffersLike,
     FlatBuffers,
     ParameterBinding,
     ParamsLike,
@@ -46,7 +48,7 @@ from wagma.averaging.tensors import (
     local_tensor,
     reduced_parameters,
 )
-from wagma.checks import check_int
+from wagma.checks import check_bool, check_int
 from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
@@ -70,9 +72,6 @@ __all__ = [
     "collect_parameters",
     "reduced_parameters",
 ]
-
-#: Kind of reduction an averager ran at a step: among a subset of ranks, or among all of them.
-Reduction = Literal["local", "global"]
 
 
 class OwnedResources:
@@ -99,69 +98,6 @@ class OwnedResources:
         destroy_groups(groups)
         if errors:
             raise errors[0]
-
-
-@dataclasses.dataclass
-class AveragerStats:
-    """Counters every averager keeps in ``self.stats`` (per rank, cumulative since construction).
-
-    Attributes:
-        global_reductions: reductions over all ranks (including :meth:`AveragerBase.synchronize`).
-        local_reductions: reductions over a subset of ranks (node-local or schedule groups).
-        bytes_sent: payload bytes this rank handed to collectives: the size of every reduced buffer,
-            once per reduction (not the algorithm's wire traffic, which depends on the backend).
-        wait_s: seconds spent issuing and waiting for blocking collectives.
-        fresh_contributions: rounds in which this rank's current model made it into its group's
-            reduction (wait-avoiding averagers; synchronous ones leave it at 0).
-        stale_contributions: rounds in which an older snapshot was used instead.
-        staleness_hist: staleness in rounds -> number of contributions with that staleness.
-    """
-
-    global_reductions: int = 0
-    local_reductions: int = 0
-    bytes_sent: int = 0
-    wait_s: float = 0.0
-    fresh_contributions: int = 0
-    stale_contributions: int = 0
-    staleness_hist: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    def record_reduction(self, kind: Reduction, nbytes: int, wait_s: float) -> None:
-        """Count one reduction of ``kind`` that sent ``nbytes`` and blocked for ``wait_s`` seconds."""
-        if kind == "global":
-            self.global_reductions += 1
-        elif kind == "local":
-            self.local_reductions += 1
-        else:
-            raise ValueError(f"kind: expected 'local' or 'global', found {kind!r}")
-        self.bytes_sent += int(nbytes)
-        self.wait_s += float(wait_s)
-
-    def record_contribution(self, staleness: int) -> None:
-        """Count one contribution that was ``staleness`` rounds old (0: fresh)."""
-        check_int("staleness", staleness, 0)
-        if staleness == 0:
-            self.fresh_contributions += 1
-        else:
-            self.stale_contributions += 1
-        self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
-
-    def as_dict(self) -> dict[str, Any]:
-        """A plain, independent copy of the counters (for logging, JSON and checkpoints)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> AveragerStats:
-        """Rebuild counters from :meth:`as_dict` output (histogram keys may have become strings in JSON).
-
-        Raises:
-            ValueError: if ``state`` lacks a field or has an unknown one.
-        """
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(state) != names:
-            raise ValueError(f"stats: expected the fields {sorted(names)}, found {sorted(state)}")
-        values = dict(state)
-        values["staleness_hist"] = {int(k): int(v) for k, v in state["staleness_hist"].items()}
-        return cls(**values)
 
 
 class AveragerBase(ModelAverager):
@@ -232,8 +168,7 @@ class AveragerBase(ModelAverager):
         world: WorldLike = None,
         wire_dtype: WireDtype = None,
     ) -> None:
-        if not isinstance(average_buffers, bool):
-            raise ValueError(f"average_buffers: expected a bool, found {average_buffers!r}")
+        check_bool("average_buffers", average_buffers)
         self.timeout = as_timeout(timeout)
         #: The dtype reductions send float32/float64 values in (``None``: their own; :mod:`wagma.wire`).
         self.wire_dtype: torch.dtype | None = as_wire_dtype(wire_dtype)
@@ -279,7 +214,7 @@ class AveragerBase(ModelAverager):
         :meth:`flat_buffers` and ``self.stats``).
         """
 
-    def average_parameters(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> Reduction | None:
+    def average_parameters(self, params: ParamsLike, buffers: BuffersLike | None = None) -> Reduction | None:
         """Average what the policy schedules for this step, then advance the step counter.
 
         Args:
@@ -305,7 +240,7 @@ class AveragerBase(ModelAverager):
         self.step += 1
         return kind
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Blocking mean over all ranks, for evaluation and checkpoints; counts as a global reduction.
 
         Does not advance ``self.step`` and does not change ``self.last_reduction``.
@@ -322,7 +257,7 @@ class AveragerBase(ModelAverager):
     # -- building blocks for subclasses ------------------------------------------------------------------
 
     def tensors_to_average(
-        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None, *, where: str = "average_parameters"
+        self, params: ParamsLike, buffers: BuffersLike | None = None, *, where: str = "average_parameters"
     ) -> list[torch.Tensor]:
         """The bound parameters, then (if ``average_buffers``) floating-point buffers, in the bound order; of a
         ``DTensor`` (an FSDP2 parameter) its local shard.
@@ -339,7 +274,7 @@ class AveragerBase(ModelAverager):
         arranged = self._binding.arrange(tensors, names, where=f"{type(self).__name__}.{where}")
         return [local_tensor(t) for t in arranged]  # bound by the DTensor, averaged as this rank's shard
 
-    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def bind(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Bind the averager to these tensors (and their order) from now on, replacing an earlier binding.
 
         Every rank must bind the same parameters at the same step (e.g. after ``add_param_group``).
@@ -349,9 +284,7 @@ class AveragerBase(ModelAverager):
         self._flat = None
         self._wire_refs = []
 
-    def _collect(
-        self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None
-    ) -> tuple[list[torch.Tensor], list[str | None]]:
+    def _collect(self, params: ParamsLike, buffers: BuffersLike | None) -> tuple[list[torch.Tensor], list[str | None]]:
         tensors, names = collect_named(params)
         if self.average_buffers and buffers is not None:
             more, more_names = collect_named_buffers(buffers, exclude=tensors)
@@ -446,6 +379,12 @@ class AveragerBase(ModelAverager):
                     f"{where} did not finish within the group's timeout; a peer is slow, hung or gone ({err})"
                 ) from err
             raise RuntimeError(f"{where} failed; a peer is gone or its connection broke ({err})") from err
+
+    def _new_world_group(self) -> dist.ProcessGroup:
+        """:meth:`_new_group` over the whole world: this rank's group, never ``None``."""
+        group = self.world.new_world_group(self.timeout)
+        self._owned_groups.append(group)
+        return group
 
     def _new_group(self, ranks: Sequence[int] | None) -> dist.ProcessGroup | None:
         """Create a group over ``ranks`` (world ranks; ``None``: the whole world) with this averager's timeout, in

@@ -22,15 +22,15 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
-from wagma.averaging.tensors import widened
-from wagma.checks import check_int
+from wagma.averaging.tensors import BuffersLike, widened
+from wagma.checks import check_bool, check_choice, check_int, check_number
 from wagma.groups import DEFAULT_TIMEOUT, is_timeout
 from wagma.world import WorldLike
 
@@ -213,8 +213,7 @@ class DPSGDAverager(AveragerBase):
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         world: WorldLike = None,
     ) -> None:
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"topology: expected one of {TOPOLOGIES}, found {topology!r}")
+        check_choice("topology", topology, TOPOLOGIES)
         self.topology = topology
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=world)
@@ -300,9 +299,7 @@ class SGPAverager(AveragerBase):
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         world: WorldLike = None,
     ) -> None:
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap: expected a bool, found {overlap!r}")
-        self.overlap = overlap
+        self.overlap = check_bool("overlap", overlap)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         super().__init__(process_group, average_buffers=average_buffers, timeout=timeout, world=world)
         if self.is_member:
@@ -410,7 +407,7 @@ class SGPAverager(AveragerBase):
 
     # -- evaluation, state ------------------------------------------------------------------------------
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Blocking global push-sum average: every rank gets ``Σx / Σw`` and ``w = 1`` (nothing in flight is lost).
 
         Does not advance ``self.step``; counts as a global reduction.
@@ -469,10 +466,8 @@ class SGPAverager(AveragerBase):
             )
         super().load_state_dict(state_dict)
         weight = state_dict["weight"]
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"state_dict['weight']: expected a push-sum weight > 0, found {weight!r}")
+        self.weight = check_number("state_dict['weight']", weight, 0.0, above=True)
         self._pending = None
-        self.weight = float(weight)
         self._numerator = self._last = None
         if state_dict["numerator"] is None:
             self._loaded = None

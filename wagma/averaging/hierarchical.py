@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerBase, Reduction
 from wagma.averaging.guards import warn_at_caller
-from wagma.checks import check_int
+from wagma.checks import check_int, fail
 from wagma.groups import (
     DEFAULT_TIMEOUT,
     as_timeout,
@@ -78,26 +78,16 @@ class HierarchicalAverager(AveragerBase):
         self.global_period = check_int("global_period", global_period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         if global_period % local_period != 0:
-            raise ValueError(
-                f"global_period: expected a multiple of local_period ({local_period}), found {global_period}"
-            )
+            raise fail("global_period", f"a multiple of local_period ({local_period})", global_period)
         # Check everything that needs the world before creating any group, so a bad argument cannot leave
         # some ranks inside a collective group creation.
         require_initialized(type(self).__name__)
         resolved = as_world(world, as_timeout(timeout))
         world_size = resolved.size
-        if process_group is not None:
-            if not isinstance(process_group, dist.ProcessGroup) or process_group.size() != world_size:
-                found = process_group.size() if isinstance(process_group, dist.ProcessGroup) else "none (not a member)"
-                raise ValueError(
-                    f"process_group: expected a group spanning all {world_size} ranks (local groups are cut from it), "
-                    f"found {found} ranks"
-                )
+        _check_process_group(process_group, world_size)
         check_group_fits(local_group_size, world_size, "local_group_size")
         if world_size % local_group_size != 0:
-            raise ValueError(
-                f"local_group_size: expected a divisor of the number of ranks ({world_size}), found {local_group_size}"
-            )
+            raise fail("local_group_size", f"a divisor of the number of ranks ({world_size})", local_group_size)
         super().__init__(
             process_group, average_buffers=average_buffers, timeout=timeout, world=resolved, wire_dtype=wire_dtype
         )
@@ -174,3 +164,14 @@ class HierarchicalAverager(AveragerBase):
             f"HierarchicalAverager(local_group_size={self.local_group_size}, local_period={self.local_period}, "
             f"global_period={self.global_period}, warmup_steps={self.warmup_steps}, step={self.step})"
         )
+
+
+def _check_process_group(process_group: dist.ProcessGroup | None, world_size: int) -> None:
+    """``None``, or a group this rank is in that spans all ``world_size`` ranks (local groups are cut from it)."""
+    if process_group is not None:
+        if not isinstance(process_group, dist.ProcessGroup) or process_group.size() != world_size:
+            found = process_group.size() if isinstance(process_group, dist.ProcessGroup) else "none (not a member)"
+            raise ValueError(
+                f"process_group: expected a group spanning all {world_size} ranks (local groups are cut from it), "
+                f"found {found} ranks"
+            )

@@ -13,7 +13,6 @@ torch reference of the update on flat buffers (a fused kernel may replace it; it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Literal
 
@@ -22,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from wagma.averaging.base import AveragerBase, AveragerStats, Reduction
-from wagma.averaging.tensors import FlatBuffers, ParameterBinding, ParamsLike, collect_named, local_tensor
+from wagma.averaging.tensors import BuffersLike, FlatBuffers, ParameterBinding, ParamsLike, collect_named, local_tensor
+from wagma.checks import check_bool, check_choice, check_number
 
 __all__ = ["MomentumLevels", "ReductionMomentum", "reduction_momentum_update_"]
 
@@ -112,14 +112,10 @@ class ReductionMomentum(ModelAverager):
         nesterov: bool = False,
         apply_to: MomentumLevels = "global",
     ) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum: expected a number in [0, 1), found {momentum!r}")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0.0:
-            raise ValueError(f"lr: expected a number > 0, found {lr!r}")
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"nesterov: expected a bool, found {nesterov!r}")
-        if apply_to not in ("global", "all"):
-            raise ValueError(f"apply_to: expected 'global' or 'all', found {apply_to!r}")
+        check_number("momentum", momentum, 0.0, 1.0, below=True)
+        check_number("lr", lr, 0.0, above=True)
+        check_bool("nesterov", nesterov)
+        check_choice("apply_to", apply_to, ("global", "all"))
         if not isinstance(averager, AveragerBase):
             raise ValueError(
                 f"averager: expected a wagma AveragerBase (PeriodicAverager, HierarchicalAverager, ...), "
@@ -175,7 +171,7 @@ class ReductionMomentum(ModelAverager):
 
     # -- averaging --------------------------------------------------------------------------------------
 
-    def average_parameters(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> Reduction | None:
+    def average_parameters(self, params: ParamsLike, buffers: BuffersLike | None = None) -> Reduction | None:
         """Run the wrapped averager's step, then the momentum update if it reduced at a momentum level.
 
         Args:
@@ -223,11 +219,11 @@ class ReductionMomentum(ModelAverager):
                 level.anchor = [v.clone() for v in values]
         return kind
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """The wrapped averager's blocking global mean (no momentum; anchors are left as they are)."""
         self.averager.synchronize(params, buffers)
 
-    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def bind(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Rebind the wrapped averager and the momentum to these tensors; the momentum state starts afresh.
 
         Every rank must call it at the same step.

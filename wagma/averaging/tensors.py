@@ -37,6 +37,8 @@ __all__ = [
 #: What ``average_parameters`` accepts: ``model.parameters()``, ``model.named_parameters()``, a list of
 #: tensors, or ``optimizer.param_groups`` (dicts with a ``"params"`` list, optionally ``"param_names"``).
 ParamsLike = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
+#: What an averager takes as buffers: tensors, or ``module.named_buffers()`` pairs.
+BuffersLike = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,9 +131,7 @@ def reduced_parameters(params: ParamsLike) -> tuple[list[torch.Tensor], torch.dt
     return grads, dtype, device
 
 
-def collect_buffers(
-    buffers: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]], exclude: Sequence[torch.Tensor] = ()
-) -> list[torch.Tensor]:
+def collect_buffers(buffers: BuffersLike, exclude: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
     """Return the distinct floating-point tensors of ``buffers`` not in ``exclude``, in order.
 
     Integer buffers (BatchNorm's ``num_batches_tracked``) are skipped: they count, they do not average.
@@ -140,7 +140,7 @@ def collect_buffers(
 
 
 def collect_named_buffers(
-    buffers: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]], exclude: Sequence[torch.Tensor] = ()
+    buffers: BuffersLike, exclude: Sequence[torch.Tensor] = ()
 ) -> tuple[list[torch.Tensor], list[str | None]]:
     """Like :func:`collect_buffers`, with names for ``module.named_buffers()`` pairs (else ``None``)."""
     if isinstance(buffers, (torch.Tensor, torch.nn.Module)):

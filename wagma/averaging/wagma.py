@@ -35,21 +35,21 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
 from wagma.averaging.base import AveragerBase, ParamsLike, Reduction
-from wagma.averaging.tensors import FlatBuffers, local_tensor, widened
-from wagma.checks import check_int
+from wagma.averaging.tensors import BuffersLike, FlatBuffers, local_tensor, widened
+from wagma.checks import check_bool, check_choice, check_int, fail
 from wagma.engine import SYNCS, RoundResult, Sync, WaitAvoidingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout, require_initialized
 from wagma.kernels import wagma_combine_
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import check_transport
 from wagma.wire import WireDtype, wire_dtype_for
-from wagma.world import WorldLike, as_world
+from wagma.world import World, WorldLike, as_world
 
 __all__ = ["MIXINGS", "ORDERS", "SYNCS", "WagmaAverager"]
 
@@ -176,7 +176,7 @@ class WagmaAverager(AveragerBase):
         sync_period: int,
         *,
         params: ParamsLike,
-        buffers: Iterable[torch.Tensor] | None = None,
+        buffers: BuffersLike | None = None,
         schedule: str | GroupSchedule | Sequence[Sequence[Sequence[int]]] = "auto",
         mixing: Mixing = "reference",
         order: Order = "average_then_step",
@@ -193,33 +193,16 @@ class WagmaAverager(AveragerBase):
     ) -> None:
         check_progress_nice(progress_nice)
         check_transport(transport)
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap: expected True or False, found {overlap!r}")
+        overlap = check_bool("overlap", overlap)
         group_size = check_int("group_size", group_size, 1)
         sync_period = check_int("sync_period", sync_period, 0)
-        if mixing not in MIXINGS:
-            raise ValueError(f"mixing: expected one of {MIXINGS}, found {mixing!r}")
-        if order not in ORDERS:
-            raise ValueError(f"order: expected one of {ORDERS}, found {order!r}")
-        if sync not in SYNCS:
-            raise ValueError(f"sync: expected one of {SYNCS}, found {sync!r}")
-        if not isinstance(publish_after_step, bool):
-            raise ValueError(f"publish_after_step: expected True or False, found {publish_after_step!r}")
-        if publish_after_step and (order != "average_then_step" or overlap):
-            raise ValueError(
-                "publish_after_step=True: expected order='average_then_step' and overlap=False (only then is the model "
-                f"after the optimizer step the one the next call submits), found order={order!r}, overlap={overlap}"
-            )
-        if max_lead is not None:
-            max_lead = check_int("max_lead", max_lead, 0)
-            if max_lead > sync_period:
-                raise ValueError(f"max_lead: expected at most sync_period={sync_period}, found {max_lead}")
-        # Checked before any group exists, so a bad size leaves no rank inside a collective group creation.
-        require_initialized(type(self).__name__)
-        resolved = as_world(world, as_timeout(timeout))
-        check_group_fits(group_size, resolved.size)
-        if resolved.size % group_size:
-            raise ValueError(f"group_size: expected a divisor of the world size {resolved.size}, found {group_size}")
+        mixing = check_choice("mixing", mixing, MIXINGS)
+        order = check_choice("order", order, ORDERS)
+        sync = check_choice("sync", sync, SYNCS)
+        _check_publish_after_step(publish_after_step, order, overlap)
+        if max_lead is not None and check_int("max_lead", max_lead, 0) > sync_period:
+            raise fail("max_lead", f"at most sync_period={sync_period}", max_lead)
+        resolved = _world_of_groups(world, timeout, group_size, type(self).__name__)
         super().__init__(None, average_buffers=average_buffers, timeout=timeout, world=resolved, wire_dtype=wire_dtype)
         self.group_size = group_size
         self.sync_period = sync_period
@@ -356,7 +339,7 @@ class WagmaAverager(AveragerBase):
         flat.unpack()
         return kind
 
-    def publish(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def publish(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """``publish_after_step=True``: publish the model as it is now, right after ``optimizer.step()``, as this
         rank's contribution to its next round.
 
@@ -435,7 +418,7 @@ class WagmaAverager(AveragerBase):
                 sent, alpha=size / (size + 1)
             )  # w + (sent + sum)/(S+1) - sent
 
-    def synchronize(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def synchronize(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Blocking mean over all ranks (for evaluation and checkpoints); with ``overlap``, the round in flight
         is collected first and not applied: the mean of fresh models supersedes its mix."""
         self._check_open()
@@ -448,7 +431,7 @@ class WagmaAverager(AveragerBase):
             for engine in self._engines:
                 self._give_back(engine, engine.collect(pending))
 
-    def bind(self, params: ParamsLike, buffers: Iterable[torch.Tensor] | None = None) -> None:
+    def bind(self, params: ParamsLike, buffers: BuffersLike | None = None) -> None:
         """Average another set of tensors from now on: rebind and restart the engines at this step.
 
         Collective: every rank calls it at the same step (it creates communicators), with the model
@@ -488,6 +471,29 @@ def _build_schedule(
         return schedule
     if isinstance(schedule, str):
         if schedule not in _SCHEDULE_KINDS:
-            raise ValueError(f"schedule: expected one of {_SCHEDULE_KINDS} or a GroupSchedule, found {schedule!r}")
+            raise fail("schedule", f"one of {', '.join(map(repr, _SCHEDULE_KINDS))} or a GroupSchedule", schedule)
         return GroupSchedule.create(schedule, world_size, group_size)
     return GroupSchedule.from_partitions(schedule)
+
+
+def _check_publish_after_step(publish_after_step: object, order: str, overlap: bool) -> None:
+    """``publish_after_step`` is a bool, and ``True`` only with ``order="average_then_step"`` and no overlap."""
+    if check_bool("publish_after_step", publish_after_step) and (order != "average_then_step" or overlap):
+        raise ValueError(  # the form of wagma.checks.fail, with two values found
+            "publish_after_step=True: expected order='average_then_step' and overlap=False, "
+            f"found order={order!r}, overlap={overlap}; only then is the model after the optimizer step the one "
+            "the next call submits"
+        )
+
+
+def _world_of_groups(world: WorldLike, timeout: datetime.timedelta | float, group_size: int, owner: str) -> World:
+    """Resolve ``world`` and check that groups of ``group_size`` tile it.
+
+    Runs before any group exists, so a bad size leaves no rank inside a collective group creation.
+    """
+    require_initialized(owner)
+    resolved = as_world(world, as_timeout(timeout))
+    check_group_fits(group_size, resolved.size)
+    if resolved.size % group_size:
+        raise fail("group_size", f"a divisor of the world size {resolved.size}", group_size)
+    return resolved

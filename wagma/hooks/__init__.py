@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wagma.checks import fail
 from wagma.hooks.basic import (
     AllreduceState,
     GroupAllreduceState,
@@ -83,7 +84,7 @@ def get(name: str) -> tuple[HookFn, StateFactory]:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise ValueError(f"hook name: expected one of {available()}, found {name!r}") from None
+        raise fail("hook name", f"one of {available()}", name) from None
 
 
 def available() -> list[str]:

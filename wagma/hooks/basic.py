@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import OwnedResources, reduced_parameters
-from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, require_initialized
+from wagma.checks import check_int
+from wagma.groups import DEFAULT_TIMEOUT, as_timeout, contiguous_subgroups, default_group, require_initialized
 from wagma.schedule import check_group_fits
 from wagma.shm import SharedMemoryAllreduce, check_transport
 from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
@@ -103,7 +104,7 @@ def allreduce_hook(state: AllreduceState | None, bucket: dist.GradBucket) -> tor
         state: an :class:`AllreduceState`, or ``None`` for the default group.
         bucket: the gradient bucket DDP hands over; its buffer is reduced in place.
     """
-    group = state.process_group if state is not None and state.process_group is not None else dist.group.WORLD
+    group = state.process_group if state is not None and state.process_group is not None else default_group()
     if state is not None and state.shm is not None:
         buffer = bucket.buffer().div_(group.size())  # first, as the gloo path does
         return _completed(state.shm.all_reduce(buffer))
@@ -134,9 +135,7 @@ class GroupAllreduceState:
     """
 
     def __init__(self, group_size: int, *, timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> None:
-        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-            raise ValueError(f"group_size: expected an integer >= 1, found {group_size!r}")
-        self.group_size = group_size
+        self.group_size = check_int("group_size", group_size, minimum=1)
         self.timeout = as_timeout(timeout)
         self.subgroup: dist.ProcessGroup | None = None
         self.blocks: list[list[int]] = []

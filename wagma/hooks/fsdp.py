@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources
 from wagma.averaging.tensors import local_tensor
-from wagma.checks import check_int
+from wagma.checks import check_bool, check_choice, check_int
 from wagma.engine import AccumulatingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
-from wagma.hooks.partial import eager_engine, sum_residuals
+from wagma.hooks.partial import MODES, eager_engine, sum_residuals
 from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
-from wagma.world import World, WorldLike, as_world
+from wagma.world import World, WorldLike, member_world
 
 __all__ = ["FSDPPartialAllreduce"]
 
@@ -75,24 +75,8 @@ class FSDPPartialAllreduce:
         wire_dtype: WireDtype = None,
         error_feedback: bool = True,
     ) -> None:
-        if not callable(getattr(module, "set_all_reduce_hook", None)):
-            raise ValueError(
-                f"module: expected a module sharded with torch.distributed.fsdp.fully_shard (an FSDPModule), "
-                f"found {type(module).__name__}"
-            )
-        nested = [
-            n
-            for n, m in module.named_modules()
-            if m is not module and callable(getattr(m, "set_all_reduce_hook", None))
-        ]
-        if nested:
-            raise ValueError(
-                f"module: expected one fully_shard-ed module (one reduce-scatter output a backward pass), found nested "
-                f"ones: {nested[:4]}; shard the model with one fully_shard call for FSDPPartialAllreduce"
-            )
-        if mode not in ("solo", "majority"):
-            raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
-        self.mode = mode
+        _check_module(module)
+        self.mode = check_choice("mode", mode, MODES)
         self.sync_period = check_int("sync_period", sync_period, 0)
         self.warmup_iters = check_int("warmup_iters", warmup_iters, 1)
         self.seed = int(seed)
@@ -100,20 +84,16 @@ class FSDPPartialAllreduce:
         self.progress_nice = check_progress_nice(progress_nice)
         self.timeout = as_timeout(timeout)
         self.wire_dtype: torch.dtype | None = as_wire_dtype(wire_dtype)
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback: expected True or False, found {error_feedback!r}")
-        self.error_feedback = error_feedback
+        self.error_feedback = check_bool("error_feedback", error_feedback)
         #: The replicas whose shard gradients are summed.
-        self.world: World = as_world(world, self.timeout)
-        if not self.world.is_member:
-            raise ValueError(f"world: rank {dist.get_rank()} is in none of the worlds {list(self.world.family)}")
+        self.world: World = member_world(world, self.timeout)
         self.world_size = self.world.size
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.stats = AveragerStats()
         self.iteration = 0
         self.rounds = 0
-        self.group = self.world.new_group(None, self.timeout)  # warm-up and flush
+        self.group = self.world.new_world_group(self.timeout)  # warm-up and flush
         self._resources = OwnedResources()
         self._resources.groups.append(self.group)
         self._finalizer = weakref.finalize(self, self._resources.release)
@@ -121,7 +101,7 @@ class FSDPPartialAllreduce:
         self._restored: torch.Tensor | None = None  # load_state_dict(): the residual the engine starts from
         # Where each parameter's local gradient lies in the reduce-scatter output: (offset, numel, shape), by id
         self._layout: dict[int, tuple[int, int, torch.Size]] | None = None
-        module.set_all_reduce_hook(self._hook)
+        module.set_all_reduce_hook(self._hook)  # type: ignore[operator]  # an FSDPModule (checked above)
 
     # --------------------------------------------------------------------------------------- the hook
     def _hook(self, out: torch.Tensor) -> None:
@@ -266,3 +246,20 @@ class FSDPPartialAllreduce:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_module(module: torch.nn.Module) -> None:
+    """Refuse a module that is not ``fully_shard``-ed, or one with ``fully_shard``-ed modules inside it."""
+    if not callable(getattr(module, "set_all_reduce_hook", None)):
+        raise ValueError(
+            f"module: expected a module sharded with torch.distributed.fsdp.fully_shard (an FSDPModule), "
+            f"found {type(module).__name__}"
+        )
+    nested = [
+        n for n, m in module.named_modules() if m is not module and callable(getattr(m, "set_all_reduce_hook", None))
+    ]
+    if nested:
+        raise ValueError(
+            f"module: expected one fully_shard-ed module (one reduce-scatter output a backward pass), found nested "
+            f"ones: {nested[:4]}; shard the model with one fully_shard call for FSDPPartialAllreduce"
+        )

@@ -18,6 +18,11 @@ applies what is left in the residuals at the end.
 when its gradient is applied, ``w - lr * mu * v``, instead of at ``w``: :meth:`PartialAllreduceState.attach` hooks the
 optimizer so that the parameters hold that point between steps and the true weights during ``optimizer.step()``.
 
+One module, though a long one: nearly all of it is :class:`PartialAllreduceState`, one state machine over DDP's
+backward passes (warm-up, partial rounds with overlap and look-ahead, flush, checkpoints) whose methods share its
+residual, engine and round counters; splitting its methods across modules would only scatter that state. The two
+functions the FSDP hook reuses (:func:`eager_engine`, :func:`sum_residuals`) are the engine's set-up and flush.
+
 No ``from __future__ import annotations`` here: DDP checks the hook's annotations as real objects.
 """
 
@@ -31,18 +36,19 @@ import torch
 import torch.distributed as dist
 
 from wagma.averaging.base import AveragerStats, OwnedResources, reduced_parameters
-from wagma.checks import check_int
+from wagma.checks import check_bool, check_choice, check_int
 from wagma.engine import AccumulatingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.ddp_group import LocalUsedMapGroup
 from wagma.schedule import GroupSchedule
 from wagma.shm import check_transport
 from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
-from wagma.world import World, WorldLike, as_world
+from wagma.world import World, WorldLike, member_world
 
 __all__ = ["PartialAllreduceState", "partial_allreduce_hook", "sum_residuals"]
 
 Mode = Literal["solo", "majority"]
+MODES = ("solo", "majority")
 Late = Literal["apply", "lookahead"]
 LATE = ("apply", "lookahead")
 
@@ -113,25 +119,19 @@ class PartialAllreduceState:
         late: Late = "apply",
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
-        if late not in LATE:
-            raise ValueError(f"late: expected one of {LATE}, found {late!r}")
-        self.late: Late = late
+        self.late: Late = check_choice("late", late, LATE)
         self._optimizer: torch.optim.Optimizer | None = None  # late="lookahead": the optimizer attach() hooked
         self._optimizer_hooks: list[Any] = []
         self._groups: dict[int, dict[str, Any]] = {}
         self._unattached = 0  # partial iterations run without an attached optimizer since construction or a load
         #: late="lookahead": the true weights while the parameters hold the look-ahead point (None: they hold w)
         self._anchor: list[torch.Tensor] | None = None
-        if mode not in ("solo", "majority"):
-            raise ValueError(f"mode: expected 'solo' or 'majority', found {mode!r}")
-        self.mode: Mode = mode
+        self.mode: Mode = check_choice("mode", mode, MODES)
         self.sync_period = check_int("sync_period", sync_period, 0)
         self.warmup_iters = check_int("warmup_iters", warmup_iters, 2)
         self.seed = int(seed)
         self.max_lead = max_lead
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap: expected True or False, found {overlap!r}")
-        self.overlap = overlap
+        self.overlap = check_bool("overlap", overlap)
         self._pending: int | None = None  # overlap: the round submitted by the previous iteration
         self._ready: torch.Tensor | None = None  # overlap: its sum, once collected by state_dict()
         self.timeout = as_timeout(timeout)
@@ -143,31 +143,33 @@ class PartialAllreduceState:
         #: The dtype the partial rounds send gradients in (``None``: their own; :mod:`wagma.wire`).
         self.wire_dtype: torch.dtype | None = wire_dtype_for(as_wire_dtype(wire_dtype), self.dtype)
         self.error_feedback = error_feedback
-        self._offsets: dict[int, tuple[int, int]] = {}
-        total = 0
-        for p in self.params:
-            self._offsets[id(p)] = (total, p.numel())
-            total += p.numel()
-        self.numel = total
+        #: Where each parameter's gradient lies in the flat residual: ``(offset, numel)`` by ``id``.
+        self._offsets = _flat_offsets(self.params)
+        self.numel = sum(numel for _, numel in self._offsets.values())
         self.stats = AveragerStats()
         self.rounds = 0
         self.iteration = 0
         #: The ranks whose gradients are reduced (:func:`wagma.world.as_world`); the whole job by default.
-        self.world: World = as_world(world, self.timeout)
-        if not self.world.is_member:
-            raise ValueError(f"world: rank {dist.get_rank()} is in none of the worlds {list(self.world.family)}")
-        self.group: dist.ProcessGroup | None = self.world.new_group(None, self.timeout)
-        # Released by close(), or by the finalizer when the state is dropped or alive at interpreter exit
-        # (a progress thread inside a collective at exit would otherwise abort the process).
-        self._resources = OwnedResources()
-        self._resources.groups.append(self.group)
-        self._finalizer = weakref.finalize(self, self._resources.release)
+        self.world: World = member_world(world, self.timeout)
+        self.group: dist.ProcessGroup | None = self._own_group()
         self.world_size = self.world.size
         self.engine: AccumulatingGroupAllreduce | None = None
-        self._start_engine(torch.zeros(total, dtype=self.sum_dtype, device=self.device))
+        self._start_engine(torch.zeros(self.numel, dtype=self.sum_dtype, device=self.device))
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._warmup_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._warmup_nbytes = 0  # bytes of the warm-up iteration's buckets so far
+
+    def _own_group(self) -> dist.ProcessGroup | None:
+        """Create the world's group (warm-up and flush) and the finalizer that releases what the state owns.
+
+        Released by :meth:`close`, or by the finalizer when the state is dropped or alive at interpreter exit
+        (a progress thread inside a collective at exit would otherwise abort the process).
+        """
+        group = self.world.new_world_group(self.timeout)
+        self._resources = OwnedResources()
+        self._resources.groups.append(group)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        return group
 
     def _start_engine(self, residual: torch.Tensor) -> None:
         if self.engine is not None:
@@ -519,6 +521,16 @@ class PartialAllreduceState:
         self.__dict__.update(state)
         self._resources = OwnedResources()  # nothing to release: the engine and group were dropped
         self._finalizer = weakref.finalize(self, self._resources.release)
+
+
+def _flat_offsets(params: list[torch.Tensor]) -> dict[int, tuple[int, int]]:
+    """``(offset, numel)`` of each parameter, by ``id``, when their gradients are laid end to end in order."""
+    offsets: dict[int, tuple[int, int]] = {}
+    total = 0
+    for p in params:
+        offsets[id(p)] = (total, p.numel())
+        total += p.numel()
+    return offsets
 
 
 def eager_engine(

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wagma.checks import check_int
+
 __all__ = ["PostLocalState", "post_local_hook"]
 
 
@@ -30,9 +32,7 @@ class PostLocalState:
     """
 
     def __init__(self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps: expected an integer >= 0, found {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
         self.process_group = process_group
         #: Optimizer steps completed so far; the caller sets it (``step + 1`` after each step).
         self.step = 0

@@ -20,7 +20,7 @@ accumulation), in the averager's ``order``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ class _CountingAveragingOptimizer(AveragingOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = super().step(closure)
         self.steps += 1
         if isinstance(self.hook_state, PostLocalState):
@@ -152,6 +152,29 @@ def _refuse(combination: str, alternative: str) -> ValueError:
     return ValueError(f"wagma.integrations.accelerate: {combination} is not supported; {alternative}")
 
 
+def _require_ddp(accelerator: Any, model: torch.nn.Module, comm_hook: Any) -> None:
+    """Refuse a run whose prepared model is not a ``DistributedDataParallel`` module, naming what to use instead."""
+    kind = accelerator.distributed_type
+    kind_name = getattr(kind, "name", str(kind))
+    if kind_name in DDP_TYPES and isinstance(model, DistributedDataParallel):
+        return
+    if kind == DistributedType.FSDP:
+        alternative = (
+            "shard with FSDP2's fully_shard yourself and use wagma.FSDPPartialAllreduce (gradients) or an "
+            "averager with world=(mesh, 'replicate') (models), or use Accelerate's multi-process DDP"
+        )
+    elif kind_name == "NO":
+        alternative = "launch more than one process (accelerate launch --num_processes 2, or torchrun)"
+    else:
+        alternative = "use Accelerate's multi-process DDP (accelerate launch --multi_gpu, or --cpu on CPU)"
+    what = "a wagma DDP comm hook" if comm_hook is not None else "a wagma averager"
+    raise _refuse(
+        f"{what} with Accelerate's {kind_name} (the prepared model is a {type(model).__name__}, not a "
+        "DistributedDataParallel module)",
+        alternative,
+    )
+
+
 def prepare_wagma(
     accelerator: Any,
     model: torch.nn.Module,
@@ -184,26 +207,9 @@ def prepare_wagma(
         ValueError: a hook or an averager on a run Accelerate did not wrap in DDP (FSDP, DeepSpeed, Megatron-LM,
             a single process), naming the combination and what to use instead.
     """
-    kind = accelerator.distributed_type
-    kind_name = getattr(kind, "name", str(kind))
     if comm_hook is None and comm_state is None and averager is None:
         raise ValueError("prepare_wagma: expected a comm_hook, an averager or both, found neither")
-    if kind_name not in DDP_TYPES or not isinstance(model, DistributedDataParallel):
-        if kind == DistributedType.FSDP:
-            alternative = (
-                "shard with FSDP2's fully_shard yourself and use wagma.FSDPPartialAllreduce (gradients) or an "
-                "averager with world=(mesh, 'replicate') (models), or use Accelerate's multi-process DDP"
-            )
-        elif kind_name == "NO":
-            alternative = "launch more than one process (accelerate launch --num_processes 2, or torchrun)"
-        else:
-            alternative = "use Accelerate's multi-process DDP (accelerate launch --multi_gpu, or --cpu on CPU)"
-        what = "a wagma DDP comm hook" if comm_hook is not None else "a wagma averager"
-        raise _refuse(
-            f"{what} with Accelerate's {kind_name} (the prepared model is a {type(model).__name__}, not a "
-            "DistributedDataParallel module)",
-            alternative,
-        )
+    _require_ddp(accelerator, model, comm_hook)
     module = accelerator.unwrap_model(model)
     hook = ddp_hook(comm_hook)
     if comm_state is not None and hook is None:
@@ -214,7 +220,7 @@ def prepare_wagma(
     if hook is not None:
         check_unsharded(module, "Accelerate's DDP", "use wagma.FSDPPartialAllreduce on an FSDP2 model instead")
         state = build(comm_state, module, "comm_state")
-        model.register_comm_hook(state, hook)
+        cast(DistributedDataParallel, model).register_comm_hook(state, hook)  # _require_ddp checked it
     built = build(averager, module, "averager")
     if built is not None:
         optimizer.optimizer = _CountingAveragingOptimizer(optimizer.optimizer, built, module, state)

@@ -126,7 +126,7 @@ class WagmaDDPStrategy(DDPStrategy):
                 "use ModelParallelStrategy and wagma.FSDPPartialAllreduce (FSDP2's all-reduce hook) instead",
             )
             self.comm_state = build(self.wagma_comm_state_factory, module, "comm_state")
-            self.model.register_comm_hook(self.comm_state, hook)  # type: ignore[union-attr]
+            self.model.register_comm_hook(self.comm_state, hook)  # type: ignore[union-attr,operator]
         self.averager = build(self.wagma_averager_factory, module, "averager")
         self.averaging = AveragingStep(self.averager, module, self.comm_state)
         if self._restored is not None:

@@ -52,6 +52,7 @@ from wagma.app.policies.options import (
     validate_local_sgd,
     validate_wagma,
 )
+from wagma.checks import check_bool, check_optional_number, fail, is_number
 
 __all__ = [
     "AllreducePolicy",
@@ -164,23 +165,21 @@ def validate_policy_config(cfg: Mapping[str, Any], world_size: int) -> None:
     name = dict(cfg).get("name")
     _import_policy_module(name, dict(cfg).get("policy_module"))
     options = policy_options(cfg)
-    bound = dict(cfg).get("validated_staleness")
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound < 0):
-        raise ValueError(f"averaging.validated_staleness must be null or a number >= 0, got {bound!r}")
-    baseline = dict(cfg).get("baseline", False)
-    if not isinstance(baseline, bool):
-        raise ValueError(f"averaging.baseline must be true or false, got {baseline!r}")
+    check_optional_number("averaging.validated_staleness", dict(cfg).get("validated_staleness"), 0)
+    check_bool("averaging.baseline", dict(cfg).get("baseline", False))
     if name not in _POLICIES:
         raise ValueError(f"unknown averaging policy {name!r}; known policies: {', '.join(known_policies())}")
     group_size = options.get("group_size")
     if group_size is not None and (int(group_size) < 1 or world_size % int(group_size) != 0):
-        raise ValueError(
-            f"averaging.group_size={group_size} must be a positive divisor of the world size {world_size}; "
-            "pick a group size that divides the number of ranks"
+        raise fail(
+            "averaging.group_size",
+            f"a positive divisor of the world size {world_size}",
+            group_size,
+            "pick a group size that divides the number of ranks",
         )
     for key, value in options.items():
-        if key.endswith(_NON_NEGATIVE_SUFFIXES) and isinstance(value, (int, float)) and value < 0:
-            raise ValueError(f"averaging.{key} must be >= 0, got {value}")
+        if key.endswith(_NON_NEGATIVE_SUFFIXES) and is_number(value) and value < 0:
+            raise fail(f"averaging.{key}", "a number >= 0", value)
     validator = _POLICIES[name].validate
     if validator is not None:
         validator(options, world_size)

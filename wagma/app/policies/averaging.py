@@ -34,7 +34,11 @@ from wagma.averaging import (
     WagmaAverager,
     flatten_parameters,
 )
+from wagma.averaging.gossip import Topology
 from wagma.averaging.tensors import local_tensor
+from wagma.averaging.wagma import Mixing, Order
+from wagma.checks import check_choice
+from wagma.engine import Sync
 from wagma.hooks.post_local import PostLocalState, post_local_hook
 from wagma.schedule import GroupSchedule
 from wagma.wire import as_wire_dtype, wire_dtype_name
@@ -52,13 +56,24 @@ __all__ = [
 class _Averager(Protocol):
     """What :class:`ModelAveragingPolicy` needs of an averager (every wagma averager has it)."""
 
-    stats: AveragerStats
+    @property
+    def stats(self) -> AveragerStats: ...
 
     def average_parameters(self, params: Any, buffers: Any = None) -> Any: ...
     def synchronize(self, params: Any, buffers: Any = None) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
+
+
+def named_parameters(net: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``net``'s parameters with their names, as a list (names make an averager's errors say which)."""
+    return list(net.named_parameters())
+
+
+def named_buffers(net: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``net``'s buffers with their names, as a list."""
+    return list(net.named_buffers())
 
 
 def averager_stats(stats: AveragerStats) -> dict[str, Any]:
@@ -341,11 +356,11 @@ class WagmaPolicy(ModelAveragingPolicy):
         group_size: int,
         sync_period: int,
         schedule: str | list[Any] = "auto",
-        mixing: str = "reference",
-        order: str = "average_then_step",
+        mixing: Mixing = "reference",
+        order: Order = "average_then_step",
         average_buffers: bool = True,
         max_lead: int | None = None,
-        sync: str = "barrier",
+        sync: Sync = "barrier",
         overlap: bool = False,
         progress_nice: int = 0,
         transport: str = "default",
@@ -375,8 +390,8 @@ class WagmaPolicy(ModelAveragingPolicy):
         return WagmaAverager(
             self.group_size,
             self.sync_period,
-            params=list(net.named_parameters()),
-            buffers=list(net.named_buffers()) if self.average_buffers else None,
+            params=named_parameters(net),
+            buffers=named_buffers(net) if self.average_buffers else None,
             schedule=schedule,
             mixing=self.mixing,
             order=self.order,
@@ -416,9 +431,8 @@ class GossipPolicy(ModelAveragingPolicy):
     remedy = "a smaller optim.lr, or a policy with global averages (averaging=wagma or local_sgd)"
     KINDS: tuple[str, ...] = ("dpsgd", "sgp", "osgp", "adpsgd")
 
-    def __init__(self, *, kind: str, topology: str = "ring", average_buffers: bool = True, **kwargs: Any) -> None:
-        if kind not in self.KINDS:
-            raise ValueError(f"kind: expected one of {self.KINDS}, found {kind!r}")
+    def __init__(self, *, kind: str, topology: Topology = "ring", average_buffers: bool = True, **kwargs: Any) -> None:
+        check_choice("kind", kind, self.KINDS)
         super().__init__(**kwargs)
         if self.wire_dtype is not None:
             raise ValueError(
@@ -427,7 +441,7 @@ class GossipPolicy(ModelAveragingPolicy):
                 "allreduce and the eager presets)"
             )
         self.name = kind
-        self.topology = str(topology)
+        self.topology: Topology = topology
         self.average_buffers = bool(average_buffers)
 
     def build_averager(self, net: nn.Module) -> _Averager:

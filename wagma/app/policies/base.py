@@ -21,9 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from wagma.app.parallel import shard_model
+from wagma.checks import check_number
 from wagma.hooks.basic import AllreduceState, allreduce_hook
 from wagma.shm import check_transport
-from wagma.wire import as_wire_dtype, narrow_for, wire_dtype_name, wire_nbytes
+from wagma.wire import as_wire_dtype, wire_dtype_for, wire_dtype_name, wire_nbytes
 
 __all__ = ["AllreducePolicy", "Policy", "ddp_without_buffer_sync", "timeout"]
 
@@ -118,10 +119,8 @@ class AllreducePolicy(Policy):
                 (:func:`wagma.allreduce_hook` with an :class:`wagma.AllreduceState`'s ``wire_dtype``; no error
                 feedback).
         """
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.device = device
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0, above=True)
         self.transport = check_transport(transport, device)
         self.wire_dtype = as_wire_dtype(wire_dtype)
         if self.wire_dtype is not None and self.transport == "shm":
@@ -152,7 +151,7 @@ class AllreducePolicy(Policy):
             self.hook_state = AllreduceState(wire_dtype=self.wire_dtype)
             ddp.register_comm_hook(self.hook_state, allreduce_hook)
         self._step_nbytes = sum(  # what one step's gradient allreduce hands to the collectives
-            wire_nbytes(p.numel(), p.dtype, narrow_for(self.wire_dtype, p.dtype))
+            wire_nbytes(p.numel(), p.dtype, wire_dtype_for(self.wire_dtype, p.dtype))
             for p in model.parameters()
             if p.requires_grad
         )
@@ -182,7 +181,7 @@ def timeout(seconds: float) -> datetime.timedelta:
 
 
 # torch >= 2.13 renamed DDP's per-forward buffer broadcast; older releases only know broadcast_buffers.
-_NO_BUFFER_SYNC = (
+_NO_BUFFER_SYNC: dict[str, Any] = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     else {"broadcast_buffers": False}
@@ -190,7 +189,7 @@ _NO_BUFFER_SYNC = (
 
 
 # The gradients are views of DDP's buckets: backward writes them there directly, and DDP copies nothing back.
-_DDP_OPTIONS = {"gradient_as_bucket_view": True}
+_DDP_OPTIONS: dict[str, Any] = {"gradient_as_bucket_view": True}
 
 
 def ddp_without_buffer_sync(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:

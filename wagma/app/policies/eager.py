@@ -14,7 +14,7 @@ from wagma.app.policies.averaging import averager_stats
 from wagma.app.policies.base import Policy, ddp_without_buffer_sync, timeout
 from wagma.app.policies.hsdp import replicate_world
 from wagma.hooks.fsdp import FSDPPartialAllreduce
-from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
+from wagma.hooks.partial import Late, Mode, PartialAllreduceState, partial_allreduce_hook
 from wagma.wire import as_wire_dtype
 
 __all__ = ["EagerPolicy"]
@@ -65,7 +65,7 @@ class EagerPolicy(Policy):
         self,
         *,
         device: torch.device,
-        mode: str,
+        mode: Mode,
         sync_period: int = 32,
         warmup_iters: int = 2,
         seed: int = 0,
@@ -76,11 +76,11 @@ class EagerPolicy(Policy):
         progress_nice: int = 0,
         transport: str = "default",
         wire_dtype: str | None = None,
-        late: str = "apply",
+        late: Late = "apply",
     ) -> None:
         # the preset's name (eager_solo_overlap, eager_solo_overlap_lookahead)
         self.name = f"eager_{mode}" + ("_overlap" if overlap else "") + ("_lookahead" if late == "lookahead" else "")
-        self.late = str(late)
+        self.late: Late = late
         self.progress_nice = int(progress_nice)
         self.transport = str(transport)
         self.wire_dtype = as_wire_dtype(wire_dtype)

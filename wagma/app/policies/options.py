@@ -17,7 +17,7 @@ from typing import Any
 from wagma.averaging.gossip import TOPOLOGIES
 from wagma.averaging.wagma import MIXINGS
 from wagma.averaging.wagma import ORDERS as WAGMA_ORDERS
-from wagma.checks import check_int
+from wagma.checks import check_bool, check_choice, check_int, check_number, fail
 from wagma.engine import SYNCS, check_max_lead, check_progress_nice
 from wagma.schedule import GroupSchedule, check_group_fits
 from wagma.shm import TRANSPORTS
@@ -54,7 +54,7 @@ _COMMON_KEYS = ("bucket_cap_mb", "timeout_s")
 def _only_keys(policy: str, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"averaging '{policy}' takes the keys {sorted(allowed)}, got unknown keys {unknown}")
+        raise fail(f"averaging '{policy}' unknown keys", f"none (it takes {sorted(allowed)})", unknown)
 
 
 def _int(options: Mapping[str, Any], key: str, minimum: int, *, required: bool = True) -> int | None:
@@ -72,21 +72,16 @@ def _max_lead(options: Mapping[str, Any], sync_period: int) -> None:
 
 
 def _positive(options: Mapping[str, Any], key: str) -> None:
-    value = options.get(key, 1.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"averaging.{key} must be a number > 0, got {value!r}")
+    check_number(f"averaging.{key}", options.get(key, 1.0), 0, above=True)
 
 
 def _flag(options: Mapping[str, Any], key: str) -> None:
-    if key in options and not isinstance(options[key], bool):
-        raise ValueError(f"averaging.{key} must be true or false, got {options[key]!r}")
+    if key in options:
+        check_bool(f"averaging.{key}", options[key])
 
 
 def _choice(options: Mapping[str, Any], key: str, choices: tuple[str, ...], default: str) -> str:
-    value = options.get(key, default)
-    if value not in choices:
-        raise ValueError(f"averaging.{key} must be one of {', '.join(choices)}; got {value!r}")
-    return str(value)
+    return str(check_choice(f"averaging.{key}", options.get(key, default), choices))
 
 
 def _divisor(options: Mapping[str, Any], key: str, world_size: int) -> None:
@@ -94,9 +89,11 @@ def _divisor(options: Mapping[str, Any], key: str, world_size: int) -> None:
     assert value is not None
     check_group_fits(value, world_size, f"averaging.{key}")
     if world_size % value != 0:
-        raise ValueError(
-            f"averaging.{key}={value} must be a positive divisor of the world size {world_size}; "
-            "pick a group size that divides the number of ranks"
+        raise fail(
+            f"averaging.{key}",
+            f"a positive divisor of the world size {world_size}",
+            value,
+            "pick a group size that divides the number of ranks",
         )
 
 
@@ -105,9 +102,7 @@ def _progress_nice(options: Mapping[str, Any]) -> None:
 
 
 def _transport(options: Mapping[str, Any]) -> None:
-    value = options.get("transport", "default")
-    if value not in TRANSPORTS:
-        raise ValueError(f"averaging.transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
+    check_choice("averaging.transport", options.get("transport", "default"), TRANSPORTS)
 
 
 def _wire(options: Mapping[str, Any]) -> None:
@@ -115,7 +110,7 @@ def _wire(options: Mapping[str, Any]) -> None:
     if value is None:
         return
     if not isinstance(value, str) or value.lower() not in WIRE_DTYPES:
-        raise ValueError(f"averaging.wire_dtype must be null or one of {', '.join(sorted(WIRE_DTYPES))}, got {value!r}")
+        raise fail("averaging.wire_dtype", f"null or one of {', '.join(map(repr, sorted(WIRE_DTYPES)))}", value)
     if WIRE_DTYPES[value.lower()] is not None and options.get("transport", "default") == "shm":
         raise ValueError(
             f"averaging.wire_dtype={value} needs averaging.transport=default: shared memory moves no bytes over a wire"
@@ -173,13 +168,8 @@ _EAGER_KEYS = (
 
 def validate_allreduce(options: Mapping[str, Any], world_size: int) -> None:
     """Check an ``allreduce`` config: only ``bucket_cap_mb`` (> 0), ``transport`` and ``wire_dtype``."""
-    unknown = set(options) - {"bucket_cap_mb", "transport", "wire_dtype"}
-    if unknown:
-        raise ValueError(
-            f"averaging 'allreduce' takes only bucket_cap_mb, transport and wire_dtype, got {sorted(unknown)}"
-        )
-    if float(options.get("bucket_cap_mb", 25.0)) <= 0:
-        raise ValueError(f"averaging.bucket_cap_mb must be > 0, got {options['bucket_cap_mb']}")
+    _only_keys("allreduce", options, ("bucket_cap_mb", "transport", "wire_dtype"))
+    _positive(options, "bucket_cap_mb")
     _transport(options)
     _wire(options)
 
@@ -207,18 +197,18 @@ def validate_hierarchical(options: Mapping[str, Any], world_size: int, *, moment
     local, global_ = _int(options, "local_period", 1), _int(options, "global_period", 1)
     assert local is not None and global_ is not None
     if global_ % local != 0:
-        raise ValueError(
-            f"averaging.global_period={global_} must be a multiple of averaging.local_period={local} "
-            "(a global mean replaces the local one on the steps where both fall)"
+        raise fail(
+            "averaging.global_period",
+            f"a multiple of averaging.local_period={local}",
+            global_,
+            "a global mean replaces the local one on the steps where both fall",
         )
     _int(options, "warmup_steps", 0, required=False)
     _flag(options, "average_buffers")
     _wire(options)
     _common(options)
     if momentum:
-        value = options.get("momentum")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-            raise ValueError(f"averaging.momentum must be a number in [0, 1), got {value!r}")
+        check_number("averaging.momentum", options.get("momentum"), 0.0, 1.0, below=True)
         _positive(options, "lr")
         _flag(options, "nesterov")
         _choice(options, "apply_to", ("global", "all"), "global")
@@ -247,12 +237,11 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     _flag(options, "average_buffers")
     _flag(options, "overlap")
     _flag(options, "publish_after_step")
-    if options.get("publish_after_step") and (
-        options.get("order", "average_then_step") != "average_then_step" or options.get("overlap")
-    ):
-        raise ValueError(
-            "averaging.publish_after_step=true needs averaging.order=average_then_step and averaging.overlap=false, "
-            f"got order={options.get('order', 'average_then_step')!r}, overlap={options.get('overlap', False)!r}"
+    order, overlap = options.get("order", "average_then_step"), options.get("overlap", False)
+    if options.get("publish_after_step") and (order != "average_then_step" or overlap):
+        raise ValueError(  # the form of wagma.checks.fail, with two values found
+            "averaging.publish_after_step=true: expected averaging.order=average_then_step and "
+            f"averaging.overlap=false, found order={order!r}, overlap={overlap!r}"
         )
     _progress_nice(options)
     _transport(options)
@@ -267,7 +256,7 @@ def validate_wagma(options: Mapping[str, Any], world_size: int) -> None:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"averaging.schedule={schedule!r} cannot be used: {exc}") from exc
     if built.world_size != world_size:
-        raise ValueError(f"averaging.schedule is for {built.world_size} ranks, the job has {world_size}")
+        raise fail("averaging.schedule", f"a schedule of the job's {world_size} ranks", built)
 
 
 def validate_gossip(policy: str, options: Mapping[str, Any], world_size: int) -> None:
@@ -294,16 +283,16 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     expected = policy.removeprefix("eager_")
     mode = _choice(options, "mode", EAGER_MODES, expected)
     if mode != expected:
-        raise ValueError(
-            f"averaging '{policy}' runs mode '{expected}', got mode={mode!r}; "
-            f"use averaging=reference/eager_{mode} instead"
+        raise fail(
+            "averaging.mode",
+            f"{expected!r} (averaging '{policy}' runs it)",
+            mode,
+            f"use averaging=reference/eager_{mode}",
         )
     sync_period = _int(options, "sync_period", 1, required=False)
     _int(options, "warmup_iters", 2, required=False)
     _max_lead(options, 32 if sync_period is None else sync_period)  # 32: EagerPolicy's default
-    seed = options.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"averaging.seed must be an integer, got {seed!r}")
+    check_int("averaging.seed", options.get("seed", 0))
     _flag(options, "overlap")
     _choice(options, "late", ("apply", "lookahead"), "apply")
     _progress_nice(options)
