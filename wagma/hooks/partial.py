@@ -524,26 +524,16 @@ class EagerSettings(Protocol):
     """What :func:`eager_engine` reads off a partial hook's state (DDP's or FSDP2's): its checked arguments, its
     world, and how many backward passes it has run."""
 
-    @property
-    def world(self) -> World: ...
-    @property
-    def mode(self) -> str: ...
-    @property
-    def sync_period(self) -> int: ...
-    @property
-    def max_lead(self) -> int | None: ...
-    @property
-    def timeout(self) -> datetime.timedelta: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def progress_nice(self) -> int: ...
-    @property
-    def error_feedback(self) -> bool: ...
-    @property
-    def iteration(self) -> int: ...
-    @property
-    def warmup_iters(self) -> int: ...
+    world: World
+    mode: Mode
+    sync_period: int
+    max_lead: int | None
+    timeout: datetime.timedelta
+    seed: int
+    progress_nice: int
+    error_feedback: bool
+    iteration: int
+    warmup_iters: int
 
 
 def eager_engine(
