@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from wagma.checks import check_bool
 from wagma.engine_base import GroupAllreduceEngine, RoundResult
+from wagma.engine_core import CoreSetup
 from wagma.engine_modes import AccumulateCore, ReplaceCore
 from wagma.engine_options import SYNCS, RoundOptions, Sync, Trigger, check_max_lead, check_progress_nice
 from wagma.schedule import GroupSchedule
@@ -126,18 +127,8 @@ class WaitAvoidingGroupAllreduce(GroupAllreduceEngine):
             schedule, initial, options, store=store, name=name, transport=transport, world=world, wire_dtype=wire_dtype
         )
 
-    def _start_core(self, initial: torch.Tensor, store: dist.Store, prefix: str) -> ReplaceCore:
-        return ReplaceCore(
-            self.options,
-            self.world,
-            self.schedule,
-            initial,
-            store,
-            prefix,
-            transport=self.transport,
-            wire_dtype=self.wire_dtype,
-            keep_contributions=self.keep_contributions,
-        )
+    def _start_core(self, setup: CoreSetup) -> ReplaceCore:
+        return ReplaceCore(setup, keep_contributions=self.keep_contributions)
 
     @property
     def _replace(self) -> ReplaceCore:
@@ -262,18 +253,8 @@ class AccumulatingGroupAllreduce(GroupAllreduceEngine):
             schedule, initial, options, store=store, name=name, transport=transport, world=world, wire_dtype=wire_dtype
         )
 
-    def _start_core(self, initial: torch.Tensor, store: dist.Store, prefix: str) -> AccumulateCore:
-        return AccumulateCore(
-            self.options,
-            self.world,
-            self.schedule,
-            initial,
-            store,
-            prefix,
-            transport=self.transport,
-            wire_dtype=self.wire_dtype,
-            error_feedback=self.error_feedback,
-        )
+    def _start_core(self, setup: CoreSetup) -> AccumulateCore:
+        return AccumulateCore(setup, error_feedback=self.error_feedback)
 
     @property
     def _accumulate(self) -> AccumulateCore:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from wagma.checks import fail
-from wagma.engine_core import EngineCore, FinishedRound, initiator_of, is_sync
+from wagma.engine_core import CoreSetup, EngineCore, FinishedRound, initiator_of, is_sync
 from wagma.engine_options import RoundOptions, Sync, Trigger
 from wagma.schedule import GroupSchedule
 from wagma.shm import check_transport
@@ -147,7 +147,9 @@ class GroupAllreduceEngine(abc.ABC):
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         prefix = f"wagma/{resolved.key}{name if name is not None else next(_instance_ids)}/"
         # The progress thread and the finalizer see only the core, never `self`: a dropped engine is collected.
-        self._core = self._start_core(initial, base, prefix)
+        self._core = self._start_core(
+            CoreSetup(self.options, resolved, schedule, initial, base, prefix, transport, wire)
+        )
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         self._calls = options.start_round
         self._uncollected: dict[int, float | None] = {}  # submitted rounds -> when this rank triggered them
@@ -175,7 +177,7 @@ class GroupAllreduceEngine(abc.ABC):
         return resolved
 
     @abc.abstractmethod
-    def _start_core(self, initial: torch.Tensor, store: dist.Store, prefix: str) -> EngineCore:
+    def _start_core(self, setup: CoreSetup) -> EngineCore:
         """The mode's core (which starts the threads); every attribute of the engine is set when it is called."""
 
     # ----------------------------------------------------------------------------------- public API

@@ -26,7 +26,7 @@ from wagma.schedule import GroupSchedule
 from wagma.shm import SharedMemoryAllreduce
 from wagma.world import World
 
-__all__ = ["EngineCore", "FinishedRound", "Outgoing", "TakenContribution", "initiator_of", "is_sync"]
+__all__ = ["CoreSetup", "EngineCore", "FinishedRound", "Outgoing", "TakenContribution", "initiator_of", "is_sync"]
 
 #: How many spare CPU buffers an engine keeps for reuse (superseded snapshots, sums handed back by ``recycle``).
 SPARES = 4
@@ -89,6 +89,22 @@ def is_sync(k: int, sync_period: int) -> bool:
     return k % (sync_period + 1) == sync_period
 
 
+@dataclasses.dataclass(frozen=True)
+class CoreSetup:
+    """What an engine builds its core from, whatever the mode: the checked round options, the world and schedule,
+    the tensor the core starts from, where its keys go (``store`` under ``prefix``), how the rounds move tensors
+    and the dtype they send in (``None``: the tensor's own). The core keeps none of it as it is."""
+
+    options: RoundOptions
+    world: World
+    schedule: GroupSchedule
+    initial: torch.Tensor
+    store: dist.Store
+    prefix: str
+    transport: str
+    wire_dtype: torch.dtype | None
+
+
 class EngineCore(abc.ABC):
     """The state the main thread and the progress thread share, and the progress thread itself.
 
@@ -98,24 +114,13 @@ class EngineCore(abc.ABC):
     A subclass sets its own fields before calling this constructor, which starts the threads.
     """
 
-    def __init__(
-        self,
-        options: RoundOptions,
-        world: World,
-        schedule: GroupSchedule,
-        initial: torch.Tensor,
-        store: dist.Store,
-        prefix: str,
-        *,
-        transport: str,
-        wire_dtype: torch.dtype | None,
-    ) -> None:
-        self._init_state(options, world, schedule, initial, wire_dtype)
+    def __init__(self, setup: CoreSetup) -> None:
+        self._init_state(setup.options, setup.world, setup.schedule, setup.initial, setup.wire_dtype)
         # The first progress record is written before the communicators: their creation is collective, so
         # every rank's record exists by the time any thread reads them.
         self.channel = ActivationChannel(
-            store,
-            prefix,
+            setup.store,
+            setup.prefix,
             self.rank,
             self.world_size,
             self.start,
@@ -123,14 +128,15 @@ class EngineCore(abc.ABC):
             self.on_activated,
             self.next_wait,
             self.on_watch_error,
-            None if world.whole_job else world.ranks,
+            None if setup.world.whole_job else setup.world.ranks,
         )
         try:
-            self._connect(world, initial, transport)
+            self._connect(setup.world, setup.initial, setup.transport)
         except BaseException:
             self.channel.abandon()
             raise
-        self.thread = threading.Thread(target=self.run, name=f"wagma-progress-{prefix.strip('/')}", daemon=True)
+        name = f"wagma-progress-{setup.prefix.strip('/')}"
+        self.thread = threading.Thread(target=self.run, name=name, daemon=True)
         self.thread.start()
         self.channel.start()
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from wagma.engine_core import EngineCore, Outgoing, TakenContribution, is_sync
-from wagma.engine_options import RoundOptions
-from wagma.schedule import GroupSchedule
-from wagma.world import World
+from wagma.engine_core import CoreSetup, EngineCore, Outgoing, TakenContribution, is_sync
 
 __all__ = ["AccumulateCore", "ReplaceCore"]
 
@@ -22,19 +19,7 @@ __all__ = ["AccumulateCore", "ReplaceCore"]
 class ReplaceCore(EngineCore):
     """Replace mode: ``snapshot`` is the copy of the tensor this rank published last."""
 
-    def __init__(
-        self,
-        options: RoundOptions,
-        world: World,
-        schedule: GroupSchedule,
-        initial: torch.Tensor,
-        store: dist.Store,
-        prefix: str,
-        *,
-        transport: str,
-        wire_dtype: torch.dtype | None,
-        keep_contributions: bool,
-    ) -> None:
+    def __init__(self, setup: CoreSetup, *, keep_contributions: bool) -> None:
         self.being_read: torch.Tensor | None = None  # the snapshot the thread is copying right now
         # keep_contributions: snapshots a round result still hands to the main thread, by data pointer -> how many
         # results hold it. A held snapshot is never made a spare: nothing may overwrite it before it is released.
@@ -44,7 +29,7 @@ class ReplaceCore(EngineCore):
         # sync round (the same on every rank: all take part, all receive the same sum), before the first one world
         # rank 0's initial tensor (broadcast at construction).
         self.reference: torch.Tensor | None = None
-        super().__init__(options, world, schedule, initial, store, prefix, transport=transport, wire_dtype=wire_dtype)
+        super().__init__(setup)
 
     def first_exchange(self, initial: torch.Tensor) -> None:
         """With a wire dtype, the first reference: world rank 0's initial tensor, which every rank then holds bit
@@ -166,25 +151,13 @@ class AccumulateCore(EngineCore):
     """Accumulate mode: ``snapshot`` is the pending contribution, the sum of what was added since the last
     exchange took it."""
 
-    def __init__(
-        self,
-        options: RoundOptions,
-        world: World,
-        schedule: GroupSchedule,
-        initial: torch.Tensor,
-        store: dist.Store,
-        prefix: str,
-        *,
-        transport: str,
-        wire_dtype: torch.dtype | None,
-        error_feedback: bool,
-    ) -> None:
+    def __init__(self, setup: CoreSetup, *, error_feedback: bool) -> None:
         # Whether the pending contribution is the zeros an exchange (or take_pending()) left, with nothing added
         # since; then a submitted staging buffer replaces it instead of being added into it.
         self.pending_empty = False
         self.staging: torch.Tensor | None = None  # the buffer staging_buffer() hands out
         self.error_feedback = error_feedback
-        super().__init__(options, world, schedule, initial, store, prefix, transport=transport, wire_dtype=wire_dtype)
+        super().__init__(setup)
 
     def publish(self, tensor: torch.Tensor, k: int) -> None:
         """Add ``tensor`` into the pending contribution, as call ``k`` (a staging buffer is taken over where it

@@ -138,19 +138,7 @@ class FSDPPartialAllreduce:
                 )
             initial.copy_(self._restored.reshape(initial.shape))
             self._restored = None
-        self.engine = eager_engine(
-            initial,
-            self.world,
-            mode=self.mode,
-            sync_period=self.sync_period,
-            max_lead=self.max_lead,
-            timeout=self.timeout,
-            seed=self.seed,
-            start_round=max(0, self.iteration - self.warmup_iters),
-            progress_nice=self.progress_nice,
-            wire_dtype=wire_dtype_for(self.wire_dtype, out.dtype),
-            error_feedback=self.error_feedback,
-        )
+        self.engine = eager_engine(initial, self, wire_dtype=wire_dtype_for(self.wire_dtype, out.dtype))
         self._resources.closers[:] = [self.engine]
 
     def _record_layout(self, out: torch.Tensor) -> None:

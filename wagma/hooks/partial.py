@@ -30,7 +30,7 @@ import datetime
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -175,20 +175,7 @@ class PartialAllreduceState:
         if self.engine is not None:
             self.engine.close()
         self._pending = None
-        self.engine = eager_engine(
-            residual,
-            self.world,
-            mode=self.mode,
-            sync_period=self.sync_period,
-            max_lead=self.max_lead,
-            timeout=self.timeout,
-            seed=self.seed,
-            start_round=max(0, self.iteration - self.warmup_iters),
-            progress_nice=self.progress_nice,
-            wire_dtype=self.wire_dtype,
-            error_feedback=self.error_feedback,
-            transport=self.transport,
-        )
+        self.engine = eager_engine(residual, self, wire_dtype=self.wire_dtype, transport=self.transport)
         self._resources.closers[:] = [self.engine]
         # Where the buckets' gradients go, in parameter order. The engine takes it over at the end of the
         # backward pass when nothing is pending (no add, no zeroing) and hands back zeros.
@@ -533,39 +520,48 @@ def _flat_offsets(params: list[torch.Tensor]) -> dict[int, tuple[int, int]]:
     return offsets
 
 
+class EagerSettings(Protocol):
+    """What :func:`eager_engine` reads off a partial hook's state (DDP's or FSDP2's): its checked arguments, its
+    world, and how many backward passes it has run."""
+
+    world: World
+    mode: Mode
+    sync_period: int
+    max_lead: int | None
+    timeout: datetime.timedelta
+    seed: int
+    progress_nice: int
+    error_feedback: bool
+    iteration: int
+    warmup_iters: int
+
+
 def eager_engine(
     residual: torch.Tensor,
-    world: World,
+    hook: EagerSettings,
     *,
-    mode: str,
-    sync_period: int,
-    max_lead: int | None,
-    timeout: datetime.timedelta,
-    seed: int,
-    start_round: int,
-    progress_nice: int,
     wire_dtype: torch.dtype | None,
-    error_feedback: bool,
     transport: str = "default",
 ) -> AccumulatingGroupAllreduce:
-    """The engine behind both partial hooks (DDP's and FSDP2's): one group of every rank of ``world``, accumulating
-    (a contribution that misses a round stays in ``residual`` for the next), triggered by any rank (``"solo"``) or
-    by the round's initiator (``"majority"``), starting at ``start_round`` (after the warm-up; a resumed run's)."""
-    schedule = GroupSchedule.from_partitions([[list(range(world.size))]], name="global")
+    """The engine behind both partial hooks (DDP's and FSDP2's): one group of every rank of ``hook.world``,
+    accumulating (a contribution that misses a round stays in ``residual`` for the next), triggered by any rank
+    (``"solo"``) or by the round's initiator (``"majority"``), starting at the round of ``hook.iteration`` (after the
+    warm-up; a resumed run's)."""
+    schedule = GroupSchedule.from_partitions([[list(range(hook.world.size))]], name="global")
     return AccumulatingGroupAllreduce(
         schedule,
         residual,
-        sync_period=sync_period,
-        max_lead=max_lead,
-        timeout=timeout,
-        trigger="any" if mode == "solo" else "initiator",
-        seed=seed,
-        start_round=start_round,
-        progress_nice=progress_nice,
+        sync_period=hook.sync_period,
+        max_lead=hook.max_lead,
+        timeout=hook.timeout,
+        trigger="any" if hook.mode == "solo" else "initiator",
+        seed=hook.seed,
+        start_round=max(0, hook.iteration - hook.warmup_iters),
+        progress_nice=hook.progress_nice,
         transport=transport,
-        world=world,
+        world=hook.world,
         wire_dtype=wire_dtype,
-        error_feedback=error_feedback,
+        error_feedback=hook.error_feedback,
     )
 
 
