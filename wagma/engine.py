@@ -183,7 +183,7 @@ class WaitAvoidingGroupAllreduce(GroupAllreduceEngine):
         still held is never reused (correct, but each round then allocates)."""
         self._check_usable()
         if not isinstance(result, RoundResult):
-            raise ValueError(f"release: expected a RoundResult, got {type(result).__name__}")
+            raise ValueError(f"release: expected a RoundResult, found {type(result).__name__}")
         if result.contributed is None:
             raise ValueError(
                 "release: expected a result of an engine with keep_contributions=True (it carries `contributed`), "

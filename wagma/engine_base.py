@@ -226,7 +226,7 @@ class GroupAllreduceEngine(abc.ABC):
 
     def _check_tensor(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+            raise ValueError(f"tensor: expected a torch.Tensor, found {type(tensor).__name__}")
         if tensor.shape != self.shape or tensor.dtype != self.dtype or tensor.device != self.device:
             raise ValueError(
                 f"expected a tensor of shape {tuple(self.shape)}, dtype {self.dtype} on {self.device} "
@@ -278,7 +278,7 @@ class GroupAllreduceEngine(abc.ABC):
     def _recycle(self, tensor: torch.Tensor) -> None:
         """:meth:`recycle` once the engine is known to be usable."""
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"recycle: expected a torch.Tensor, got {type(tensor).__name__}")
+            raise ValueError(f"recycle: expected a torch.Tensor, found {type(tensor).__name__}")
         if (
             tensor.shape != self.shape
             or tensor.dtype != self.dtype
