@@ -167,7 +167,6 @@ def run(args: argparse.Namespace, mode: str, seed: int) -> Run:
 
 def _fault(job: Job, mode: str, rng: random.Random, result: Run) -> None:
     victim = rng.randrange(len(job.procs))
-    before = job.committed()
     killed_at = time.monotonic()
     if mode == "live":
         job.kill(victim)
@@ -178,6 +177,7 @@ def _fault(job: Job, mode: str, rng: random.Random, result: Run) -> None:
     else:  # restart everyone from the newest checkpoint
         for replica in range(len(job.procs)):
             job.kill(replica)
+        before = job.committed()  # read once every replica is dead: rounds logged while killing count too
         job.procs = [job.start(r) for r in range(len(job.procs))]
         while job.committed() <= before and not all(p.poll() is not None for p in job.procs):
             time.sleep(0.05)  # until the job commits a round it had not before the fault
