@@ -69,7 +69,7 @@ from torchft.process_group import ProcessGroupGloo, create_store_client  # noqa:
 __all__ = ["ReplicaAverager", "ReplicaProcessGroup", "RoundKind", "RoundReport"]
 
 #: What a call of :meth:`ReplicaAverager.step` did: no round (between rounds), a group round, a sync round over
-#: the whole quorum, or a round that some member failed and every member discarded.
+#: the whole quorum, or a round whose part on this replica failed, which it discarded.
 RoundKind = Literal["none", "group", "sync", "discarded"]
 
 
@@ -190,6 +190,7 @@ class ReplicaAverager:
         self._healed = False
         self.manager: Manager | None = None
         self.process_group: ReplicaProcessGroup | None = None
+        self._schedules: dict[int, GroupSchedule] = {}  # by quorum size: built once, not every round
 
     def attach(self, manager: Manager, process_group: ReplicaProcessGroup) -> None:
         """Use ``manager`` for quorums and commits and ``process_group`` (the manager's ``pg``) for the groups."""
@@ -241,7 +242,7 @@ class ReplicaAverager:
         flat = parameters_to_vector([p.detach() for p in self.params]).clone()
         kind: RoundKind = "sync" if self.is_sync_round(round) else "group"
         try:
-            flat = self._average(flat, round, kind)
+            flat = self._average(flat, round, kind, members, rank)
         except Exception as exc:  # noqa: BLE001 -- a peer died mid-round or timed out: discard this round
             manager.report_error(exc)
         committed = manager.should_commit()
@@ -258,11 +259,10 @@ class ReplicaAverager:
         kept = committed and not healed and trained is not None
         return RoundReport(kind, round, members, trained, kept, self.share)
 
-    def _average(self, flat: torch.Tensor, round: int, kind: RoundKind) -> torch.Tensor:
+    def _average(self, flat: torch.Tensor, round: int, kind: RoundKind, members: int, rank: int | None) -> torch.Tensor:
+        """Average ``flat`` in round ``round`` of a quorum of ``members``, as participating rank ``rank``."""
         manager = self.manager
         assert manager is not None and self.process_group is not None
-        members = manager.num_participants()
-        rank = manager.participating_rank()
         if kind == "sync" or members <= self.group_size:
             manager.allreduce(flat).wait()  # torchft's mean over the quorum's participants
             if manager.errored() is not None:
@@ -270,9 +270,12 @@ class ReplicaAverager:
                 # part of the ring fail at once instead of at their timeout (torchft builds a new group next quorum).
                 self.process_group.abort()
             return flat
-        if rank is None or not manager.is_participating():
+        if rank is None:
             return flat  # a replica still healing takes no part in group rounds
-        group = GroupSchedule.for_members(members, self.group_size).group_of(rank, round)
+        schedule = self._schedules.get(members)
+        if schedule is None:
+            schedule = self._schedules[members] = GroupSchedule.for_members(members, self.group_size)
+        group = schedule.group_of(rank, round)
         self.process_group.member_group_allreduce(group, rank, flat)
         return flat.div_(len(group))
 
