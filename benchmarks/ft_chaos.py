@@ -101,7 +101,10 @@ class Job:
     def finished(self) -> bool:
         """Every replica has ended, or the job has committed its rounds and a replica that is still running is one
         started again too late: it waits for a quorum no finished peer will join, so it is stopped."""
-        if all(proc.poll() is not None for proc in self.procs):
+        running = [proc.poll() is None for proc in self.procs]
+        if all(running):
+            return False  # nothing has ended: no log to read (it grows all run long, beside the replicas' CPU)
+        if not any(running):
             return True
         finals = [r for r, log in enumerate(self.logs) if any(x.get("final") for x in _lines(log))]
         if not finals or any(self.procs[r].poll() is None for r in finals):
