@@ -161,6 +161,8 @@ def main() -> None:
             f"lightning {args.policy}: {trainer.global_step} steps on {dist.get_world_size()} ranks, "
             f"hook calls per rank {counts}, {check.checked} global averages checked identical"
         )
+    # Lightning leaves the process group up; gloo's worker threads alive at interpreter exit abort the process.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
