@@ -3,11 +3,15 @@
     python benchmarks/integrations.py                      # every framework installed, 2 ranks, 80 steps
     python benchmarks/integrations.py --world 2 --steps 120 --reps 3 --frameworks plain lightning
 
-Every run trains the same MLP (``--width`` x 4 layers) on the same data, batch 64 per rank, on ``--world`` CPU
-ranks (one thread each), and records on rank 0 the time between the starts of consecutive optimizer steps (the
-whole step: data, forward, backward, hook, optimizer, averager and the framework's own per-step work), after
-``--warmup`` steps. A run's step time is the median of those intervals; with ``--reps`` the median over the runs,
-which are interleaved (every kind once, then again).
+Every run trains the same MLP (``--width`` x 4 layers) on the same data, ``--batch`` examples per rank and step
+(64), on ``--world`` CPU ranks (one thread each), and records on rank 0 the time between the starts of consecutive
+optimizer steps (the whole step: data, forward, backward, hook, optimizer, averager and the framework's own per-step
+work), after ``--warmup`` steps. A run's step time is the median of those intervals; with ``--reps`` the median over
+the runs, which are interleaved (every kind once, then again).
+
+The frameworks' own per-step work is mostly passes over the parameters or gradients (the HF Trainer's gradient
+norm for its log, every step), so its share of a step falls with the compute per parameter: a batch of 64 through
+an MLP is ~400 FLOPs per parameter and step, a ResNet-50 step of batch 128 ~60,000. ``--batch`` sets that regime.
 
 The runs, per framework F (``lightning``, ``accelerate``, ``transformers``):
 
@@ -42,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH = 64
 PERIOD = 4
 
 
@@ -80,6 +83,11 @@ def _write(out: str, clock: _Clock) -> None:
         Path(out).write_text(json.dumps(clock.starts))
 
 
+def _shuffled(args: argparse.Namespace) -> torch.utils.data.DataLoader:
+    """The frameworks' loader (they shard it over the ranks themselves): every rank's steps' worth, shuffled."""
+    return torch.utils.data.DataLoader(_data(args.batch * args.steps * args.world), batch_size=args.batch, shuffle=True)
+
+
 # -- the runs (each in its own processes) ----------------------------------------------------------------------------
 
 
@@ -97,9 +105,9 @@ def run_plain(args: argparse.Namespace, clock: _Clock) -> None:
         model.register_comm_hook(None, local_hook)
         averager = _averager(net)
         optimizer = AveragingOptimizer(optimizer, averager, module=net)
-    data = _data(BATCH * args.steps * dist.get_world_size())
+    data = _data(args.batch * args.steps * dist.get_world_size())
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, sampler=sampler)
     for x, y in loader:
         clock.tick()
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -167,7 +175,7 @@ def run_lightning(args: argparse.Namespace, clock: _Clock) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    loader = torch.utils.data.DataLoader(_data(BATCH * args.steps * args.world), batch_size=BATCH, shuffle=True)
+    loader = _shuffled(args)
     trainer.fit(ByHand() if args.variant == "byhand" else Module(), loader)
     _write(args.record, clock)
 
@@ -182,7 +190,7 @@ def run_accelerate(args: argparse.Namespace, clock: _Clock) -> None:
         cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo", timeout=datetime.timedelta(seconds=60))]
     )
     net = _net(args.width)
-    loader = torch.utils.data.DataLoader(_data(BATCH * args.steps * args.world), batch_size=BATCH, shuffle=True)
+    loader = _shuffled(args)
     model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01), loader)
     run = prepare_wagma(accelerator, model, optimizer, averager=_averager) if args.variant == "wagma" else None
     if args.variant == "byhand":  # the same policy by hand: the hook, and the averager after the prepared step
@@ -222,7 +230,7 @@ def run_transformers(args: argparse.Namespace, clock: _Clock) -> None:
 
     class Pairs(torch.utils.data.Dataset):
         def __init__(self) -> None:
-            self.data = _data(BATCH * args.steps * args.world)
+            self.data = _data(args.batch * args.steps * args.world)
 
         def __len__(self) -> int:
             return len(self.data)
@@ -261,7 +269,7 @@ def run_transformers(args: argparse.Namespace, clock: _Clock) -> None:
         training = TrainingArguments(
             output_dir=tmp,
             num_train_epochs=1,
-            per_device_train_batch_size=BATCH,
+            per_device_train_batch_size=args.batch,
             learning_rate=0.01,
             lr_scheduler_type="constant",
             optim="sgd",
@@ -360,6 +368,8 @@ def _launch(framework: str, variant: str, args: argparse.Namespace) -> float:
             str(args.steps),
             "--width",
             str(args.width),
+            "--batch",
+            str(args.batch),
             "--variant",
             variant,
         ]
@@ -389,6 +399,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
     parser.add_argument("--width", type=int, default=512, help="hidden width of the 4-layer MLP")
+    parser.add_argument(
+        "--batch", type=int, default=64, help="examples per rank and step (more: more compute per parameter)"
+    )
     parser.add_argument("--reps", type=int, default=1, help="runs of each kind (the median is reported)")
     parser.add_argument("--frameworks", nargs="+", default=["plain", "lightning", "accelerate", "transformers"])
     parser.add_argument("--out", help="also write the results as JSON here")
@@ -427,7 +440,7 @@ def main() -> None:
         print(f"{key:24s} {value:8.2f} ms/step (median of {', '.join(f'{v:.2f}' for v in samples[key])})")
     print(
         f"\nworld {args.world}, MLP width {args.width} ({sum(p.numel() for p in _net(args.width).parameters()):,} "
-        f"parameters), batch {BATCH}, {args.steps} steps, median after {args.warmup}, {args.reps} run(s) each, "
+        f"parameters), batch {args.batch}, {args.steps} steps, median after {args.warmup}, {args.reps} run(s) each, "
         f"load average at the start: {load_before:.2f}, at the end: {os.getloadavg()[0]:.2f}"
     )
     reference = results["plain/wagma"]
