@@ -393,6 +393,38 @@ def _launch(framework: str, variant: str, args: argparse.Namespace) -> float:
     return 1000 * statistics.median(steps)
 
 
+def _paired_ratios(samples: dict[str, list[float]], frameworks: list[str]) -> dict[str, float]:
+    """Per framework, the median over the repetitions of F/wagma / plain/wagma and of F/wagma / F/byhand, each
+    ratio of two runs of one repetition (adjacent in time, so a slow drift of the machine's load cancels)."""
+    out: dict[str, float] = {}
+    for framework in frameworks:
+        mine = samples[f"{framework}/wagma"]
+        for other in ("plain/wagma", f"{framework}/byhand"):
+            out[f"{framework}/wagma : {other}"] = statistics.median(a / b for a, b in zip(mine, samples[other]))
+    return out
+
+
+def _table(results: dict[str, float], paired: dict[str, float], frameworks: list[str]) -> None:
+    reference = results["plain/wagma"]
+    alone = f", {results['plain/plain']:.2f} ms with DDP's allreduce" if "plain/plain" in results else ""
+    print(f"\nplain DDP script: {reference:.2f} ms with the policy{alone}")
+    print(
+        "\n| framework | with wagma's adapter | vs plain script, same policy (paired) | same policy by hand in the "
+        "framework | adapter vs by hand (paired) | framework alone (allreduce) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for framework in frameworks:
+        mine, hand = results[f"{framework}/wagma"], results[f"{framework}/byhand"]
+        alone_ms = results.get(f"{framework}/plain")
+        vs_plain = 100 * (paired[f"{framework}/wagma : plain/wagma"] - 1)
+        vs_hand = 100 * (paired[f"{framework}/wagma : {framework}/byhand"] - 1)
+        print(
+            f"| {framework} | {mine:.2f} ms | {100 * (mine / reference - 1):+.1f} % ({vs_plain:+.1f} %) | "
+            f"{hand:.2f} ms | {100 * (mine / hand - 1):+.1f} % ({vs_hand:+.1f} %) "
+            f"| {'–' if alone_ms is None else f'{alone_ms:.2f} ms'} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
@@ -404,6 +436,9 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=1, help="runs of each kind (the median is reported)")
     parser.add_argument("--frameworks", nargs="+", default=["plain", "lightning", "accelerate", "transformers"])
+    parser.add_argument(
+        "--without-allreduce", action="store_true", help="skip the runs with DDP's allreduce (plain/plain, F/plain)"
+    )
     parser.add_argument("--out", help="also write the results as JSON here")
     parser.add_argument("--cpu-time", action="store_true", help="only the adapters' own code, in CPU time, one process")
     parser.add_argument("--launch-run", dest="run", choices=sorted(RUNS), help=argparse.SUPPRESS)
@@ -427,7 +462,9 @@ def main() -> None:
         frameworks.insert(0, "plain")
     # Repetitions are interleaved (every kind once, then every kind again, ...), so a change of the machine's load
     # during the benchmark spreads over all kinds instead of biasing the ones that ran last.
-    kinds = [(f, v) for f in frameworks for v in (("wagma", "plain") if f == "plain" else VARIANTS)]
+    variants = [v for v in VARIANTS if not (args.without_allreduce and v == "plain")]
+    kinds = [("plain", v) for v in ("wagma", "plain") if v in variants]
+    kinds += [(f, v) for f in frameworks[1:] for v in variants]
     samples: dict[str, list[float]] = {f"{f}/{v}": [] for f, v in kinds}
     for rep in range(args.reps):
         for framework, variant in kinds:
@@ -435,6 +472,7 @@ def main() -> None:
             samples[key].append(_launch(framework, variant, args))
             print(f"rep {rep + 1}: {key:24s} {samples[key][-1]:8.2f} ms/step", flush=True)
     results = {key: statistics.median(values) for key, values in samples.items()}
+    paired = _paired_ratios(samples, frameworks[1:])
     print()
     for key, value in results.items():
         print(f"{key:24s} {value:8.2f} ms/step (median of {', '.join(f'{v:.2f}' for v in samples[key])})")
@@ -443,24 +481,12 @@ def main() -> None:
         f"parameters), batch {args.batch}, {args.steps} steps, median after {args.warmup}, {args.reps} run(s) each, "
         f"load average at the start: {load_before:.2f}, at the end: {os.getloadavg()[0]:.2f}"
     )
-    reference = results["plain/wagma"]
-    print(
-        f"\nplain DDP script: {reference:.2f} ms with the policy, {results['plain/plain']:.2f} ms with DDP's allreduce"
-    )
-    print(
-        "\n| framework | with wagma's adapter | vs plain script, same policy | same policy by hand in the framework "
-        "| adapter vs by hand | framework alone (allreduce) |"
-    )
-    print("|---|---|---|---|---|---|")
-    for framework in frameworks[1:]:
-        mine, hand, alone = (results[f"{framework}/{v}"] for v in VARIANTS)
-        print(
-            f"| {framework} | {mine:.2f} ms | {100 * (mine / reference - 1):+.1f} % | {hand:.2f} ms | "
-            f"{100 * (mine / hand - 1):+.1f} % | {alone:.2f} ms |"
-        )
+    _table(results, paired, frameworks[1:])
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"args": vars(args), "ms_per_step": results, "samples": samples}, indent=1)
+            json.dumps(
+                {"args": vars(args), "ms_per_step": results, "paired_ratios": paired, "samples": samples}, indent=1
+            )
         )
 
 
