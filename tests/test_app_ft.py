@@ -1,14 +1,27 @@
-"""``ft=torchft``: the config group and its checks."""
+"""``ft=torchft``: the config group and its checks, a share's batches, and live recovery under ``python train.py``.
+
+The slow test runs the real thing: ``python train.py ft=torchft replicas=3``, whose launcher starts a lighthouse and
+three replica processes; the test SIGKILLs one from outside mid-run (its pid from ``replicas.json``), the launcher
+starts it again, it heals from a live peer, and the job ends with every replica holding the same model.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from wagma.app.config import ConfigError, validate_config
+from wagma.app.data import BatchIterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +66,77 @@ def test_train_under_torchrun_refuses_ft_in_one_line(tmp_path):
 
     with pytest.raises(ConfigError, match="python train.py ft=torchft replicas=N"):
         train(_cfg("ft=torchft", f"run_dir={tmp_path}"))
+
+
+def test_batch_at_is_the_endless_sequence_by_number():
+    x, y = torch.arange(20.0).reshape(10, 2), torch.arange(10)
+    sequence = BatchIterator(x, y, 3, seed=5, rank=0)
+    expected = [next(sequence) for _ in range(8)]  # 3 batches per epoch: two epochs and more
+    numbered = BatchIterator(x, y, 3, seed=5, rank=0)
+    for index in (7, 0, 4, 3, 6, 1):
+        assert torch.equal(numbered.batch_at(index)[1], expected[index][1])
+    assert torch.equal(next(numbered)[1], expected[2][1])  # it continues after the batch it gave last
+
+
+# --- the real thing -----------------------------------------------------------------------------------------------
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _kill_when_averaged(run_dir: Path, victim: int, rounds: int, proc: subprocess.Popen, limit_s: float) -> int:
+    """SIGKILL replica ``victim`` once it has run ``rounds`` rounds; returns its pid."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        records = [r for r in _records(run_dir / "ft" / f"replica{victim}.jsonl") if r["event"] == "round"]
+        if len(records) >= rounds:
+            pid = records[-1]["pid"]
+            lives = json.loads((run_dir / "replicas.json").read_text())["replicas"][str(victim)]
+            assert [life["pid"] for life in lives] == [pid]
+            os.kill(pid, signal.SIGKILL)
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"replica {victim} did not run {rounds} rounds in time: {proc.poll()}")
+
+
+@pytest.mark.slow  # about 60 s on a loaded 2-core machine: four processes start, one is killed and started again
+@pytest.mark.timeout(240)
+def test_python_train_py_recovers_a_killed_replica_live(tmp_path):
+    run_dir, victim, steps = tmp_path / "run", 1, 1200
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "train.py"), "ft=torchft", "replicas=3", f"steps={steps}"]
+    # every replica sleeps 20 ms a step (imbalance random_k with k = all three): the job outlasts a restart
+    command += ["imbalance=random_k", "imbalance.k=3", "imbalance.delay_s=0.02", "eval_every=0", "log_every=50"]
+    command += [f"run_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}", "progress=false"]
+    out = (tmp_path / "train.out").open("wb")
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        killed = _kill_when_averaged(run_dir, victim, 20, proc, limit_s=120)
+        assert proc.wait(timeout=180) == 0, (tmp_path / "train.out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lives = json.loads((run_dir / "replicas.json").read_text())["replicas"]
+    first, second = lives[str(victim)]
+    assert first["pid"] == killed and first["exit"] == -signal.SIGKILL
+    assert second["healed"] and second["exit"] == 0  # started again, healed from a peer, trained to the end
+    assert all(len(lives[str(r)]) == 1 and lives[str(r)][0]["exit"] == 0 for r in (0, 2))
+    logs = {r: [x for x in _records(run_dir / "ft" / f"replica{r}.jsonl") if x["event"] == "round"] for r in range(3)}
+    down = [x for r in (0, 2) for x in logs[r] if first["ended"] < x["time"] < second["joined"]]
+    without = {x["committed"] for x in down if x["members"] == 2 and x["kind"] != "discarded"}
+    assert len(without) >= 10, "the survivors did not go on, two of them, while the victim was down"
+    for r in range(3):  # everyone took part in the last round, a sync round
+        assert (logs[r][-1]["kind"], logs[r][-1]["committed"]) == ("sync", steps), r
+    kept = [x["trained_share"] for r in range(3) for x in logs[r] if x["kept"]]
+    assert len(kept) == len(set(kept)), "a share was trained on twice"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ft"]["finished"] == [0, 1, 2] and summary["ft"]["lives"] == {"0": 1, "1": 2, "2": 1}
+    assert len(set(summary["ft"]["checksums"].values())) == 1  # the same model on every replica after the sync
+    assert summary["test_accuracy"] > 0.9, summary["test_accuracy"]
+    assert (run_dir / "metrics_rank0.jsonl").exists()
+    print(f"back in the quorum {second['joined'] - first['ended']:.1f} s after the kill; "
+          f"accuracy {summary['test_accuracy']:.4f}; wall {summary['wall_s']:.1f} s")  # fmt: skip
