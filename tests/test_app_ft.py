@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from wagma.app.config import ConfigError, validate_config
 from wagma.app.data import BatchIterator
+from wagma.app.quota import cgroup_root, check_rank_cpus, job_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,18 +103,37 @@ def _kill_when_averaged(run_dir: Path, victim: int, rounds: int, proc: subproces
     raise AssertionError(f"replica {victim} did not run {rounds} rounds in time: {proc.poll()}")
 
 
+def _train_py(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    """``python train.py ft=torchft OVERRIDES`` into ``tmp_path / "run"``, its output in ``tmp_path / "train.out"``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "train.py"), "ft=torchft", "eval_every=0", "progress=false"]
+    command += [f"run_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'hydra'}", *overrides]
+    with (tmp_path / "train.out").open("wb") as out:
+        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow  # about 15 s: three processes
+@pytest.mark.timeout(180)
+def test_rank_cpus_puts_every_replica_process_in_a_quota_of_its_own(tmp_path):
+    if check_rank_cpus(0.5, 2) is not None:
+        pytest.skip(f"no CPU quotas here: {check_rank_cpus(0.5, 2)}")
+    proc = _train_py(tmp_path, "replicas=2", "rank_cpus=0.5", "steps=40")
+    assert proc.wait(timeout=150) == 0, (tmp_path / "train.out").read_text()[-3000:]
+    job = job_name(tmp_path / "run")
+    for r in range(2):
+        starts = [x for x in _records(tmp_path / "run" / "ft" / f"replica{r}.jsonl") if x["event"] == "start"]
+        assert [x["cpu_cgroup"] for x in starts] == [f"/wagma/{job}/rank{r}"]
+    assert not (cgroup_root() / "wagma" / job).exists()  # removed at the end
+
+
 @pytest.mark.slow  # about 60 s on a loaded 2-core machine: four processes start, one is killed and started again
 @pytest.mark.timeout(240)
 def test_python_train_py_recovers_a_killed_replica_live(tmp_path):
     run_dir, victim, steps = tmp_path / "run", 1, 1200
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env |= {"PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(ROOT / "train.py"), "ft=torchft", "replicas=3", f"steps={steps}"]
     # every replica sleeps 20 ms a step (imbalance random_k with k = all three): the job outlasts a restart
-    command += ["imbalance=random_k", "imbalance.k=3", "imbalance.delay_s=0.02", "eval_every=0", "log_every=50"]
-    command += [f"run_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}", "progress=false"]
-    out = (tmp_path / "train.out").open("wb")
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    delays = ["imbalance=random_k", "imbalance.k=3", "imbalance.delay_s=0.02"]
+    proc = _train_py(tmp_path, "replicas=3", f"steps={steps}", *delays, "log_every=50")
     try:
         killed = _kill_when_averaged(run_dir, victim, 20, proc, limit_s=120)
         assert proc.wait(timeout=180) == 0, (tmp_path / "train.out").read_text()[-3000:]

@@ -151,6 +151,15 @@ def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
     return manager, store
 
 
+def _cpu_cgroup() -> str | None:
+    """This process's cgroup v1 cpu path (``/proc/self/cgroup``), or None where there is none."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 2)[2] for line in lines if "cpu" in line.split(":")[1].split(",")), None)
+
+
 def _checksum(net: nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in net.parameters()))
 
@@ -211,7 +220,7 @@ def train_replica(cfg: DictConfig, run_dir: Path, replica: int, lighthouse: str)
     with open(replica_log(run_dir, replica), "a", encoding="utf-8") as log:
         run = _build(cfg, replica, replica - int(cfg.ft.first_replica), log, run_dir)
         try:
-            run.record("start")
+            run.record("start", cpu_cgroup=_cpu_cgroup())  # with rank_cpus: this replica's own quota
             manager, _store = _manager(run, lighthouse)
             _train(run, manager)
             accuracy, test_loss = evaluate(run.net, *run.test, 0, 1)
