@@ -160,3 +160,28 @@ def test_python_train_py_recovers_a_killed_replica_live(tmp_path):
     assert (run_dir / "metrics_rank0.jsonl").exists()
     print(f"back in the quorum {second['joined'] - first['ended']:.1f} s after the kill; "
           f"accuracy {summary['test_accuracy']:.4f}; wall {summary['wall_s']:.1f} s")  # fmt: skip
+
+
+@pytest.mark.slow  # about 15 s: two launches of one machine share a lighthouse, as two nodes would
+@pytest.mark.timeout(180)
+def test_the_multi_node_form_two_launches_share_one_lighthouse(tmp_path):
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=3, join_timeout_ms=500, heartbeat_timeout_ms=1000)
+    address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    try:
+        nodes = {"a": ("replicas=2", "ft.first_replica=0"), "b": ("replicas=1", "ft.first_replica=2")}
+        procs = {}
+        for node, ids in nodes.items():
+            (tmp_path / node).mkdir()
+            procs[node] = _train_py(tmp_path / node, *ids, f"ft.lighthouse={address}", "ft.min_replicas=3", "steps=40")
+        for node, proc in procs.items():
+            assert proc.wait(timeout=150) == 0, (tmp_path / node / "train.out").read_text()[-3000:]
+    finally:
+        lighthouse.shutdown()
+    summaries = {node: json.loads((tmp_path / node / "run" / "summary.json").read_text()) for node in nodes}
+    assert summaries["a"]["ft"]["finished"] == [0, 1] and summaries["b"]["ft"]["finished"] == [2]
+    checksums = {c for s in summaries.values() for c in s["ft"]["checksums"].values()}
+    assert len(checksums) == 1  # one job: the three replicas averaged together and ended on the same model
+    for node in nodes:  # no lighthouse of its own
+        assert json.loads((tmp_path / node / "run" / "replicas.json").read_text())["lighthouse"] == address
