@@ -185,3 +185,39 @@ def test_the_multi_node_form_two_launches_share_one_lighthouse(tmp_path):
     assert len(checksums) == 1  # one job: the three replicas averaged together and ended on the same model
     for node in nodes:  # no lighthouse of its own
         assert json.loads((tmp_path / node / "run" / "replicas.json").read_text())["lighthouse"] == address
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"  # a zombie of a dead parent
+
+
+@pytest.mark.slow  # about 10 s: the replicas start, none can join in time
+@pytest.mark.timeout(120)
+def test_a_replica_that_does_not_join_in_time_fails_the_run_named_and_nothing_is_left(tmp_path):
+    proc = _train_py(tmp_path, "replicas=2", "steps=40", "ft.rejoin_s=1")  # importing torch alone takes longer
+    assert proc.wait(timeout=100) == 1
+    out = (tmp_path / "train.out").read_text()
+    assert "did not join a round within ft.rejoin_s=1 s of its start" in out and "replica 0 (pid" in out, out[-2000:]
+    lives = json.loads((tmp_path / "run" / "replicas.json").read_text())["replicas"]
+    assert all(_gone(life["pid"]) for r in lives.values() for life in r)  # the launcher stopped them
+
+
+@pytest.mark.slow  # about 25 s: three processes start, one is killed and may not be started again
+@pytest.mark.timeout(180)
+def test_a_replica_past_its_restarts_fails_the_run_named(tmp_path):
+    delays = ["imbalance=random_k", "imbalance.k=3", "imbalance.delay_s=0.02"]
+    proc = _train_py(tmp_path, "replicas=3", "steps=1200", *delays, "ft.max_restarts=0")
+    try:
+        _kill_when_averaged(tmp_path / "run", 2, 5, proc, limit_s=120)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "train.out").read_text()
+    assert "replica 2 was killed by SIGKILL and has used its ft.max_restarts=0 restart(s)" in out, out[-2000:]
+    lives = json.loads((tmp_path / "run" / "replicas.json").read_text())["replicas"]
+    assert len(lives["2"]) == 1 and all(_gone(life["pid"]) for r in lives.values() for life in r)

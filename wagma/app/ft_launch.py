@@ -167,7 +167,7 @@ class _Supervisor:
         if restarts >= int(self.cfg.ft.max_restarts):
             raise ReplicaFailure(
                 f"replica {rep.replica} {_how(code)} and has used its ft.max_restarts={self.cfg.ft.max_restarts} "
-                f"restart(s); see {rep.log.with_suffix('.out')}"
+                f"restart(s); see {FT_DIR}/replica{rep.replica}.out"
             )
         self.start(rep)
         return True
@@ -180,7 +180,7 @@ class _Supervisor:
             if "exit" not in life and "joined" not in life and time.time() - life["started"] > self.rejoin_s:
                 raise ReplicaFailure(
                     f"replica {rep.replica} (pid {life['pid']}, life {len(rep.lives)}) did not join a round within "
-                    f"ft.rejoin_s={self.rejoin_s:g} s of its start; see {rep.log.with_suffix('.out')}"
+                    f"ft.rejoin_s={self.rejoin_s:g} s of its start; see {FT_DIR}/replica{rep.replica}.out"
                 )
         if finished_at is None and now - max(r.last_round for r in self.replicas) > self.rejoin_s:
             raise ReplicaFailure(f"no replica committed a round for ft.rejoin_s={self.rejoin_s:g} s")
