@@ -69,6 +69,15 @@ def test_train_under_torchrun_refuses_ft_in_one_line(tmp_path):
         train(_cfg("ft=torchft", f"run_dir={tmp_path}"))
 
 
+def test_a_missing_torchft_is_one_line_naming_the_extra():
+    from wagma.app import deps, run
+
+    assert "torchft" in run._needed_modules(_cfg("ft=torchft")) and "torchft" not in run._needed_modules(_cfg())
+    exc = ModuleNotFoundError("No module named 'torchft'", name="torchft")
+    expected = "train.py needs torchft (module 'torchft' is missing): pip install 'wagma[torchft]'"
+    assert deps.missing_dependency(exc, "train.py") == expected
+
+
 def test_batch_at_is_the_endless_sequence_by_number():
     x, y = torch.arange(20.0).reshape(10, 2), torch.arange(10)
     sequence = BatchIterator(x, y, 3, seed=5, rank=0)
