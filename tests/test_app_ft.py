@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from wagma.app.config import ConfigError, validate_config
 from wagma.app.data import BatchIterator
+from wagma.app.procs import descendants
 from wagma.app.quota import cgroup_root, check_rank_cpus, job_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,7 @@ def _cfg(*overrides: str) -> DictConfig:
         (["ft.lighthouse=host:29510"], "ft.lighthouse: expected null (start one) or an address http://host:port"),
         (["parallel=hsdp", "shard_size=2"], "parallel: expected 'ddp', found 'hsdp'"),
         (["resume=true"], "resume: expected False, found True"),
+        (["ft.nproc=0"], "ft.nproc: expected an integer >= 1, found 0"),
     ],
 )
 def test_a_bad_ft_config_is_named_before_anything_starts(overrides, message):
@@ -53,6 +55,13 @@ def test_a_bad_ft_config_is_named_before_anything_starts(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate_config(cfg, int(cfg.replicas))
     assert any(p.startswith(message) for p in err.value.problems), err.value.problems
+
+
+def test_rank_cpus_counts_every_rank_of_every_replica_group():
+    cpus = len(os.sched_getaffinity(0)) / 5  # three replica processes would fit, six ranks do not
+    cfg = _cfg("ft=torchft", "replicas=3", "steps=40", "ft.nproc=2", f"rank_cpus={cpus}")
+    with pytest.raises(ConfigError, match=r"for 6 local rank\(s\) needs .* \(replicas x ft.nproc = 6 processes\)"):
+        validate_config(cfg, 3)
 
 
 def test_ft_none_is_the_application_as_before_and_torchft_leaves_averaging_alone():
@@ -97,19 +106,33 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _kill_when_averaged(run_dir: Path, victim: int, rounds: int, proc: subprocess.Popen, limit_s: float) -> int:
-    """SIGKILL replica ``victim`` once it has run ``rounds`` rounds; returns its pid."""
+def _kill_when_averaged(
+    run_dir: Path, victim: int, rounds: int, proc: subprocess.Popen, limit_s: float, rank: int = 0
+) -> int:
+    """SIGKILL replica ``victim`` (its group's rank ``rank``) once it has run ``rounds`` rounds; returns the pid."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and proc.poll() is None:
         records = [r for r in _records(run_dir / "ft" / f"replica{victim}.jsonl") if r["event"] == "round"]
         if len(records) >= rounds:
-            pid = records[-1]["pid"]
-            lives = json.loads((run_dir / "replicas.json").read_text())["replicas"][str(victim)]
-            assert [life["pid"] for life in lives] == [pid]
+            pid = records[-1]["pid"]  # rank 0 records
+            (life,) = json.loads((run_dir / "replicas.json").read_text())["replicas"][str(victim)]
+            if rank:  # another rank of the group: a child of the group's torchrun, as rank 0 is
+                ranks = [p for p in descendants(life["pid"]) if b"wagma.app.ft_replica" in _cmdline(p)]
+                assert pid in ranks and len(ranks) == 2, ranks
+                pid = next(p for p in ranks if p != pid)
+            else:
+                assert life["pid"] == pid
             os.kill(pid, signal.SIGKILL)
             return pid
         time.sleep(0.05)
     raise AssertionError(f"replica {victim} did not run {rounds} rounds in time: {proc.poll()}")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _train_py(tmp_path: Path, *overrides: str) -> subprocess.Popen:
@@ -230,3 +253,32 @@ def test_a_replica_past_its_restarts_fails_the_run_named(tmp_path):
     assert "replica 2 was killed by SIGKILL and has used its ft.max_restarts=0 restart(s)" in out, out[-2000:]
     lives = json.loads((tmp_path / "run" / "replicas.json").read_text())["replicas"]
     assert len(lives["2"]) == 1 and all(_gone(life["pid"]) for r in lives.values() for life in r)
+
+
+@pytest.mark.slow  # about 70 s: two replica groups of two ranks (torchrun each), a rank killed, its group restarted
+@pytest.mark.timeout(300)
+def test_a_replica_group_of_two_ranks_loses_a_rank_and_heals_as_a_group(tmp_path):
+    run_dir, steps = tmp_path / "run", 800
+    delays = ["imbalance=random_k", "imbalance.k=2", "imbalance.delay_s=0.02"]
+    options = ["replicas=2", "ft.nproc=2", "ft.min_replicas=1", f"steps={steps}", *delays, "log_every=50"]
+    proc = _train_py(tmp_path, *options, "eval_every=200")
+    try:
+        _kill_when_averaged(run_dir, 1, 20, proc, limit_s=150, rank=1)  # rank 1 of replica group 1
+        assert proc.wait(timeout=200) == 0, (tmp_path / "train.out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lives = json.loads((run_dir / "replicas.json").read_text())["replicas"]
+    first, second = lives["1"]
+    assert first["exit"] != 0 and second["healed"] and second["exit"] == 0  # torchrun ended the group; it healed
+    assert len(lives["0"]) == 1 and lives["0"][0]["exit"] == 0
+    alone = [x for x in _records(run_dir / "ft" / "replica0.jsonl") if x["event"] == "round"]
+    down = {x["committed"] for x in alone if first["ended"] < x["time"] < second["joined"] and x["members"] == 1}
+    assert len(down) >= 10, "the surviving group did not go on alone while the other was down"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ft"]["finished"] == [0, 1] and len(set(summary["ft"]["checksums"].values())) == 1
+    assert summary["test_accuracy"] > 0.9, summary["test_accuracy"]
+    evaluated = [x for x in _records(run_dir / "metrics_rank0.jsonl") if "test_accuracy" in x]
+    assert len(evaluated) >= 4  # every 200 steps, a collective over the group's two ranks, and the final one
+    print(f"group back in the quorum {second['joined'] - first['ended']:.1f} s after its rank died; "
+          f"accuracy {summary['test_accuracy']:.4f}; wall {summary['wall_s']:.1f} s")  # fmt: skip

@@ -3,7 +3,8 @@
 :func:`launch_replicas` (called by :func:`wagma.app.run.run_job`) writes the job's resolved config to
 ``RUN_DIR/ft/config.yaml``, starts torchft's lighthouse in this process (its Rust ``LighthouseServer``, on a free
 port, ``min_replicas`` from ``ft.min_replicas``; with ``ft.lighthouse=http://...`` a running one is used instead) and
-one process per replica group (:mod:`wagma.app.ft_replica`, ids ``ft.first_replica ..``), and supervises them:
+one process per replica group (:mod:`wagma.app.ft_replica`, ids ``ft.first_replica ..``; with ``ft.nproc`` > 1 a
+torchrun of that many ranks, in a session of its own so that stopping it stops its ranks), and supervises them:
 
 - a replica that dies before the job's end is started again, at most ``ft.max_restarts`` times each; it heals from
   a live peer when it joins, while the others go on;
@@ -13,10 +14,11 @@ one process per replica group (:mod:`wagma.app.ft_replica`, ids ``ft.first_repli
   round); replicas still running then get ``2 x ft.timeout_s`` to finish too (one started again after its peers
   finished waits for a quorum that never comes: it is stopped, and counted as late).
 
-``RUN_DIR/replicas.json`` holds every replica's lives (pid, start and end time, exit status, when it first joined a
-round) while the job runs, so an operator or a test can find a replica's pid. At the end the launcher stops the
-lighthouse and writes ``summary.json`` from the replicas' ``final`` records (every replica that finished ends with
-the same model, after the last sync round). ``rank_cpus`` puts each replica process in its own CPU quota.
+``RUN_DIR/replicas.json`` holds every replica's lives (pid -- torchrun's for a group of several ranks --, start and
+end time, exit status, when it first joined a round, whether it healed) while the job runs, so an operator or a
+test can find a replica's pid. At the end the launcher stops the lighthouse and writes ``summary.json`` from the
+replicas' ``final`` records (every replica that finished ends with the same model, after the last sync round).
+``rank_cpus`` puts each replica process in its own CPU quota.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import wagma
-from wagma.app.ft_replica import CONFIG_NAME, FT_DIR, replica_log
+from wagma.app.ft_replica import CONFIG_NAME, FT_DIR, LIFE_VARIABLE, replica_log
 from wagma.app.procs import sigterm_exits
 from wagma.app.quota import job_name, quota_job
 
@@ -86,7 +88,7 @@ class _Replica:
         for line in data[:end].decode().splitlines():
             record = json.loads(line)
             life = self.lives[-1] if self.lives else None
-            if record["event"] == "round" and life is not None and record["pid"] == life["pid"]:
+            if record["event"] == "round" and record.get("life") == len(self.lives) and life is not None:
                 life.setdefault("joined", record["time"])
                 life.setdefault("healed", record["heals"] > 0)
                 self.last_round = time.monotonic()
@@ -112,8 +114,13 @@ class _Supervisor:
         """Start (again) replica ``rep``'s process; its output is appended to ``ft/replica<R>.out``."""
         out = (self.run_dir / FT_DIR / f"replica{rep.replica}.out").open("ab")
         command = [sys.executable, "-m", "wagma.app.ft_replica", str(self.run_dir), str(rep.replica), self.lighthouse]
-        with out:
-            rep.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        nproc = int(self.cfg.ft.nproc)
+        if nproc > 1:  # torchrun per replica group: a rank that dies takes its group down, and it is started again
+            torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
+            command[1:2] = [*torchrun, "--monitor-interval=0.1", "-m"]
+        env = self.env | {LIFE_VARIABLE: str(len(rep.lives) + 1)}
+        with out:  # a session of its own: the launcher stops the replica's whole process group (torchrun's ranks)
+            rep.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         rep.lives.append({"pid": rep.proc.pid, "started": time.time()})
         rep.last_round = time.monotonic()
         self.write_file()
@@ -187,10 +194,12 @@ class _Supervisor:
 
     @staticmethod
     def _stop(rep: _Replica) -> None:
-        if rep.proc is not None and rep.proc.poll() is None:
-            rep.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                rep.proc.wait(timeout=10)
+        if rep.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rep.proc.pid, signal.SIGKILL)  # the replica and whatever it started (torchrun's ranks)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rep.proc.wait(timeout=10)
 
     def stop(self) -> None:
         """Stop every replica process still running (SIGKILL) and record how each life ended."""

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from wagma.app.quota import check_rank_cpus
 from wagma.checks import check_choice, check_int, check_number, fail
 
 __all__ = ["FT_NAMES", "check_ft", "ft_enabled", "ft_rounds"]
@@ -27,6 +28,7 @@ _INTS: dict[str, int] = {
     "period": 1,
     "max_restarts": 0,
     "first_replica": 0,
+    "nproc": 1,
     "join_timeout_ms": 1,
     "heartbeat_timeout_ms": 1,
 }
@@ -48,7 +50,8 @@ def check_ft(plain: Mapping[str, Any]) -> list[str]:
 
     With ``ft=torchft``: every ``ft`` key of its type and range; ``replicas`` >= 1 and, with the launcher's own
     lighthouse, >= ``ft.min_replicas``; ``steps`` a multiple of ``ft.period x ft.sync_period`` (the last round is a
-    sync round, so that every replica ends with the same model); and what the replica groups do not support
+    sync round, so that every replica ends with the same model); ``rank_cpus`` for ``replicas x ft.nproc``
+    processes; and what the replica groups do not support
     (``parallel=hsdp``, ``rank_net``, ``resume``, batching by tokens).
     """
     ft = plain.get("ft") or {"name": "none"}
@@ -86,6 +89,11 @@ def check_ft(plain: Mapping[str, Any]) -> list[str]:
                 )
             )
         )
+    nproc = values["nproc"]
+    if nproc is not None and nproc > 1 and replicas is not None:  # validate_config counted one process a replica
+        quota = check_rank_cpus(plain.get("rank_cpus"), replicas * nproc)
+        if quota is not None:
+            problems.append(f"{quota} (replicas x ft.nproc = {replicas * nproc} processes)")
     problems += _unsupported(plain)
     return problems
 

@@ -6,7 +6,10 @@ quota (``rank_cpus``), builds the configured data, model (the same initial weigh
 ``seed``), optimizer and imbalance, and a torchft ``Manager`` with wagma's
 :class:`~wagma.integrations.torchft.ReplicaAverager` (``ft.group_size``, ``ft.sync_period``, ``ft.period``). It joins
 the job -- a (re)started replica heals from a live peer there: model, optimizer, averager state, data position --
-and trains until the job has committed ``steps / ft.period`` rounds, the last a sync round.
+and trains until the job has committed ``steps / ft.period`` rounds, the last a sync round. With ``ft.nproc`` > 1
+the process is one rank of a replica group under torchrun: DDP averages gradients inside the group, the averager
+on each rank averages with the same rank of the other groups, torchft's Manager uses torchrun's store, and the
+group's rank 0 writes the records.
 
 The data: the training split is one endless sequence of seeded batches (:meth:`wagma.app.data.BatchIterator.batch_at`);
 share ``s`` (which the averager hands this replica for a period) is batches ``s * period .. s * period + period - 1``.
@@ -29,6 +32,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,6 +41,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from wagma.app import launch
 from wagma.app.config import build_optimizer, group_options
 from wagma.app.data import BatchIterator, load_dataset
 from wagma.app.ft_options import ft_rounds
@@ -47,11 +52,13 @@ from wagma.app.quota import RankQuota, job_name
 from wagma.app.report import Totals, window_record
 from wagma.app.step import evaluate
 
-__all__ = ["CONFIG_NAME", "FT_DIR", "main", "replica_log", "train_replica"]
+__all__ = ["CONFIG_NAME", "FT_DIR", "LIFE_VARIABLE", "main", "replica_log", "train_replica"]
 
 #: The folder of an ft run's own files inside the run directory, and the job's config there.
 FT_DIR = "ft"
 CONFIG_NAME = "config.yaml"
+#: The environment variable in which the launcher tells a replica which of its lives it is (1, 2, ...).
+LIFE_VARIABLE = "WAGMA_FT_LIFE"
 
 
 def replica_log(run_dir: Path, replica: int) -> Path:
@@ -65,13 +72,16 @@ class _Replica:
 
     cfg: DictConfig
     replica: int
+    rank: int  # this process's rank in its replica group (ft.nproc ranks, DDP inside the group)
+    ranks: int
     net: nn.Module
+    model: nn.Module  # net, or with ft.nproc > 1 its DDP wrapper
     optimizer: torch.optim.Optimizer
     averager: Any  # wagma.integrations.torchft.ReplicaAverager (torchft is imported lazily)
     batches: BatchIterator
     test: tuple[torch.Tensor, torch.Tensor]
     imbalance: Imbalance
-    log: TextIO
+    log: TextIO | None  # rank 0 of the group records
     writer: MetricsWriter | None
     totals: Totals = dataclasses.field(default_factory=Totals)
     heals: int = 0
@@ -89,15 +99,21 @@ class _Replica:
         self.heals += 1
 
     def record(self, event: str, **fields: Any) -> None:
-        """Append one record (``event``, this replica, its pid, the time, ``fields``) to its log, flushed."""
-        line = {"event": event, "replica": self.replica, "pid": os.getpid(), "time": time.time(), **fields}
+        """Append one record (``event``, this replica, its pid and life, the time, ``fields``) to its log, flushed;
+        only on the replica group's rank 0."""
+        if self.log is None:
+            return
+        life = int(os.environ.get(LIFE_VARIABLE, "1"))
+        line = {"event": event, "replica": self.replica, "pid": os.getpid(), "life": life, "time": time.time()}
+        line |= fields
         self.log.write(json.dumps(line) + "\n")
         self.log.flush()
 
 
-def _build(cfg: DictConfig, replica: int, index: int, log: TextIO, run_dir: Path) -> _Replica:
-    """The data (the whole training split, batched by number), the model (seeded alike on every replica), the
-    optimizer, the imbalance (``index`` of ``replicas``) and the averager of replica ``replica``."""
+def _build(cfg: DictConfig, replica: int, group: tuple[int, int], log: TextIO | None, run_dir: Path) -> _Replica:
+    """The data (the whole training split, batched by number), the model (seeded alike on every replica; wrapped in
+    DDP over the replica group's ranks when ``group`` = (rank, ranks) has several), the optimizer, the imbalance
+    and the averager of replica ``replica``."""
     from wagma.integrations.torchft import ReplicaAverager
 
     seed = int(cfg.seed)
@@ -110,25 +126,32 @@ def _build(cfg: DictConfig, replica: int, index: int, log: TextIO, run_dir: Path
     net = build_model(model.pop("name"), dataset.in_shape, dataset.num_classes, **model, **dataset.model_options())
     optimizer = build_optimizer(group_options(cfg, "optim"), net.parameters())
     torch.manual_seed(seed + replica)  # anything random in training differs between replicas
+    index = replica - int(cfg.ft.first_replica)
     imbalance = build_imbalance(group_options(cfg, "imbalance"), index, int(cfg.replicas))
+    wrapped = nn.parallel.DistributedDataParallel(net) if group[1] > 1 else net
     ft = cfg.ft
     averager = ReplicaAverager(
         net.parameters(), group_size=int(ft.group_size), sync_period=int(ft.sync_period), period=int(ft.period)
     )
-    writer = MetricsWriter(run_dir, 0, with_csv=True) if replica == 0 else None
+    writer = MetricsWriter(run_dir, 0, with_csv=True) if replica == 0 and group[0] == 0 else None
     test = dataset.x_test, dataset.y_test
-    return _Replica(cfg, replica, net, optimizer, averager, batches, test, imbalance, log, writer)
+    return _Replica(cfg, replica, *group, net, wrapped, optimizer, averager, batches, test, imbalance, log, writer)
 
 
 def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
-    """torchft's ``Manager`` for ``run`` on a TCP store of its own (a free port), and that store (keep it alive)."""
+    """torchft's ``Manager`` for ``run`` and the TCP store it uses (keep it alive): one of its own on a free port, or,
+    for a replica group of several ranks, torchrun's (``MASTER_ADDR``/``MASTER_PORT``), which all of them reach."""
     from torchft import Manager
 
     from wagma.integrations.torchft import ReplicaProcessGroup
 
     ft = run.cfg.ft
     timeout = datetime.timedelta(seconds=float(ft.timeout_s))
-    store = dist.TCPStore(str(ft.host), 0, 1, True, wait_for_workers=False)
+    if run.ranks > 1:
+        store, address, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:
+        store = dist.TCPStore(str(ft.host), 0, 1, True, wait_for_workers=False)
+        address, port = str(ft.host), store.port
     pg = ReplicaProcessGroup(timeout=timeout)
     manager = Manager(
         pg=pg,
@@ -136,10 +159,10 @@ def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
         load_state_dict=run.load_state_dict,
         min_replica_size=int(ft.min_replicas),
         use_async_quorum=False,
-        rank=0,
-        world_size=1,
-        store_addr=str(ft.host),
-        store_port=store.port,
+        rank=run.rank,
+        world_size=run.ranks,
+        store_addr=address,
+        store_port=port,
         hostname=str(ft.host),
         lighthouse_addr=lighthouse,
         replica_id=f"replica_{run.replica}",
@@ -177,8 +200,9 @@ def _step(run: _Replica, loss_fn: nn.Module, last_compute_s: float) -> tuple[dic
     t0 = time.perf_counter()
     imbalance_s = run.imbalance(averager.local_steps, last_compute_s)
     t1 = time.perf_counter()
-    x, y = run.batches.batch_at(averager.share * averager.period + averager.local_steps % averager.period)
-    loss = loss_fn(run.net(x), y)
+    batch = averager.share * averager.period + averager.local_steps % averager.period
+    x, y = run.batches.batch_at(batch * run.ranks + run.rank)  # the group's ranks: consecutive batches of the share
+    loss = loss_fn(run.model(x), y)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     run.optimizer.step()
@@ -204,26 +228,29 @@ def _train(run: _Replica, manager: Any) -> None:
         window.append(timings)
         _round_record(run, manager, report, timings["loss"])
         done = run.averager.local_steps
-        if run.writer is not None and (done % log_every == 0 or manager.current_step() >= rounds):
-            extra: dict[str, Any] = {"round": manager.current_step(), "members": report.members}
-            if eval_every and done % eval_every == 0:
-                extra["test_accuracy"], extra["test_loss"] = evaluate(run.net, *run.test, 0, 1)
+        extra: dict[str, Any] = {"round": manager.current_step(), "members": report.members}
+        if eval_every and done % eval_every == 0:  # collective over the group's ranks: every replica evaluates
+            extra["test_accuracy"], extra["test_loss"] = evaluate(run.net, *run.test, run.rank, run.ranks)
+        if run.writer is not None and (done % log_every == 0 or manager.current_step() >= rounds or len(extra) > 2):
             run.writer.write(done, **window_record(window), **extra)
             window = []
 
 
 def train_replica(cfg: DictConfig, run_dir: Path, replica: int, lighthouse: str) -> dict[str, Any]:
     """Replica ``replica`` of the job: train it, heal it when it (re)joins, and return its ``final`` record."""
-    quota = RankQuota(float(cfg.rank_cpus), job=job_name(run_dir), rank=replica) if cfg.get("rank_cpus") else None
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # evaluate()'s one-rank world
+    rank, ranks = launch.env_rank(), launch.env_world_size()  # torchrun's, for ft.nproc > 1; else 0 of 1
+    quota = None
+    if cfg.get("rank_cpus"):
+        quota = RankQuota(float(cfg.rank_cpus), job=job_name(run_dir), rank=replica * ranks + rank)
+    launch.init_distributed("cpu", float(cfg.dist_timeout_s))  # the replica group's ranks (DDP, evaluate)
     manager = None
-    with open(replica_log(run_dir, replica), "a", encoding="utf-8") as log:
-        run = _build(cfg, replica, replica - int(cfg.ft.first_replica), log, run_dir)
+    with open(replica_log(run_dir, replica), "a", encoding="utf-8") if rank == 0 else nullcontext() as log:
+        run = _build(cfg, replica, (rank, ranks), log, run_dir)
         try:
             run.record("start", cpu_cgroup=_cpu_cgroup())  # with rank_cpus: this replica's own quota
             manager, _store = _manager(run, lighthouse)
             _train(run, manager)
-            accuracy, test_loss = evaluate(run.net, *run.test, 0, 1)
+            accuracy, test_loss = evaluate(run.net, *run.test, rank, ranks)
             final: dict[str, Any] = {"test_accuracy": accuracy, "test_loss": test_loss, "checksum": _checksum(run.net)}
             final |= {"committed": manager.current_step(), "heals": run.heals, "totals": dataclasses.asdict(run.totals)}
             if run.writer is not None:
