@@ -282,3 +282,22 @@ def test_a_replica_group_of_two_ranks_loses_a_rank_and_heals_as_a_group(tmp_path
     assert len(evaluated) >= 4  # every 200 steps, a collective over the group's two ranks, and the final one
     print(f"group back in the quorum {second['joined'] - first['ended']:.1f} s after its rank died; "
           f"accuracy {summary['test_accuracy']:.4f}; wall {summary['wall_s']:.1f} s")  # fmt: skip
+
+
+@pytest.mark.slow  # about 20 s: two replicas start and train, then the launcher gets SIGTERM
+@pytest.mark.timeout(180)
+def test_sigterm_to_the_launcher_stops_every_replica_and_the_lighthouse(tmp_path):
+    delays = ["imbalance=random_k", "imbalance.k=2", "imbalance.delay_s=0.02"]
+    proc = _train_py(tmp_path, "replicas=2", "steps=2000", *delays)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_records(tmp_path / "run" / "ft" / "replica1.jsonl")) < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lives = json.loads((tmp_path / "run" / "replicas.json").read_text())["replicas"]
+    assert all(life["exit"] == -signal.SIGKILL and _gone(life["pid"]) for r in lives.values() for life in r)
+    assert not (tmp_path / "run" / "summary.json").exists()
