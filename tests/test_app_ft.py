@@ -78,6 +78,13 @@ def test_train_under_torchrun_refuses_ft_in_one_line(tmp_path):
         train(_cfg("ft=torchft", f"run_dir={tmp_path}"))
 
 
+def test_under_torchrun_a_replica_group_needs_the_lighthouse_address():
+    from wagma.app.ft_torchrun import train_replica_group
+
+    with pytest.raises(ConfigError, match="ft.lighthouse: expected the address of a running lighthouse under torchrun"):
+        train_replica_group(_cfg("ft=torchft"))
+
+
 def test_a_missing_torchft_is_one_line_naming_the_extra():
     from wagma.app import deps, run
 
@@ -301,3 +308,53 @@ def test_sigterm_to_the_launcher_stops_every_replica_and_the_lighthouse(tmp_path
     lives = json.loads((tmp_path / "run" / "replicas.json").read_text())["replicas"]
     assert all(life["exit"] == -signal.SIGKILL and _gone(life["pid"]) for r in lives.values() for life in r)
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow  # about 60 s: two torchruns of two ranks each, a rank killed, torchrun restarts its group
+@pytest.mark.timeout(300)
+def test_under_torchrun_each_torchrun_is_a_replica_group_that_torchrun_restarts(tmp_path):
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1000)
+    address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    steps = 800
+    procs = {}
+    try:
+        for r in range(2):
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            command += ["--max-restarts=2", "--monitor-interval=0.1", str(ROOT / "train.py"), "ft=torchft"]
+            command += [f"ft.lighthouse={address}", f"ft.first_replica={r}", "ft.min_replicas=1", f"steps={steps}"]
+            command += ["imbalance=random_k", "imbalance.k=1", "imbalance.delay_s=0.02", "eval_every=0"]
+            command += [f"run_dir={tmp_path / f'run{r}'}", f"hydra.run.dir={tmp_path / f'hydra{r}'}", "progress=false"]
+            with (tmp_path / f"torchrun{r}.out").open("wb") as out:
+                procs[r] = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        log = tmp_path / "run1" / "ft" / "replica1.jsonl"
+        deadline = time.monotonic() + 150
+        while len([x for x in _records(log) if x["event"] == "round"]) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank0 = _records(log)[-1]["pid"]
+        ranks = [p for p in descendants(procs[1].pid) if b"train.py" in _cmdline(p)]
+        assert rank0 in ranks and len(ranks) == 2, ranks
+        killed_at = time.time()
+        os.kill(next(p for p in ranks if p != rank0), signal.SIGKILL)  # rank 1 of replica group 1
+        for r, proc in procs.items():
+            assert proc.wait(timeout=200) == 0, (tmp_path / f"torchrun{r}.out").read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        lighthouse.shutdown()
+    records = {r: _records(tmp_path / f"run{r}" / "ft" / f"replica{r}.jsonl") for r in range(2)}
+    back = [x for x in records[1] if x["event"] == "round" and x["life"] == 2]
+    assert back and back[0]["heals"] >= 1 and back[-1]["committed"] == steps  # torchrun's attempt 1 healed
+    alone = [x for x in records[0] if x["event"] == "round" and x["members"] == 1]
+    down = {x["committed"] for x in alone if killed_at < x["time"] < back[0]["time"]}
+    assert len(down) >= 10, "replica group 0 did not go on alone while group 1 was down"
+    summaries = [json.loads((tmp_path / f"run{r}" / "summary.json").read_text()) for r in range(2)]
+    assert summaries[1]["ft"]["lives"] == {"1": 2} and summaries[0]["ft"]["lives"] == {"0": 1}
+    assert len({c for s in summaries for c in s["ft"]["checksums"].values()}) == 1
+    assert summaries[0]["test_accuracy"] > 0.9, summaries[0]["test_accuracy"]
+    print(f"torchrun's group back in the quorum {back[0]['time'] - killed_at:.1f} s after its rank died; "
+          f"accuracy {summaries[0]['test_accuracy']:.4f}")  # fmt: skip

@@ -39,6 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import wagma
 from wagma.app.ft_replica import CONFIG_NAME, FT_DIR, LIFE_VARIABLE, replica_log
+from wagma.app.ft_report import ft_summary
+from wagma.app.metrics import write_summary
 from wagma.app.procs import sigterm_exits
 from wagma.app.quota import job_name, quota_job
 
@@ -260,51 +262,8 @@ def launch_replicas(cfg: DictConfig, run_dir: Path) -> ReplicaJob:
     finals = {r.replica: r.final for r in supervisor.replicas if r.final is not None}
     if not finals:
         return ReplicaJob(1, None, "no replica trained to the end of the job; see the logs in " + str(ft_dir))
-    summary = ft_summary(job, supervisor.replicas, finals, time.perf_counter() - started)
-    from wagma.app.metrics import write_summary
-
+    lives = {r.replica: len(r.lives) for r in supervisor.replicas}
+    late = [r.replica for r in supervisor.replicas if r.late]
+    summary = ft_summary(job, finals, lives, late, time.perf_counter() - started)
     write_summary(run_dir, summary)
     return ReplicaJob(0, summary)
-
-
-def ft_summary(
-    cfg: DictConfig, replicas: list[_Replica], finals: dict[int, dict[str, Any]], wall_s: float
-) -> dict[str, Any]:
-    """``summary.json`` of an ft job: the lowest finished replica's test accuracy (all finished replicas hold the
-    same model), the throughput and time split of the replicas' last lives, and ``ft``: lives, heals, late ones."""
-    first = finals[min(finals)]
-    totals = [f["totals"] for f in finals.values()]
-    steps_run = max(1, max(t["steps"] for t in totals))
-    slowest_s = max(t["train_s"] for t in totals)
-    rounds, sync_period = int(cfg.steps) // int(cfg.ft.period), int(cfg.ft.sync_period)
-    per_step = len(totals) * steps_run
-    return {
-        "policy": "torchft_wagma",
-        "world_size": int(cfg.replicas),
-        "steps": int(cfg.steps),
-        "test_accuracy": first["test_accuracy"],
-        "test_loss": first["test_loss"],
-        "samples_per_s": sum(t["samples"] for t in totals) / slowest_s if slowest_s > 0 else None,
-        "mean_wait_s": sum(t["wait_s"] for t in totals) / per_step,
-        "mean_step_s": sum(t["train_s"] for t in totals) / per_step,
-        "global_reductions": rounds // sync_period,
-        "local_reductions": rounds - rounds // sync_period,
-        "staleness": 0.0,
-        "staleness_max": 0,
-        "startup_s": 0.0,
-        "train_s": wall_s,
-        "wall_s": wall_s,
-        "guard": {"ok": True, "warnings": []},
-        "dataset": str(cfg.data.name),
-        "model": str(cfg.model.name),
-        "imbalance": str(cfg.imbalance.name),
-        "run_dir": str(cfg.run_dir),
-        "ft": {
-            "rounds": rounds,
-            "finished": sorted(finals),
-            "checksums": {str(r): f["checksum"] for r, f in finals.items()},
-            "lives": {str(r.replica): len(r.lives) for r in replicas},
-            "heals": {str(r): f["heals"] for r, f in finals.items()},
-            "late": [r.replica for r in replicas if r.late],
-        },
-    }

@@ -8,8 +8,8 @@ quota (``rank_cpus``), builds the configured data, model (the same initial weigh
 the job -- a (re)started replica heals from a live peer there: model, optimizer, averager state, data position --
 and trains until the job has committed ``steps / ft.period`` rounds, the last a sync round. With ``ft.nproc`` > 1
 the process is one rank of a replica group under torchrun: DDP averages gradients inside the group, the averager
-on each rank averages with the same rank of the other groups, torchft's Manager uses torchrun's store, and the
-group's rank 0 writes the records.
+on each rank averages with the same rank of the other groups, torchft's Manager uses a store the group's rank 0
+hosts, and the group's rank 0 writes the records.
 
 The data: the training split is one endless sequence of seeded batches (:meth:`wagma.app.data.BatchIterator.batch_at`);
 share ``s`` (which the averager hands this replica for a period) is batches ``s * period .. s * period + period - 1``.
@@ -103,7 +103,7 @@ class _Replica:
         only on the replica group's rank 0."""
         if self.log is None:
             return
-        life = int(os.environ.get(LIFE_VARIABLE, "1"))
+        life = int(os.environ.get(LIFE_VARIABLE, launch.restart_count() + 1))  # the launcher's, or torchrun's
         line = {"event": event, "replica": self.replica, "pid": os.getpid(), "life": life, "time": time.time()}
         line |= fields
         self.log.write(json.dumps(line) + "\n")
@@ -138,20 +138,36 @@ def _build(cfg: DictConfig, replica: int, group: tuple[int, int], log: TextIO | 
     return _Replica(cfg, replica, *group, net, wrapped, optimizer, averager, batches, test, imbalance, log, writer)
 
 
+def _group_store(run: _Replica, timeout: datetime.timedelta) -> tuple[dist.TCPStore | None, int]:
+    """The TCP store of ``run``'s replica group, hosted by its rank 0 on a free port of ``ft.host``, and that port.
+
+    Rank 0 publishes the port in torchrun's store under the restart attempt, so that the other ranks of a group that
+    torchrun restarted read the new store's port, not the dead one's (torchft's keys in a store that outlives the
+    attempt would be stale). Returns the store on rank 0 (keep it alive), None elsewhere.
+    """
+    host = str(run.cfg.ft.host)
+    if run.rank == 0:
+        store = dist.TCPStore(host, 0, run.ranks, True, timeout=timeout, wait_for_workers=False)
+        if run.ranks == 1:
+            return store, store.port
+    wait = datetime.timedelta(seconds=max(launch.START_S, timeout.total_seconds()))  # ranks start unevenly
+    master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
+    key = f"wagma/ft_store_port/{launch.restart_count()}"
+    if run.rank == 0:
+        master.set(key, str(store.port))
+        return store, store.port
+    return None, int(master.get(key))
+
+
 def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
-    """torchft's ``Manager`` for ``run`` and the TCP store it uses (keep it alive): one of its own on a free port, or,
-    for a replica group of several ranks, torchrun's (``MASTER_ADDR``/``MASTER_PORT``), which all of them reach."""
+    """torchft's ``Manager`` for ``run`` and the TCP store it uses (keep it alive; :func:`_group_store`)."""
     from torchft import Manager
 
     from wagma.integrations.torchft import ReplicaProcessGroup
 
     ft = run.cfg.ft
     timeout = datetime.timedelta(seconds=float(ft.timeout_s))
-    if run.ranks > 1:
-        store, address, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    else:
-        store = dist.TCPStore(str(ft.host), 0, 1, True, wait_for_workers=False)
-        address, port = str(ft.host), store.port
+    store, port = _group_store(run, timeout)
     pg = ReplicaProcessGroup(timeout=timeout)
     manager = Manager(
         pg=pg,
@@ -161,7 +177,7 @@ def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
         use_async_quorum=False,
         rank=run.rank,
         world_size=run.ranks,
-        store_addr=address,
+        store_addr=str(ft.host),
         store_port=port,
         hostname=str(ft.host),
         lighthouse_addr=lighthouse,

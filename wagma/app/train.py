@@ -98,7 +98,8 @@ def train(cfg: DictConfig, *, step_callback: StepCallback | None = None) -> dict
     if ft_enabled(cfg):
         raise ConfigError(
             "ft=torchft: start the job with `python train.py ft=torchft replicas=N`, whose launcher starts the "
-            "lighthouse and the replica groups; ranks under torchrun or train() cannot be replica groups yet"
+            "lighthouse and the replica groups (or run train.py under torchrun, one replica group each); "
+            "train() does not train replica groups"
         )
     validate_config(cfg, launch.env_world_size())
     progress_every(cfg.get("progress_every"), int(cfg.steps))  # checked here too: before any communication
