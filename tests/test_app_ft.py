@@ -196,6 +196,7 @@ def test_python_train_py_recovers_a_killed_replica_live(tmp_path):
     assert summary["ft"]["finished"] == [0, 1, 2] and summary["ft"]["lives"] == {"0": 1, "1": 2, "2": 1}
     assert len(set(summary["ft"]["checksums"].values())) == 1  # the same model on every replica after the sync
     assert summary["test_accuracy"] > 0.9, summary["test_accuracy"]
+    assert 0 < summary["startup_s"] < summary["wall_s"] and summary["train_s"] > 10  # the first round splits them
     assert (run_dir / "metrics_rank0.jsonl").exists()
     print(f"back in the quorum {second['joined'] - first['ended']:.1f} s after the kill; "
           f"accuracy {summary['test_accuracy']:.4f}; wall {summary['wall_s']:.1f} s")  # fmt: skip
@@ -356,5 +357,6 @@ def test_under_torchrun_each_torchrun_is_a_replica_group_that_torchrun_restarts(
     assert summaries[1]["ft"]["lives"] == {"1": 2} and summaries[0]["ft"]["lives"] == {"0": 1}
     assert len({c for s in summaries for c in s["ft"]["checksums"].values()}) == 1
     assert summaries[0]["test_accuracy"] > 0.9, summaries[0]["test_accuracy"]
+    assert all(s["startup_s"] > 0 and s["train_s"] > 0 for s in summaries)
     print(f"torchrun's group back in the quorum {back[0]['time'] - killed_at:.1f} s after its rank died; "
           f"accuracy {summaries[0]['test_accuracy']:.4f}")  # fmt: skip

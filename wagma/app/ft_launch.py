@@ -250,7 +250,7 @@ def launch_replicas(cfg: DictConfig, run_dir: Path) -> ReplicaJob:
     assert isinstance(job, DictConfig)
     job.run_dir = str(run_dir)
     OmegaConf.save(job, ft_dir / CONFIG_NAME)
-    started = time.perf_counter()
+    started = time.time()
     with quota_job(job_name(run_dir), enabled=bool(cfg.get("rank_cpus"))), sigterm_exits(), _lighthouse(job) as address:
         supervisor = _Supervisor(job, run_dir, address)
         try:
@@ -264,6 +264,7 @@ def launch_replicas(cfg: DictConfig, run_dir: Path) -> ReplicaJob:
         return ReplicaJob(1, None, "no replica trained to the end of the job; see the logs in " + str(ft_dir))
     lives = {r.replica: len(r.lives) for r in supervisor.replicas}
     late = [r.replica for r in supervisor.replicas if r.late]
-    summary = ft_summary(job, finals, lives, late, time.perf_counter() - started)
+    first_round = min((life["joined"] for r in supervisor.replicas for life in r.lives if "joined" in life))
+    summary = ft_summary(job, finals, lives, late, (first_round - started, time.time() - first_round))
     write_summary(run_dir, summary)
     return ReplicaJob(0, summary)

@@ -85,6 +85,7 @@ class _Replica:
     writer: MetricsWriter | None
     totals: Totals = dataclasses.field(default_factory=Totals)
     heals: int = 0
+    joined: float = 0.0  # when this life joined the job (its first round ended)
 
     def state_dict(self) -> dict[str, Any]:
         """What a healing peer takes from this replica (torchft's ``state_dict``)."""
@@ -235,6 +236,7 @@ def _train(run: _Replica, manager: Any) -> None:
     rounds, log_every, eval_every = ft_rounds(run.cfg), int(run.cfg.log_every), int(run.cfg.eval_every)
     loss_fn = nn.CrossEntropyLoss()
     _round_record(run, manager, run.averager.join(), float("nan"))
+    run.joined = time.time()
     window: list[dict[str, float]] = []
     compute_s = 0.0
     while manager.current_step() < rounds:
@@ -269,6 +271,7 @@ def train_replica(cfg: DictConfig, run_dir: Path, replica: int, lighthouse: str)
             accuracy, test_loss = evaluate(run.net, *run.test, rank, ranks)
             final: dict[str, Any] = {"test_accuracy": accuracy, "test_loss": test_loss, "checksum": _checksum(run.net)}
             final |= {"committed": manager.current_step(), "heals": run.heals, "totals": dataclasses.asdict(run.totals)}
+            final["joined"] = run.joined
             if run.writer is not None:
                 run.writer.write(run.averager.local_steps, test_accuracy=accuracy, test_loss=test_loss)
             run.record("final", **final)

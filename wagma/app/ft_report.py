@@ -15,11 +15,16 @@ __all__ = ["ft_summary"]
 
 
 def ft_summary(
-    cfg: DictConfig, finals: dict[int, dict[str, Any]], lives: dict[int, int], late: list[int], wall_s: float
+    cfg: DictConfig,
+    finals: dict[int, dict[str, Any]],
+    lives: dict[int, int],
+    late: list[int],
+    phases: tuple[float, float],
 ) -> dict[str, Any]:
     """``summary.json`` of an ft job from its replicas' ``final`` records: the lowest finished replica's test
     accuracy (all finished replicas hold the same model), the throughput and time split of the replicas' last lives,
-    and ``ft``: the rounds, who finished, the final checksums, each replica's lives and heals, the late ones."""
+    and ``ft``: the rounds, who finished, the final checksums, each replica's lives and heals, the late ones.
+    ``phases``: seconds from the start to the job's first round (start-up), and from there to the end."""
     first = finals[min(finals)]
     totals = [f["totals"] for f in finals.values()]
     steps_run = max(1, max(t["steps"] for t in totals))
@@ -39,9 +44,9 @@ def ft_summary(
         "local_reductions": rounds - rounds // sync_period,
         "staleness": 0.0,
         "staleness_max": 0,
-        "startup_s": 0.0,
-        "train_s": wall_s,
-        "wall_s": wall_s,
+        "startup_s": phases[0],
+        "train_s": phases[1],
+        "wall_s": sum(phases),
         "guard": {"ok": True, "warnings": []},
         "dataset": str(cfg.data.name),
         "model": str(cfg.model.name),

@@ -57,7 +57,7 @@ def train_replica_group(cfg: DictConfig) -> None:
     validate_config(cfg, launch.env_world_size())
     for name in ("torchft", "torchft_quorums", "torchft_commits"):  # a line per round at Hydra's INFO level
         logging.getLogger(name).setLevel(logging.WARNING)
-    started = time.perf_counter()
+    started = time.time()
     job = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     assert isinstance(job, DictConfig)
     run_dir = _run_dir(cfg)
@@ -67,7 +67,8 @@ def train_replica_group(cfg: DictConfig) -> None:
     final: dict[str, Any] = train_replica(job, run_dir, replica, str(job.ft.lighthouse))
     if launch.env_rank() == 0:
         lives = {replica: launch.restart_count() + 1}
-        write_summary(run_dir, ft_summary(job, {replica: final}, lives, [], time.perf_counter() - started))
+        phases = (final["joined"] - started, time.time() - final["joined"])  # this attempt's
+        write_summary(run_dir, ft_summary(job, {replica: final}, lives, [], phases))
         logging.getLogger(__name__).info("replica group %d: test accuracy %.4f", replica, final["test_accuracy"])
     logging.shutdown()
     sys.stdout.flush()
