@@ -198,7 +198,7 @@ class _Supervisor:
     def _stop(rep: _Replica) -> None:
         if rep.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already (its group is empty)
             os.killpg(rep.proc.pid, signal.SIGKILL)  # the replica and whatever it started (torchrun's ranks)
         with contextlib.suppress(subprocess.TimeoutExpired):
             rep.proc.wait(timeout=10)
