@@ -12,7 +12,8 @@ Under torchrun (``torchrun --standalone --nproc_per_node=4 train.py [overrides]`
 directory, only rank 0 writes Hydra's ``.hydra/`` and log file there, and a bad config is reported once,
 by rank 0, with exit status 2 on every rank. Any other failure is recorded with torch.distributed.elastic's
 ``@record``, so torchrun's final report shows the real cause; with ``--max-restarts N`` a restarted job
-resumes from its newest complete checkpoint. See :mod:`wagma.app.launch`.
+resumes from its newest complete checkpoint. See :mod:`wagma.app.launch`. With ``ft=torchft`` each torchrun is one
+replica group of a torchft job (``ft.lighthouse``, ``ft.first_replica``; :mod:`wagma.app.ft_torchrun`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ with reported_missing_dependencies("train.py"):
 
     from wagma.app import launch, presets
     from wagma.app.config import ConfigError
+    from wagma.app.ft_options import ft_enabled
 
 launch.register_resolvers()
 
@@ -49,7 +51,12 @@ def run(cfg: DictConfig) -> None:
                 "-m (a sweep) under torchrun would run every job inside the same ranks; run the sweep as "
                 "`python train.py -m ...`, which starts fresh ranks for each job"
             )
-        train(cfg)
+        if ft_enabled(cfg):  # this torchrun is one replica group of a torchft job
+            from wagma.app.ft_torchrun import train_replica_group
+
+            train_replica_group(cfg)
+        else:
+            train(cfg)
     except ConfigError as err:
         if launch.env_rank() == 0:
             print(f"error: {err}", file=sys.stderr)

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.data import DATASET_INFO, DataInfo, dataset_info, train_split_size
+from wagma.app.ft_options import check_ft, ft_enabled
 from wagma.app.imbalance import build_imbalance
 from wagma.app.models import build_model
 from wagma.app.network import check_rank_net
@@ -116,8 +117,10 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     under ``parallel=hsdp`` the number of replicas, and a policy with a sharded form --, periods, momentum,
     mode/mixing/order; see :mod:`wagma.app.policies.options`), ``rank_cpus`` (:func:`wagma.app.quota.check_rank_cpus`)
     and ``rank_net`` (:func:`wagma.app.network.check_rank_net`: its rate, one host, and a trial bridge, namespace,
-    veth and tbf, once per process). A value of another type than the shipped configs
-    give its key is named, whatever the check it failed said (``optim.lr: expected a float, found 'abc'``).
+    veth and tbf, once per process), and the ``ft`` group with ``replicas`` (:func:`wagma.app.ft_options.check_ft`;
+    under ``ft=torchft`` ``world_size`` is the number of replica groups and ``averaging`` is not used). A value of
+    another type than the shipped configs give its key is named, whatever the check it failed said
+    (``optim.lr: expected a float, found 'abc'``).
 
     Raises:
         ConfigError: listing every problem, one per line.
@@ -134,6 +137,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
     # Each check's problems by the group it checked ("": the top-level keys), for _with_types.
     found: dict[str, list[str]] = {group: [] for group in ("", *_GROUPS)}
     _check_top_level(plain, world_size, found[""])
+    found[""] += check_ft(plain)  # ft=torchft: world_size is the replica groups' number, not ranks
     _check_groups(plain, world_size, found)
     problems = _with_types(found, plain)
     if problems:
@@ -192,7 +196,8 @@ def _check_groups(plain: Mapping[str, Any], world_size: int, found: dict[str, li
     _attempt(found["optim"], lambda: build_optimizer(plain["optim"], [torch.nn.Parameter(torch.zeros(1))]))
     if world_size >= 1:
         _attempt(found["imbalance"], lambda: build_imbalance(plain["imbalance"], 0, world_size))
-        _check_averaging(plain, world_size, found)
+        if not ft_enabled(plain):  # replica groups average with the ft group's keys (wagma.app.ft_options)
+            _check_averaging(plain, world_size, found)
 
 
 def _attempt(problems: list[str], check: Callable[[], Any], advice: str = "") -> Any:

@@ -278,6 +278,16 @@ class BatchIterator(EpochBatches):
         """Number of full batches in one pass over the shard."""
         return len(self.x) // self.batch_size
 
+    def batch_at(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``index`` of the endless sequence (``index // batches_per_epoch`` is its epoch); the position moves
+        to just after it. Used where batches are handed out by number (``ft=torchft``: a share's batches)."""
+        epoch, position = divmod(check_int("index", index, 0), self.batches_per_epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._plan(epoch)
+        self.position = position + 1
+        return self._batch(position)
+
     def _plan(self, epoch: int) -> None:
         self._order = torch.from_numpy(self.epoch_rng(epoch).permutation(len(self.x)))
 

@@ -37,6 +37,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "hydra_plugins.hydra_submitit_launcher": ("hydra-submitit-launcher", "slurm"),
     "cupy": ("cupy-cuda12x", "gpu"),
     "pynvml": ("nvidia-ml-py", "gpu"),
+    "torchft": ("torchft", "torchft"),
 }
 
 

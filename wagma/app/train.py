@@ -57,6 +57,7 @@ from wagma.app.assembly import Run, prepare, set_up
 from wagma.app.checkpoint import capture_rng_state, save_checkpoint
 from wagma.app.config import ConfigError, group_options, validate_config
 from wagma.app.data import BatchIterator
+from wagma.app.ft_options import ft_enabled
 from wagma.app.guard import TrainingGuard
 from wagma.app.metrics import MetricsWriter, write_summary
 from wagma.app.network import RankNetwork, rate_name
@@ -94,6 +95,12 @@ def train(cfg: DictConfig, *, step_callback: StepCallback | None = None) -> dict
         ConfigError: (a ``ValueError``) before any communication, on every rank, for a bad config.
     """
     started = time.perf_counter()
+    if ft_enabled(cfg):
+        raise ConfigError(
+            "ft=torchft: start the job with `python train.py ft=torchft replicas=N`, whose launcher starts the "
+            "lighthouse and the replica groups (or run train.py under torchrun, one replica group each); "
+            "train() does not train replica groups"
+        )
     validate_config(cfg, launch.env_world_size())
     progress_every(cfg.get("progress_every"), int(cfg.steps))  # checked here too: before any communication
     run_dir = _resolve_run_dir(cfg)
