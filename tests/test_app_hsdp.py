@@ -28,6 +28,7 @@ from wagma.testing import run_workers, run_workers_outcomes
 pytest.importorskip("torch.distributed.fsdp")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 HSDP = ("parallel=hsdp", "shard_size=2")
+LOOKAHEAD = ("averaging=reference/eager_solo", "+averaging.late=lookahead", "+averaging.lookahead_rounds=2")
 
 
 def _cfg(run_dir: Path | None, *overrides: str) -> DictConfig:
@@ -88,6 +89,13 @@ def test_a_policy_without_a_sharded_form_is_refused_naming_it_and_what_to_use():
         validate_hsdp({"name": "my_policy"})
     validate_config(_cfg(None, *HSDP, "averaging=wagma"), 4)  # the documented command line is valid
     validate_config(_cfg(None, "parallel=hsdp", "shard_size=4", "averaging=allreduce"), 4)  # one replica: FSDP alone
+
+
+def test_an_hsdp_config_takes_the_look_ahead_and_its_rounds():
+    # (the run itself: test_eager_sgd_under_hsdp_with_the_look_ahead_trains_and_checkpoints_the_anchor)
+    validate_config(_cfg(None, *HSDP, *LOOKAHEAD), 4)
+    with pytest.raises(ConfigError, match="averaging.lookahead_rounds: expected an integer >= 1, found 0"):
+        validate_config(_cfg(None, *HSDP, *LOOKAHEAD[:2], "+averaging.lookahead_rounds=0"), 4)
 
 
 # --- evaluation: the same number of forward passes on every rank ---------------------------------------------
@@ -255,6 +263,22 @@ def test_eager_sgd_under_hsdp_resumes_with_the_hooks_rounds_and_residuals(tmp_pa
     assert _replicas_identical(resumed), "replicas differ after the resumed run's flush"
     stats = resumed[0]["summary"]["policy_stats"]
     assert stats["iteration"] == 9 and stats["rounds"] == 9 - 2  # counted on from the checkpoint (2 warm-up steps)
+
+
+@pytest.mark.slow  # a 4-rank run
+def test_eager_sgd_under_hsdp_with_the_look_ahead_trains_and_checkpoints_the_anchor(tmp_path):
+    # wrap() refused parallel=hsdp with averaging.late=lookahead before; now the FSDP hook runs it, attached at the
+    # first step, and the checkpoint holds this rank's shards of the true weights
+    out = run_workers(
+        _worker, 4, _cfg(tmp_path, *HSDP, *LOOKAHEAD, "steps=6", "checkpoint_every=3", "eval_every=0"), timeout_s=180
+    )
+    assert _replicas_identical(out), "replicas differ after the flush"
+    saved = torch.load(tmp_path / "checkpoints" / "step_00000003" / "rank0.pt", weights_only=True)
+    hook = saved["policy_state"]["hook"]
+    assert hook["anchor"] is not None and all(type(w) is torch.Tensor for w in hook["anchor"])
+    shards = list(saved["model"].values())  # this rank's shards of the parameters, in their order
+    assert [w.shape for w in hook["anchor"]] == [p.shape for p in shards]
+    assert any(not torch.equal(w, p) for w, p in zip(hook["anchor"], shards))  # the model saved is the point
 
 
 @pytest.mark.slow  # a whole `python train.py` with four ranks, and one refused: 20 s alone, 45 s on a loaded machine

@@ -374,3 +374,78 @@ def test_the_fsdp_hook_refuses_a_module_fsdp2_did_not_shard_and_nested_fully_sha
     with pytest.raises(ValueError, match="expected a module sharded with .*fully_shard .* found Linear"):
         FSDPPartialAllreduce(nn.Linear(2, 2), world=None)
     assert all(run_workers(_nested_worker, 2, collective_timeout_s=20))
+
+
+# -- late="lookahead" on the sharded parameters ----------------------------------------------------------------------
+
+
+def _lookahead_worker(rank, world_size, rounds):
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from wagma import FSDPPartialAllreduce
+    from wagma.testing import error_messages
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3, bias=True)
+        fsdp.fully_shard(model, mesh=mesh["shard"])
+        kw = dict(world=(mesh, "replicate"), sync_period=4, warmup_iters=1, timeout=TIMEOUT, late="lookahead")
+        return model, lambda **more: FSDPPartialAllreduce(model, **(kw | more))
+
+    model, make = build()
+    errors = error_messages({str(bad): lambda bad=bad: make(lookahead_rounds=bad) for bad in (0, -1, True, 1.5)})
+    state = make(lookahead_rounds=rounds, max_lead=rounds - 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state.attach(opt)
+    after = []  # this rank's shards of (w, v, the parameters) after every step
+    opt.register_step_post_hook(
+        lambda *_: after.append(
+            [
+                (local_tensor(w).clone(), local_tensor(opt.state[p]["momentum_buffer"]).clone(), _shards(model)[i])
+                for i, (w, p) in enumerate(zip(state.weights(), model.parameters()))
+            ]
+        )
+    )
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    for _ in range(5):
+        opt.zero_grad()
+        (model(x) ** 2).sum().backward()
+        opt.step()
+    saved = pickle.loads(pickle.dumps(state.state_dict()))  # the parameters hold the look-ahead point now
+    model2, make2 = build()
+    with torch.no_grad():
+        for p, value in zip(model2.parameters(), _shards(model)):
+            local_tensor(p).copy_(value)
+    with make2(lookahead_rounds=rounds) as resumed:
+        resumed.load_state_dict(saved)
+        loaded = [local_tensor(w).clone() for w in resumed.weights()]
+    flushed = state.flush(opt)
+    final, weights = _shards(model), [local_tensor(w).clone() for w in state.weights()]
+    state.close()
+    return errors, after, saved["anchor"], loaded, flushed, final, weights
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_the_fsdp_hooks_look_ahead_moves_the_shards_and_flush_and_weights_give_w(rounds):
+    lr, mu = 0.1, 0.9
+    reach = lr * sum(mu**k for k in range(1, rounds + 1))
+    out = run_workers(_lookahead_worker, 4, rounds, collective_timeout_s=30, timeout_s=120)
+    for errors, after, anchor, loaded, flushed, final, weights in out:
+        assert all(m and "lookahead_rounds: expected an integer >= 1, found" in m for m in errors.values()), errors
+        assert len(after) == 5 + flushed  # the five training steps, and the flush's when something was left
+        for step in after[:5]:
+            for w, v, point in step:
+                torch.testing.assert_close(point, w - reach * v, rtol=0, atol=1e-6)
+                assert point.numel() == 0 or not torch.equal(point, w)  # the shard really moved
+        # the state_dict keeps this rank's shards of w (plain tensors), and a load gives them back as weights()
+        assert all(type(a) is torch.Tensor for a in anchor)
+        assert all(torch.equal(a, w) for a, (w, _, _) in zip(anchor, after[4]))
+        assert all(torch.equal(a, b) for a, b in zip(anchor, loaded))
+        # the flush ends at w: the parameters are the true weights of the last step (its own, if it stepped)
+        assert all(torch.equal(f, w) and torch.equal(f, s[0]) for f, w, s in zip(final, weights, after[-1]))
+    for rank in range(4):  # replicas identical
+        assert all(torch.equal(a, b) for a, b in zip(out[rank][5], out[rank ^ 2][5]))

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wagma.hooks import get as get_hook
+from wagma.hooks.lookahead import LookAhead
 from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
 from wagma.testing import error_messages, rank_device, run_workers
 
@@ -469,7 +470,9 @@ def test_overlap_state_dict_carries_the_round_in_flight():
 # -- late="lookahead": every backward pass at w - lr * mu * v ------------------------------------------------------
 
 
-def _lookahead_worker(rank, world, late, nesterov, iters=12, sleep_s=0.0, max_lead=0, split=None, overlap=True):
+def _lookahead_worker(
+    rank, world, late, nesterov, iters=12, sleep_s=0.0, max_lead=0, split=None, overlap=True, lookahead_rounds=1
+):
     """overlap=True: every gradient at least one round late. Record where each backward pass ran, the true weights
     and momentum buffers after each step, the mean gradient each step applied and every gradient computed."""
     model = _model()
@@ -477,6 +480,7 @@ def _lookahead_worker(rank, world, late, nesterov, iters=12, sleep_s=0.0, max_le
 
     def build(model):
         kw = dict(sync_period=5, max_lead=max_lead, overlap=overlap, timeout=TIMEOUT, late=late)
+        kw.update(lookahead_rounds=lookahead_rounds)
         return PartialAllreduceState(model.parameters(), **kw)
 
     lr, mu = 0.1, 0.9
@@ -622,3 +626,94 @@ def test_lookahead_bad_arguments_raise():
     assert "late: expected one of 'apply', 'lookahead', found 'outside'" in errors["late"]
     assert all("nesterov=False" in errors[k] for k in ("nesterov", "momentum", "adam")), errors
     assert "attach(optimizer)" in errors["unattached"]
+
+
+# -- lookahead_rounds: s rounds of heavy-ball momentum, w - lr * (mu + ... + mu**s) * v ------------------------------
+
+
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_lookahead_rounds_put_every_backward_pass_s_rounds_of_momentum_ahead(rounds):
+    lr, mu = 0.1, 0.9
+    reach = lr * sum(mu**k for k in range(1, rounds + 1))
+    out = run_workers(_lookahead_worker, 2, "lookahead", False, 6, 0.0, rounds - 1, None, True, rounds)
+    for points, after, _, _, final, weights, _, _ in out:
+        for t in range(1, len(points)):
+            w, v = after[t - 1]
+            torch.testing.assert_close(points[t], w - reach * v, rtol=0, atol=1e-14)
+            assert not torch.allclose(points[t], w - lr * mu * v, rtol=0, atol=1e-6)  # not one round's look-ahead
+        assert torch.equal(final, weights) and torch.equal(final, after[-1][0])  # the flush ends at w
+
+
+def test_lookahead_rounds_conserve_every_gradient_with_stragglers():
+    # As test_lookahead_conserves_every_gradient_with_stragglers, with s = 2: the point moves, the rounds do not.
+    world, iters = 3, 14
+    out = run_workers(_lookahead_worker, world, "lookahead", False, iters, 0.03, None, None, True, 2, timeout_s=120)
+    for _, _, applied, computed, _, _, flushed, stats in out:
+        torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
+        assert stats["rounds"] == iters - 2 and flushed
+    for rank in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[rank][0]))
+        assert torch.equal(out[0][4], out[rank][4])
+
+
+def test_lookahead_one_round_is_lr_mu_bit_for_bit():
+    # s = 1 is the look-ahead as it was: w.sub_(v, alpha=lr * mu), bit for bit (not a coefficient summed in a loop
+    # that rounds differently).
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(7, dtype=torch.float64)) for _ in range(2)]
+    lr, mu = 0.1, 0.9
+    opt = torch.optim.SGD(params, lr=lr, momentum=mu)
+    ahead = LookAhead(params)
+    ahead.attach(opt)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        weights = [w.clone() for w in ahead.weights()]
+        for p, w in zip(params, weights):
+            assert torch.equal(p.detach(), w.clone().sub_(opt.state[p]["momentum_buffer"], alpha=lr * mu))
+    ahead.restore()  # the parameters hold w again, the anchor is gone
+    assert all(torch.equal(p.detach(), w) for p, w in zip(params, weights)) and ahead.anchor is None
+
+
+def test_lookahead_refuses_an_optimizer_without_every_parameter_and_bad_groups():
+    a, b, c = (nn.Parameter(torch.zeros(n)) for n in (2, 3, 4))
+    errors = error_messages(
+        {
+            "missing": lambda: LookAhead([a, b, c]).attach(torch.optim.SGD([a, b], lr=0.1, momentum=0.9)),
+            # equal values, other objects: the look-ahead would move tensors the optimizer never steps
+            "copies": lambda: LookAhead([a]).attach(
+                torch.optim.SGD([nn.Parameter(a.detach().clone())], lr=0.1, momentum=0.9)
+            ),
+            "group": lambda: LookAhead([a, b]).attach(
+                torch.optim.SGD([{"params": [a]}, {"params": [b], "momentum": 0.0}], lr=0.1, momentum=0.9)
+            ),
+            "adam": lambda: LookAhead([a]).attach(torch.optim.Adam([a])),
+        }
+    )
+    assert "ValueError: optimizer: expected every parameter the look-ahead moves" in errors["missing"], errors
+    assert "found 1 of 3 missing: #2 (4,)" in errors["missing"], errors
+    assert "found 1 of 1 missing: #0 (2,)" in errors["copies"], errors
+    assert "ValueError: optimizer.param_groups[1]: expected torch.optim.SGD with momentum > 0" in errors["group"]
+    assert "found momentum=0.0, nesterov=False" in errors["group"], errors
+    assert errors["adam"].endswith("found Adam"), errors
+    ahead = LookAhead([a, b])
+    opt = torch.optim.SGD([a, b, c], lr=0.1, momentum=0.9)  # more than the look-ahead's parameters is fine
+    ahead.attach(opt)
+    ahead.attach(opt)  # the same one again: nothing
+    assert (
+        "another optimizer"
+        in error_messages({"other": lambda: ahead.attach(torch.optim.SGD([a, b], lr=0.1, momentum=0.9))})["other"]
+    )
+
+
+@pytest.mark.parametrize("rounds", [0, -1, True, 1.5])
+def test_bad_lookahead_rounds_raise(rounds):
+    # checked before any process group is created: no world needed
+    model = _model()
+    for build in (
+        lambda: LookAhead(model.parameters(), rounds),
+        lambda: PartialAllreduceState(model.parameters(), late="lookahead", lookahead_rounds=rounds),
+    ):
+        with pytest.raises(ValueError, match=rf"^lookahead_rounds: expected an integer >= 1, found {rounds!r}$"):
+            build()

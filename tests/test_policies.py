@@ -118,7 +118,13 @@ def test_the_averaging_options_and_experiment_presets_exist():
     assert _compose("averaging=reference/eager_solo").averaging.sync_period == 32
     assert _compose("averaging=reference/eager_majority").averaging.mode == "majority"
     ahead = _compose("averaging=candidate/eager_solo_overlap_lookahead").averaging  # docs/staleness.md section 7
-    assert (ahead.name, ahead.late, ahead.overlap, ahead.max_lead) == ("eager_solo", "lookahead", True, 0)
+    assert (ahead.name, ahead.late, ahead.overlap, ahead.max_lead, ahead.lookahead_rounds) == (
+        "eager_solo",
+        "lookahead",
+        True,
+        0,
+        1,
+    )
     assert _compose("averaging=reference/eager_solo_overlap").averaging.get("late", "apply") == "apply"
     for gossip in ("dpsgd", "sgp", "osgp", "adpsgd"):  # the decentralized baselines, shipped to be compared against
         assert _compose(f"averaging={gossip}").averaging.baseline is True
@@ -277,6 +283,16 @@ KNOWN = (
             "reference/eager_solo",
             {"late": "outside"},
             "averaging.late: expected one of 'apply', 'lookahead', found 'outside'$",
+        ),
+        (
+            "reference/eager_solo",
+            {"late": "lookahead", "lookahead_rounds": 0},
+            "averaging.lookahead_rounds: expected an integer >= 1, found 0$",
+        ),
+        (
+            "reference/eager_solo",
+            {"lookahead_rounds": True},
+            "averaging.lookahead_rounds: expected an integer >= 1, found True$",
         ),
         (
             "reference/eager_solo",

@@ -9,6 +9,9 @@ computing takes part with its residual, and a late gradient is carried to a late
 exactly once. Every replica applies the same round sum / R, so the replicas stay identical; every
 ``(sync_period + 1)``-th round is blocking and fully fresh; the first ``warmup_iters`` iterations are plain
 allreduces; :meth:`FSDPPartialAllreduce.flush` applies what is left in the residuals at the end.
+
+``late="lookahead"`` runs the backward passes at the look-ahead point of the sharded (DTensor) parameters, as the
+DDP hook does (:class:`wagma.hooks.lookahead.LookAhead`, design §2.4).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from wagma.averaging.tensors import local_tensor
 from wagma.checks import check_bool, check_choice, check_int
 from wagma.engine import AccumulatingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
-from wagma.hooks.partial import MODES, eager_engine, sum_residuals
+from wagma.hooks.lookahead import LATE, Late, LookAhead
+from wagma.hooks.rounds import MODES, eager_engine, sum_residuals
 from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
 from wagma.world import World, WorldLike, member_world
 
@@ -54,6 +58,11 @@ class FSDPPartialAllreduce:
         wire_dtype: the dtype the partial rounds send and sum float32 gradients in (:mod:`wagma.wire`; ``None``:
             their own): ``"bf16"`` or ``"fp16"``, half the bytes. Warm-up and :meth:`flush` send the own dtype.
         error_feedback: with a ``wire_dtype``: what the cast rounds off stays in the residual for a later round.
+        late: ``"apply"`` (default) or ``"lookahead"``: the backward passes run at ``w - lr * (mu + ... + mu**s) *
+            v`` of the optimizer's heavy-ball momentum, as :class:`~wagma.PartialAllreduceState`'s ``late``; needs
+            :meth:`attach`. What the rounds carry and apply is unchanged.
+        lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead covers (1: Nesterov momentum; more: the
+            weight prediction of delayed-momentum methods). Ignored with ``late="apply"``.
 
     Raises:
         ValueError: if ``module`` is not an FSDP2 module, holds nested ``fully_shard`` modules, or an argument is
@@ -74,8 +83,14 @@ class FSDPPartialAllreduce:
         progress_nice: int = 0,
         wire_dtype: WireDtype = None,
         error_feedback: bool = True,
+        late: Late = "apply",
+        lookahead_rounds: int = 1,
     ) -> None:
         _check_module(module)
+        self.late: Late = check_choice("late", late, LATE)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        #: late="lookahead": the look-ahead point of the sharded parameters, its anchor w and the optimizer's hooks
+        self.lookahead = LookAhead(self.params, lookahead_rounds)
         self.mode = check_choice("mode", mode, MODES)
         self.sync_period = check_int("sync_period", sync_period, 0)
         self.warmup_iters = check_int("warmup_iters", warmup_iters, 1)
@@ -89,7 +104,6 @@ class FSDPPartialAllreduce:
         self.world: World = member_world(world, self.timeout)
         self.world_size = self.world.size
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
         self.stats = AveragerStats()
         self.iteration = 0
         self.rounds = 0
@@ -115,6 +129,9 @@ class FSDPPartialAllreduce:
             out.div_(self.world_size)
             self.stats.record_reduction("global", out.nbytes, time.perf_counter() - start)
         else:
+            if self.late == "lookahead":
+                self.lookahead.check_attached()
+                self.lookahead.counted()
             staging = self.engine.staging_buffer()
             staging.copy_(out)
             res = self.engine(staging)
@@ -160,12 +177,31 @@ class FSDPPartialAllreduce:
             layout[id(p)] = (offset, local.numel(), local.shape)
         self._layout = layout
 
+    # ------------------------------------------------------------------------------ late="lookahead"
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """``late="lookahead"``: hook ``optimizer`` (SGD with momentum > 0, ``nesterov=False``, holding every
+        parameter of the module) so that the sharded parameters hold the look-ahead point between steps and the true
+        weights ``w`` during ``optimizer.step()``; :meth:`flush` ends at ``w``. Call it once on every rank before the
+        first step; with ``late="apply"`` it does nothing.
+
+        Raises:
+            ValueError: the optimizer lacks a parameter (by identity), is not such an SGD, or another is attached.
+        """
+        if self.late == "lookahead":
+            self.lookahead.attach(optimizer)
+
+    def weights(self) -> list[torch.Tensor]:
+        """The true weights ``w`` (DTensors, like the parameters): the parameters themselves unless they hold the
+        look-ahead point (then a copy kept since the last step)."""
+        return self.lookahead.weights()
+
     # ------------------------------------------------------------------------------------ end of run
     def flush(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply every replica's leftover residual: one blocking round, then ``optimizer.step()``.
 
         Collective over the world: call it on every rank after the last training step. Writes the mean residual
-        into the parameters' gradients and steps, unless every residual was empty (then nothing is touched).
+        into the parameters' gradients and steps, unless every residual was empty (then nothing is touched). With
+        ``late="lookahead"`` the parameters hold the true weights ``w`` afterwards, not the look-ahead point.
 
         Returns:
             Whether the optimizer stepped (the same answer on every rank).
@@ -177,6 +213,7 @@ class FSDPPartialAllreduce:
         total = sum_residuals(residual, self.group, self.timeout)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
         if total is None:
+            self.lookahead.restore()  # late="lookahead": the model to evaluate and keep is w
             return False
         mean = total.div_(self.world_size)
         from torch.distributed.tensor import DTensor
@@ -191,17 +228,22 @@ class FSDPPartialAllreduce:
             else:
                 p.grad = value
         optimizer.step()
+        self.lookahead.restore()
         return True
 
     def state_dict(self) -> dict[str, Any]:
         """``{"iteration", "rounds", "stats", "residual"}``: the residual (gradients no round has taken yet) is
         copied, not taken; ``None`` before the first backward pass (and after a restore not yet resumed: then the
-        restored one)."""
+        restored one). ``late="lookahead"`` adds ``"anchor"``: this rank's shards of the true weights while the
+        parameters hold the look-ahead point, or ``None``."""
         if self.engine is not None:
             residual: torch.Tensor | None = self.engine.pending()
         else:
             residual = None if self._restored is None else self._restored.clone()
-        return {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual}
+        out = {"iteration": self.iteration, "rounds": self.rounds, "stats": self.stats.as_dict(), "residual": residual}
+        if self.late == "lookahead":
+            out["anchor"] = self.lookahead.anchor_state()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` before the first backward pass of the resumed run: the engine then starts
@@ -223,10 +265,12 @@ class FSDPPartialAllreduce:
         self.stats = AveragerStats.from_dict(state["stats"])
         residual = state["residual"]
         self._restored = None if residual is None else residual.detach().clone()
+        self.lookahead.load_anchor(state.get("anchor") if self.late == "lookahead" else None)
 
     def close(self) -> None:
         """Stop the engine and release the groups; idempotent."""
         self.engine = None
+        self.lookahead.detach()
         self._finalizer()
 
     def __enter__(self) -> FSDPPartialAllreduce:

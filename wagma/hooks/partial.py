@@ -15,13 +15,14 @@ a plain allreduce (DDP rebuilds its buckets after the first), and :meth:`Partial
 applies what is left in the residuals at the end.
 
 ``late="lookahead"`` (design §2.4) makes each backward pass run at the point momentum will have carried the model to
-when its gradient is applied, ``w - lr * mu * v``, instead of at ``w``: :meth:`PartialAllreduceState.attach` hooks the
-optimizer so that the parameters hold that point between steps and the true weights during ``optimizer.step()``.
+when its gradient is applied, ``w - lr * (mu + ... + mu**s) * v`` for ``s = lookahead_rounds``, instead of at ``w``:
+:meth:`PartialAllreduceState.attach` hooks the optimizer (:class:`wagma.hooks.lookahead.LookAhead`) so that the
+parameters hold that point between steps and the true weights during ``optimizer.step()``.
 
-One module, though a long one: nearly all of it is :class:`PartialAllreduceState`, one state machine over DDP's
-backward passes (warm-up, partial rounds with overlap and look-ahead, flush, checkpoints) whose methods share its
-residual, engine and round counters; splitting its methods across modules would only scatter that state. The two
-functions the FSDP hook reuses (:func:`eager_engine`, :func:`sum_residuals`) are the engine's set-up and flush.
+Nearly all of it is :class:`PartialAllreduceState`, one state machine over DDP's backward passes (warm-up, partial
+rounds with overlap, flush, checkpoints) whose methods share its residual, engine and round counters. What it shares
+with the FSDP hook lives beside it: the look-ahead in :mod:`wagma.hooks.lookahead`, the engine's set-up and the
+flush's sum in :mod:`wagma.hooks.rounds`.
 
 No ``from __future__ import annotations`` here: DDP checks the hook's annotations as real objects.
 """
@@ -30,7 +31,7 @@ import datetime
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,17 +41,13 @@ from wagma.checks import check_bool, check_choice, check_int
 from wagma.engine import AccumulatingGroupAllreduce, check_progress_nice
 from wagma.groups import DEFAULT_TIMEOUT, as_timeout
 from wagma.hooks.ddp_group import LocalUsedMapGroup
-from wagma.schedule import GroupSchedule
+from wagma.hooks.lookahead import LATE, Late, LookAhead
+from wagma.hooks.rounds import MODES, Mode, eager_engine, sum_residuals
 from wagma.shm import check_transport
 from wagma.wire import WireDtype, as_wire_dtype, wire_dtype_for
 from wagma.world import World, WorldLike, member_world
 
-__all__ = ["PartialAllreduceState", "partial_allreduce_hook", "sum_residuals"]
-
-Mode = Literal["solo", "majority"]
-MODES = ("solo", "majority")
-Late = Literal["apply", "lookahead"]
-LATE = ("apply", "lookahead")
+__all__ = ["LATE", "MODES", "Late", "Mode", "PartialAllreduceState", "partial_allreduce_hook", "sum_residuals"]
 
 
 class PartialAllreduceState:
@@ -98,6 +95,11 @@ class PartialAllreduceState:
             and ``mu`` its group's), where the model will be, up to the one round still in flight, when a
             gradient computed now is applied one round later. Needs :meth:`attach` with the optimizer (an SGD
             with momentum and ``nesterov=False``); what the rounds carry and apply is unchanged.
+        lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead point covers: ``w - lr * (mu + mu**2 + ...
+            + mu**s) * v``, where heavy-ball momentum alone carries the model in ``s`` steps, for gradients applied
+            ``s`` rounds late (e.g. ``overlap=True, max_lead=s - 1``). ``s = 1`` (default) is Nesterov momentum; ``s >
+            1`` is the weight prediction of delayed-momentum methods (SpecTrain, DANA), not Nesterov. Ignored with
+            ``late="apply"``.
     """
 
     def __init__(
@@ -117,15 +119,10 @@ class PartialAllreduceState:
         wire_dtype: WireDtype = None,
         error_feedback: bool = True,
         late: Late = "apply",
+        lookahead_rounds: int = 1,
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
         self.late: Late = check_choice("late", late, LATE)
-        self._optimizer: torch.optim.Optimizer | None = None  # late="lookahead": the optimizer attach() hooked
-        self._optimizer_hooks: list[Any] = []
-        self._groups: dict[int, dict[str, Any]] = {}
-        self._unattached = 0  # partial iterations run without an attached optimizer since construction or a load
-        #: late="lookahead": the true weights while the parameters hold the look-ahead point (None: they hold w)
-        self._anchor: list[torch.Tensor] | None = None
         self.mode: Mode = check_choice("mode", mode, MODES)
         self.sync_period = check_int("sync_period", sync_period, 0)
         self.warmup_iters = check_int("warmup_iters", warmup_iters, 2)
@@ -136,6 +133,8 @@ class PartialAllreduceState:
         self._ready: torch.Tensor | None = None  # overlap: its sum, once collected by state_dict()
         self.timeout = as_timeout(timeout)
         self.params, self.dtype, self.device = reduced_parameters(params)
+        #: late="lookahead": the look-ahead point, its anchor w and the optimizer's hooks
+        self.lookahead = LookAhead(self.params, lookahead_rounds)
         self.transport = check_transport(transport, self.device)
         # Residuals and round sums of half-precision gradients are kept in float32: a sum over P ranks (and
         # over carried rounds) would overflow float16 before the division by P.
@@ -189,12 +188,8 @@ class PartialAllreduceState:
             )
         if self.iteration < self.warmup_iters:
             return self._warmup_allreduce(bucket)
-        if self.late == "lookahead" and self._optimizer is None and self._unattached > 0:
-            # (the first partial iteration after construction or a load may run before attach(): a resumed loop
-            # attaches at its first step, after that iteration's backward pass)
-            raise RuntimeError(
-                "late='lookahead' needs the optimizer: call state.attach(optimizer) once, before the first step"
-            )
+        if self.late == "lookahead":
+            self.lookahead.check_attached()
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             offset, n = self._offsets[id(p)]
             self._staging[offset : offset + n].copy_(g.reshape(-1))
@@ -254,7 +249,7 @@ class PartialAllreduceState:
                 values.append((p, view))
             future.set_result(out)
         self._waiting = []
-        self._unattached += self._optimizer is None
+        self.lookahead.counted()
         if res is not None and self.engine is not None:
             self.engine.recycle(total)  # nothing reads the round's sum any more: the engine reuses its memory
         # DDP copies the buckets into the .grad of the parameters it saw used; the writer covers the others.
@@ -308,67 +303,24 @@ class PartialAllreduceState:
 
         Call it once on every rank, after building the optimizer over (at least) the parameters of this state and
         before the first step. After every ``optimizer.step()`` the parameters are moved from the weights ``w`` the
-        step computed to ``w - lr * mu * v`` (``v``: the parameter's momentum buffer after the step; ``lr``, ``mu``:
-        its parameter group's) and ``w`` is kept; before the next step ``w`` is put back, so the optimizer, its
-        weight decay and the rounds' results all act on ``w``. :meth:`flush` ends with the parameters at ``w``
-        (evaluate and keep the model after it); :meth:`weights` swaps ``w`` in at any other time. With every
-        gradient exactly one round late (``overlap=True, max_lead=0``) this is SGD with Nesterov momentum whose
-        parameters are the look-ahead point. With ``late="apply"`` it does nothing.
+        step computed to ``w - lr * (mu + ... + mu**s) * v`` (``v``: the parameter's momentum buffer after the step;
+        ``lr``, ``mu``: its parameter group's; ``s``: ``lookahead_rounds``) and ``w`` is kept; before the next step
+        ``w`` is put back, so the optimizer, its weight decay and the rounds' results all act on ``w``. :meth:`flush`
+        ends with the parameters at ``w`` (evaluate and keep the model after it); :meth:`weights` gives ``w`` at any
+        other time. With ``s = 1`` and every gradient exactly one round late (``overlap=True, max_lead=0``) this is
+        SGD with Nesterov momentum whose parameters are the look-ahead point. With ``late="apply"`` it does nothing.
 
         Raises:
-            ValueError: the optimizer is not SGD with momentum > 0 and ``nesterov=False`` for every parameter of
-                this state, or another optimizer is attached already.
+            ValueError: the optimizer lacks a parameter of this state (by identity), is not SGD with momentum > 0
+                and ``nesterov=False`` in every group holding them, or another optimizer is attached already.
         """
-        if self.late != "lookahead":
-            return
-        if self._optimizer is optimizer:
-            return
-        if self._optimizer is not None:
-            raise ValueError("attach(): another optimizer is attached to this state already")
-        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        for p in self.params:
-            g = groups.get(id(p))
-            if g is None:
-                raise ValueError("attach(): the optimizer does not hold every parameter this state reduces")
-            if not isinstance(optimizer, torch.optim.SGD) or not g.get("momentum", 0) > 0 or g.get("nesterov"):
-                raise ValueError(
-                    "late='lookahead' needs torch.optim.SGD with momentum > 0 and nesterov=False (the look-ahead "
-                    f"point is where its heavy-ball momentum carries the model), found {type(optimizer).__name__} "
-                    f"with momentum={g.get('momentum')}, nesterov={g.get('nesterov')}"
-                )
-        self._groups = groups
-        self._optimizer = optimizer
-        self._optimizer_hooks = [
-            optimizer.register_step_pre_hook(lambda *_: self._restore()),
-            optimizer.register_step_post_hook(lambda *_: self._look_ahead()),
-        ]
-
-    @torch.no_grad()
-    def _look_ahead(self) -> None:
-        """After a step: keep ``w``, move the parameters to ``w - lr * mu * v``."""
-        assert self._optimizer is not None
-        state = self._optimizer.state
-        anchor = [p.detach().clone() for p in self.params]
-        for p in self.params:
-            v = state.get(p, {}).get("momentum_buffer")
-            if v is not None:
-                g = self._groups[id(p)]
-                p.sub_(v, alpha=g["lr"] * g["momentum"])
-        self._anchor = anchor
-
-    @torch.no_grad()
-    def _restore(self) -> None:
-        """Put the true weights ``w`` back into the parameters (nothing when they hold them already)."""
-        if self._anchor is None:
-            return
-        for p, w in zip(self.params, self._anchor):
-            p.copy_(w)
-        self._anchor = None
+        if self.late == "lookahead":
+            self.lookahead.attach(optimizer)
 
     def weights(self) -> list[torch.Tensor]:
         """The true weights ``w``, one tensor per reduced parameter: the parameters themselves unless
         ``late="lookahead"`` holds them at the look-ahead point (then a copy kept since the last step)."""
-        return [p.detach() for p in self.params] if self._anchor is None else list(self._anchor)
+        return self.lookahead.weights()
 
     def process_group_for_ddp(self) -> LocalUsedMapGroup:
         """A process group to build DDP with, so that ``find_unused_parameters=True`` is not a barrier.
@@ -407,14 +359,14 @@ class PartialAllreduceState:
         total = sum_residuals(residual, self.group, self.timeout, in_flight)
         self.stats.record_reduction("global", residual.nbytes, time.perf_counter() - start)
         if total is None:
-            self._restore()  # late="lookahead": the model to evaluate and keep is w
+            self.lookahead.restore()  # late="lookahead": the model to evaluate and keep is w
             return False
         residual = total.div_(self.world_size)
         for p in self.params:
             offset, n = self._offsets[id(p)]
             p.grad = residual[offset : offset + n].view_as(p).to(self.dtype, copy=True)
         optimizer.step()
-        self._restore()
+        self.lookahead.restore()
         return True
 
     def fresh_fraction(self) -> float | None:
@@ -454,7 +406,7 @@ class PartialAllreduceState:
             "in_flight": in_flight,
         }
         if self.late == "lookahead":  # the parameters hold the look-ahead point: w is kept here
-            out["anchor"] = None if self._anchor is None else [w.clone() for w in self._anchor]
+            out["anchor"] = self.lookahead.anchor_state()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -476,20 +428,13 @@ class PartialAllreduceState:
             raise ValueError(f"state['in_flight']: expected {self.numel} elements, found {in_flight.numel()}")
         self._start_engine(residual)
         self._ready = None if in_flight is None else in_flight.to(device=self.device, dtype=self.sum_dtype)
-        self._unattached = 0
-        anchor = state.get("anchor")
-        if self.late == "lookahead" and anchor is not None:
-            if [tuple(w.shape) for w in anchor] != [tuple(p.shape) for p in self.params]:
-                raise ValueError("state['anchor']: expected one tensor per reduced parameter, of its shape")
-            self._anchor = [w.to(device=p.device, dtype=p.dtype) for w, p in zip(anchor, self.params)]
+        self.lookahead.load_anchor(state.get("anchor") if self.late == "lookahead" else None)
 
     def close(self) -> None:
         """Stop the engine's thread and release the groups; idempotent. A context manager does the same."""
         self.engine = None
         self.group = None
-        for handle in self._optimizer_hooks:
-            handle.remove()
-        self._optimizer_hooks = []
+        self.lookahead.detach()
         self._finalizer()
 
     def __enter__(self) -> "PartialAllreduceState":
@@ -501,7 +446,6 @@ class PartialAllreduceState:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(engine=None, group=None, _waiting=[], _warmup_views=[], _resources=None, _finalizer=None)
-        state.update(_optimizer=None, _optimizer_hooks=[], _groups={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -518,71 +462,6 @@ def _flat_offsets(params: list[torch.Tensor]) -> dict[int, tuple[int, int]]:
         offsets[id(p)] = (total, p.numel())
         total += p.numel()
     return offsets
-
-
-class EagerSettings(Protocol):
-    """What :func:`eager_engine` reads off a partial hook's state (DDP's or FSDP2's): its checked arguments, its
-    world, and how many backward passes it has run."""
-
-    world: World
-    mode: Mode
-    sync_period: int
-    max_lead: int | None
-    timeout: datetime.timedelta
-    seed: int
-    progress_nice: int
-    error_feedback: bool
-    iteration: int
-    warmup_iters: int
-
-
-def eager_engine(
-    residual: torch.Tensor,
-    hook: EagerSettings,
-    *,
-    wire_dtype: torch.dtype | None,
-    transport: str = "default",
-) -> AccumulatingGroupAllreduce:
-    """The engine behind both partial hooks (DDP's and FSDP2's): one group of every rank of ``hook.world``,
-    accumulating (a contribution that misses a round stays in ``residual`` for the next), triggered by any rank
-    (``"solo"``) or by the round's initiator (``"majority"``), starting at the round of ``hook.iteration`` (after the
-    warm-up; a resumed run's)."""
-    schedule = GroupSchedule.from_partitions([[list(range(hook.world.size))]], name="global")
-    return AccumulatingGroupAllreduce(
-        schedule,
-        residual,
-        sync_period=hook.sync_period,
-        max_lead=hook.max_lead,
-        timeout=hook.timeout,
-        trigger="any" if hook.mode == "solo" else "initiator",
-        seed=hook.seed,
-        start_round=max(0, hook.iteration - hook.warmup_iters),
-        progress_nice=hook.progress_nice,
-        transport=transport,
-        world=hook.world,
-        wire_dtype=wire_dtype,
-        error_feedback=hook.error_feedback,
-    )
-
-
-def sum_residuals(
-    residual: torch.Tensor,
-    group: dist.ProcessGroup,
-    timeout: datetime.timedelta,
-    in_flight: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """The flush of the partial hooks: every rank's ``residual`` summed over ``group`` (plus ``in_flight``, a sum
-    that is the same on every rank), or ``None`` when all of them were zero.
-
-    One collective carries the residual and a count of the ranks whose residual is not empty, so that ranks with
-    nothing left agree, without a second collective, to leave their parameters untouched.
-    """
-    payload = torch.cat([residual, residual.ne(0).any().to(residual.dtype).reshape(1)])
-    dist.all_reduce(payload, group=group, async_op=True).wait(timeout)
-    if in_flight is not None:
-        payload[:-1].add_(in_flight)
-        payload[-1] += float(bool(in_flight.ne(0).any()))
-    return None if payload[-1].item() == 0 else payload[:-1]
 
 
 def partial_allreduce_hook(state: PartialAllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -49,9 +49,10 @@ class EagerPolicy(Policy):
             :class:`~wagma.PartialAllreduceState`'s ``transport``).
         wire_dtype: ``null``, ``bf16`` or ``fp16``: the dtype the partial rounds send gradients in, with error
             feedback (:mod:`wagma.wire`).
-        late: ``"apply"`` or ``"lookahead"``: the backward passes run at ``w - lr * mu * v``
-            (:class:`~wagma.PartialAllreduceState`'s ``late``; the policy attaches the optimizer at its first
-            ``before_step``; DDP only, not under ``parallel=hsdp``).
+        late: ``"apply"`` or ``"lookahead"``: the backward passes run at ``w - lr * (mu + ... + mu**s) * v``
+            (:class:`~wagma.PartialAllreduceState`'s and :class:`~wagma.FSDPPartialAllreduce`'s ``late``; the policy
+            attaches the optimizer at its first ``before_step``, under ``parallel=ddp`` and ``parallel=hsdp``).
+        lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead covers (the hooks' ``lookahead_rounds``).
     """
 
     remedy = (
@@ -77,10 +78,12 @@ class EagerPolicy(Policy):
         transport: str = "default",
         wire_dtype: str | None = None,
         late: Late = "apply",
+        lookahead_rounds: int = 1,
     ) -> None:
         # the preset's name (eager_solo_overlap, eager_solo_overlap_lookahead)
         self.name = f"eager_{mode}" + ("_overlap" if overlap else "") + ("_lookahead" if late == "lookahead" else "")
         self.late: Late = late
+        self.lookahead_rounds = lookahead_rounds
         self.progress_nice = int(progress_nice)
         self.transport = str(transport)
         self.wire_dtype = as_wire_dtype(wire_dtype)
@@ -93,11 +96,6 @@ class EagerPolicy(Policy):
         self.steps_done = 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if self.mesh is not None and self.late != "apply":
-            raise ValueError(
-                f"averaging.late={self.late} needs parallel=ddp: FSDPPartialAllreduce has no look-ahead; "
-                "use averaging.late=apply"
-            )
         if self.mesh is not None:  # HSDP: the root alone sharded in a replica; the FSDP hook sums across replicas
             shard_model(model, self.mesh["shard"], per_layer=False)
             self.hook_state = FSDPPartialAllreduce(
@@ -111,6 +109,8 @@ class EagerPolicy(Policy):
                 timeout=timeout(self.timeout_s),
                 progress_nice=self.progress_nice,
                 wire_dtype=self.wire_dtype,
+                late=self.late,
+                lookahead_rounds=self.lookahead_rounds,
             )
             return model
         self.hook_state = PartialAllreduceState(
@@ -126,14 +126,14 @@ class EagerPolicy(Policy):
             transport=self.transport,
             wire_dtype=self.wire_dtype,
             late=self.late,
+            lookahead_rounds=self.lookahead_rounds,
         )
         ddp = ddp_without_buffer_sync(model, self.device, self.bucket_cap_mb)
         ddp.register_comm_hook(self.hook_state, partial_allreduce_hook)
         return ddp
 
     def before_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
-        if self.mesh is None:
-            self.hook_state.attach(optimizer)  # late="lookahead" hooks the optimizer once; otherwise nothing
+        self.hook_state.attach(optimizer)  # late="lookahead" hooks the optimizer once; otherwise nothing
 
     def after_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         self.steps_done = step + 1

@@ -162,6 +162,7 @@ _EAGER_KEYS = (
     "transport",
     "wire_dtype",
     "late",
+    "lookahead_rounds",
     *_COMMON_KEYS,
 )
 
@@ -295,6 +296,7 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     check_int("averaging.seed", options.get("seed", 0))
     _flag(options, "overlap")
     _choice(options, "late", ("apply", "lookahead"), "apply")
+    _int(options, "lookahead_rounds", 1, required=False)
     _progress_nice(options)
     _transport(options)
     _wire(options)

@@ -1,0 +1,179 @@
+"""The look-ahead of the partial hooks' ``late="lookahead"`` (docs/design.md §2.4): backward passes at ``w - c * v``.
+
+Gradients that a partial hook applies ``s`` rounds after they were computed are computed better at the point SGD's
+heavy-ball momentum alone carries the model to in those ``s`` steps than at the true weights ``w``:
+
+    ŵ = w - lr * (mu + mu**2 + ... + mu**s) * v        (v: the momentum buffer after the step)
+
+:class:`LookAhead` keeps ``w`` while the parameters hold ``ŵ``: an optimizer step pre-hook puts ``w`` back (the
+optimizer, its weight decay and the rounds' results act on ``w``), a post-hook keeps the ``w`` the step computed and
+moves the parameters to ``ŵ``. With ``s = 1`` this is SGD with Nesterov momentum whose parameters are the look-ahead
+point; with ``s > 1`` it is the weight prediction of delayed-momentum methods (SpecTrain, DANA), not Nesterov.
+Both partial hooks (:class:`~wagma.PartialAllreduceState` for DDP, :class:`~wagma.FSDPPartialAllreduce` for FSDP2's
+sharded DTensor parameters) hold one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+
+from wagma.averaging.tensors import local_tensor
+from wagma.checks import check_int
+
+__all__ = ["LATE", "Late", "LookAhead", "lookahead_coefficient"]
+
+#: what a partial hook does about late gradients: apply them as they are, or compute them at the look-ahead point
+Late = Literal["apply", "lookahead"]
+LATE = ("apply", "lookahead")
+
+_NEEDS = "torch.optim.SGD with momentum > 0 and nesterov=False"
+_WHY = "the look-ahead point is where its heavy-ball momentum carries the model"
+
+
+def lookahead_coefficient(lr: float, momentum: float, rounds: int) -> float:
+    """``lr * (mu + mu**2 + ... + mu**rounds)``: how far along ``-v`` the look-ahead point lies (``rounds = 1``:
+    exactly ``lr * mu``)."""
+    total, power = 0.0, 1.0
+    for _ in range(rounds):
+        power *= momentum
+        total += power
+    return lr * total
+
+
+class LookAhead:
+    """The look-ahead point ``w - lr * (mu + ... + mu**rounds) * v`` of a list of parameters, kept between steps.
+
+    Bound to ``params`` by identity; :meth:`attach` hooks an optimizer that holds every one of them. Between steps
+    the parameters hold the look-ahead point and :attr:`anchor` the true weights ``w``; :meth:`restore` puts ``w``
+    back (the pre-step hook does), :meth:`weights` reads it. Pickling drops the optimizer and its hooks, keeps the
+    anchor.
+
+    Args:
+        params: the parameters to move (plain tensors or DTensors; the optimizer's own objects).
+        rounds: ``s >= 1``, the rounds of heavy-ball momentum the point looks ahead.
+
+    Raises:
+        ValueError: ``rounds`` is not an integer >= 1.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], rounds: int = 1) -> None:
+        self.params = list(params)
+        self.rounds = check_int("lookahead_rounds", rounds, 1)
+        #: the true weights while the parameters hold the look-ahead point (None: they hold w)
+        self.anchor: list[torch.Tensor] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._hooks: list[Any] = []
+        self._groups: dict[int, dict[str, Any]] = {}  # by id(p): its parameter group (lr read at every step)
+        self._unattached = 0  # backward passes counted by counted() without an attached optimizer
+
+    @property
+    def attached(self) -> bool:
+        """Whether an optimizer is hooked."""
+        return self._optimizer is not None
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook ``optimizer`` (idempotent for the same one): before each step put ``w`` back, after it keep ``w`` and
+        move the parameters to the look-ahead point.
+
+        Raises:
+            ValueError: another optimizer is attached, ``optimizer`` lacks one of the parameters (by identity), or
+                it is not SGD with momentum > 0 and ``nesterov=False`` in every parameter group holding them.
+        """
+        if self._optimizer is optimizer:
+            return
+        if self._optimizer is not None:
+            raise ValueError("attach(): another optimizer is attached to this state already")
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(f"optimizer: expected {_NEEDS} ({_WHY}), found {type(optimizer).__name__}")
+        self._groups = self._checked_groups(optimizer)
+        self._optimizer = optimizer
+        self._hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self.restore()),
+            optimizer.register_step_post_hook(lambda *_: self._look_ahead()),
+        ]
+
+    def _checked_groups(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """Every parameter's group, by ``id``, each checked: momentum > 0, no Nesterov."""
+        groups = {id(p): (i, g) for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        missing = [i for i, p in enumerate(self.params) if id(p) not in groups]
+        if missing:
+            shapes = ", ".join(f"#{i} {tuple(self.params[i].shape)}" for i in missing[:4])
+            raise ValueError(
+                f"optimizer: expected every parameter the look-ahead moves (the same objects), found "
+                f"{len(missing)} of {len(self.params)} missing: {shapes}{' ...' if len(missing) > 4 else ''}"
+            )
+        for i, g in {groups[id(p)][0]: groups[id(p)][1] for p in self.params}.items():
+            if not g.get("momentum", 0) > 0 or g.get("nesterov"):
+                raise ValueError(
+                    f"optimizer.param_groups[{i}]: expected {_NEEDS} ({_WHY}), found "
+                    f"momentum={g.get('momentum')}, nesterov={g.get('nesterov')}"
+                )
+        return {id(p): groups[id(p)][1] for p in self.params}
+
+    @torch.no_grad()
+    def _look_ahead(self) -> None:
+        """After a step: keep ``w``, move the parameters to ``w - lr * (mu + ... + mu**s) * v``."""
+        assert self._optimizer is not None
+        state = self._optimizer.state
+        anchor = [p.detach().clone() for p in self.params]
+        for p in self.params:
+            v = state.get(p, {}).get("momentum_buffer")
+            if v is not None:
+                g = self._groups[id(p)]
+                p.sub_(v, alpha=lookahead_coefficient(g["lr"], g["momentum"], self.rounds))
+        self.anchor = anchor
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the true weights ``w`` back into the parameters (nothing when they hold them already)."""
+        if self.anchor is None:
+            return
+        for p, w in zip(self.params, self.anchor):
+            p.copy_(w)
+        self.anchor = None
+
+    def weights(self) -> list[torch.Tensor]:
+        """The true weights ``w``, one tensor per parameter: the parameters themselves, or the anchor while they
+        hold the look-ahead point."""
+        return [p.detach() for p in self.params] if self.anchor is None else list(self.anchor)
+
+    def counted(self) -> None:
+        """A backward pass ran at the (un)moved parameters: count it when no optimizer is attached yet."""
+        self._unattached += self._optimizer is None
+
+    def check_attached(self) -> None:
+        """Refuse a backward pass without an attached optimizer after one has run so since the start or a load (a
+        resumed loop attaches at its first step, after that iteration's backward pass)."""
+        if self._optimizer is None and self._unattached > 0:
+            raise RuntimeError(
+                "late='lookahead' needs the optimizer: call state.attach(optimizer) once, before the first step"
+            )
+
+    def anchor_state(self) -> list[torch.Tensor] | None:
+        """For a state_dict: copies of the true weights' local tensors (this rank's shards of DTensors), or None."""
+        return None if self.anchor is None else [local_tensor(w).detach().clone() for w in self.anchor]
+
+    @torch.no_grad()
+    def load_anchor(self, anchor: list[torch.Tensor] | None) -> None:
+        """Restore :meth:`anchor_state`'s tensors (the parameters hold the look-ahead point of a checkpoint)."""
+        self._unattached = 0
+        if anchor is None:
+            return
+        if [tuple(w.shape) for w in anchor] != [tuple(local_tensor(p).shape) for p in self.params]:
+            raise ValueError("state['anchor']: expected one tensor per reduced parameter, of its shape")
+        restored = [p.detach().clone() for p in self.params]
+        for w, value in zip(restored, anchor):
+            local_tensor(w).copy_(value)
+        self.anchor = restored
+
+    def detach(self) -> None:
+        """Remove the optimizer's hooks (the parameters stay where they are); idempotent."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_optimizer": None, "_hooks": [], "_groups": {}}
