@@ -387,6 +387,13 @@ def test_wagma_policy_averages_on_the_side_of_the_step_its_order_says(monkeypatc
     assert stats["staleness"] == 1.0 and stats["staleness_max"] == 2 and stats["fresh_fraction"] == 0.5
 
 
+def test_eager_policy_advises_the_look_ahead_only_where_it_is_off():
+    off = policies.EagerPolicy(device=CPU, mode="solo", overlap=True).remedy
+    on = policies.EagerPolicy(device=CPU, mode="solo", overlap=True, late="lookahead").remedy
+    assert "averaging.late=lookahead" in off
+    assert "averaging.late=lookahead" not in on and "averaging=wagma" in on
+
+
 def test_eager_policy_flushes_at_the_end_and_keeps_the_hooks_wait_apart(monkeypatch):
     flushed = []
 

@@ -55,12 +55,18 @@ class EagerPolicy(Policy):
         lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead covers (the hooks' ``lookahead_rounds``).
     """
 
-    remedy = (
-        "averaging=wagma (model averaging takes stale information far better than late gradients), "
-        "averaging=reference/eager_majority (about half of each round's gradients fresh), averaging.late=lookahead "
-        "(late gradients computed where momentum carries the model), a smaller averaging.max_lead, "
-        "averaging.overlap=false, or a lower optim.lr / optim.momentum"
-    )
+    @property
+    def remedy(self) -> str:  # type: ignore[override]  # the advice leaves out the look-ahead when it is on
+        lookahead = (
+            ""
+            if self.late == "lookahead"
+            else "averaging.late=lookahead (late gradients computed where momentum carries the model), "
+        )
+        return (
+            "averaging=wagma (model averaging takes stale information far better than late gradients), "
+            f"averaging=reference/eager_majority (about half of each round's gradients fresh), {lookahead}"
+            "a smaller averaging.max_lead, averaging.overlap=false, or a lower optim.lr / optim.momentum"
+        )
 
     def __init__(
         self,
