@@ -18,8 +18,9 @@ victim is back in the quorum (live: its next life's first round, ``replicas.json
 (restart: rank 0's first metrics record after the kill), the steps survivors lost (live: their discarded rounds
 while the victim was down; restart: the steps past the resumed checkpoint, as far as rank 0's flushed metrics show:
 a lower bound), whether the job's output named the victim, whether the run hung (over ``--limit-s``: killed by the
-harness), and the final test accuracy (``summary.json``). Records are appended to ``--out`` (JSON lines; with
-``--resume`` the runs already there are skipped) and summarised in Markdown beside it (``.md``).
+harness), the final test accuracy and (restart) the step the last restart resumed from, both from ``summary.json``.
+Records are appended to ``--out`` (JSON lines; with ``--resume`` the runs already there are skipped) and summarised
+in Markdown beside it (``.md``). A run that failed or hung keeps its directory (``work``).
 
     python benchmarks/ft_campaign.py --replicas 4 --mtbf-s 30 --steps 2000 --seeds 0 1 2 \\
         --out benchmarks/results/ft_chaos/campaign_p4_mtbf30.jsonl
@@ -231,10 +232,11 @@ def run(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
     for fault in done:
         _recovered(job, fault)
     path = job.run_dir / "summary.json"
-    accuracy = json.loads(path.read_text())["test_accuracy"] if path.exists() else None
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    accuracy, resumed_from = summary.get("test_accuracy"), summary.get("resumed_from")
     record |= {"hung": hung, "exit": job.proc.returncode, "total_s": round(ended - began, 3)}
     record |= {"wall_s": None if start is None or hung else round(ended - start, 3), "faults": done}
-    record |= {"test_accuracy": accuracy, "scheduled": len(schedule)}
+    record |= {"test_accuracy": accuracy, "resumed_from": resumed_from, "scheduled": len(schedule)}
     if not hung and job.proc.returncode == 0:
         shutil.rmtree(work, ignore_errors=True)  # a failed or hung run's directory is kept to be read
         record["work"] = None
