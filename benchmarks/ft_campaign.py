@@ -115,6 +115,7 @@ class Job:
                 start_new_session=True,
             )  # fmt: skip
         self.live = mode in ("none", "live")
+        self.last_kill = 0.0  # epoch seconds of the newest kill
 
     def rank0(self) -> list[dict[str, Any]]:
         """Rank 0's metrics records (restart modes)."""
@@ -133,14 +134,16 @@ class Job:
 
     def victims(self) -> dict[int, int]:
         """Who may be killed now: replica -> pid of each replica in the quorum (joined, running), or rank -> pid of
-        each rank of a job whose ranks are all up."""
+        each rank of a job whose ranks are all up and training again since the last kill (a fault then waits, as a
+        live one waits for a replica in the quorum)."""
         if self.live:
             return {
                 int(r): lives[-1]["pid"] for r, lives in _lives(self.run_dir).items()
                 if lives and "joined" in lives[-1] and "exit" not in lives[-1] and alive(lives[-1]["pid"])
             }  # fmt: skip
         ranks = _spawned(self.proc.pid)
-        return dict(enumerate(ranks)) if len(ranks) == self.p and self.rank0() else {}
+        training = [r for r in self.rank0() if r["time"] > self.last_kill]  # not while the job is coming back
+        return dict(enumerate(ranks)) if len(ranks) == self.p and training else {}
 
     def stop(self) -> None:
         """End whatever still runs: SIGTERM the launcher (it stops its replicas), then SIGKILL its session and any
@@ -175,6 +178,7 @@ def kill(job: Job, u: float) -> dict[str, Any] | None:
         ]
         fault["checkpoint"] = max(steps, default=0)
     os.kill(victims[victim], signal.SIGKILL)
+    job.last_kill = fault["at"]
     return fault
 
 

@@ -46,10 +46,13 @@ def _row(group: list[dict[str, Any]]) -> str:
     r0 = group[0]
     faults = [f for r in group for f in r["faults"]]
     recov = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
+    # not back, in a run that ended on its own: the job trained to its end before the victim was back
+    ended_first = sum(f["recovery_s"] is None for r in group if not r["hung"] for f in r["faults"])
+    back = f"{len(recov)}/{len(faults)}" + (f" ({ended_first} ended first)" if ended_first else "")
     cells = [
         f"{r0['replicas']}", f"{r0['mtbf_s']:g}", r0["mode"], str(len(group)), str(sum(r["hung"] for r in group)),
         str(len(faults)), f"{sum(f['named'] for f in faults)}/{len(faults)}",
-        f"{len(recov)}/{len(faults)}" if faults else "",
+        back if faults else "",
         _span([r["goodput"] for r in group if r["goodput"] is not None]),
         f"{statistics.median(recov):.1f} / {max(recov):.1f}" if recov else "",
         f"{max(f['lost'] for f in faults)}" if faults else "",
@@ -84,7 +87,8 @@ def markdown(records: list[dict[str, Any]], command: str, repo: Path) -> str:
         "",
         "Goodput: the fault-free reference's wall time (same P, MTBF, seed, steps; `live` against `none`, `restart`"
         " against `restart_none`) over this run's, from the first training step to the job's end. Recovery: from"
-        " the kill until the victim's next life ran a round in the quorum (live) or rank 0 trained again (restart)."
+        " the kill until the victim's next life ran a round in the quorum (live) or rank 0 trained again (restart);"
+        " 'ended first': the job trained to its end before the victim was back."
         " Steps lost: live, rounds the survivors discarded while the victim was down; restart, steps past the"
         " resumed checkpoint that rank 0's flushed metrics showed at the kill (a lower bound). Named: the job's"
         " output names the victim (live: the launcher's warning with its replica and pid).",
