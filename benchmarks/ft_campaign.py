@@ -115,7 +115,8 @@ class Job:
                 start_new_session=True,
             )  # fmt: skip
         self.live = mode in ("none", "live")
-        self.last_kill = 0.0  # epoch seconds of the newest kill
+        self.killed: set[int] = set()  # restart modes: the ranks of the newest fault's job
+        self.respawned_at = 0.0  # when their replacements were all up (epoch seconds)
 
     def rank0(self) -> list[dict[str, Any]]:
         """Rank 0's metrics records (restart modes)."""
@@ -142,8 +143,10 @@ class Job:
                 if lives and "joined" in lives[-1] and "exit" not in lives[-1] and alive(lives[-1]["pid"])
             }  # fmt: skip
         ranks = _spawned(self.proc.pid)
-        training = [r for r in self.rank0() if r["time"] > self.last_kill]  # not while the job is coming back
-        return dict(enumerate(ranks)) if len(ranks) == self.p and training else {}
+        if len(ranks) != self.p or set(ranks) & self.killed:
+            return {}  # not while the job is coming back
+        training = [r for r in self.rank0() if r["time"] > self.respawned_at]
+        return dict(enumerate(ranks)) if training else {}
 
     def stop(self) -> None:
         """End whatever still runs: SIGTERM the launcher (it stops its replicas), then SIGKILL its session and any
@@ -177,8 +180,9 @@ def kill(job: Job, u: float) -> dict[str, Any] | None:
             int(m[1]) for p in (job.run_dir / "checkpoints").glob("step_*") if (m := re.match(r"step_(\d+)$", p.name))
         ]
         fault["checkpoint"] = max(steps, default=0)
+        fault["ranks"] = sorted(victims.values())
     os.kill(victims[victim], signal.SIGKILL)
-    job.last_kill = fault["at"]
+    job.killed = set(victims.values())
     return fault
 
 
@@ -191,11 +195,24 @@ def _watch(job: Job, faults: list[list[float]], limit_s: float) -> tuple[list[di
             return done, start, True
         time.sleep(_POLL_S)
         start = start or job.first_step_time()
+        _respawned(job, done)
         if start is not None and len(done) < len(faults) and time.time() - start >= faults[len(done)][0]:
             fault = kill(job, faults[len(done)][1])
             if fault is not None:
                 done.append(fault | {"due_s": faults[len(done)][0], "at_s": round(fault["at"] - start, 3)})
     return done, start, False
+
+
+def _respawned(job: Job, faults: list[dict[str, Any]]) -> None:
+    """Restart modes: note when the ranks killed by a fault have all been replaced by new ones (``respawned``); rank
+    0's records after that are the restarted job's (a survivor may still log a step or two after the kill)."""
+    waiting = [f for f in faults if "respawned" not in f]
+    if job.live or not waiting:
+        return
+    ranks = set(_spawned(job.proc.pid))
+    for fault in waiting:
+        if len(ranks) == job.p and not ranks & set(fault["ranks"]):
+            fault["respawned"] = job.respawned_at = time.time()
 
 
 def _recovered(job: Job, fault: dict[str, Any]) -> None:
@@ -212,7 +229,7 @@ def _recovered(job: Job, fault: dict[str, Any]) -> None:
         )
         named = f"replica {fault['victim']} (pid {fault['pid']}," in text
     else:
-        after = [r for r in job.rank0() if r["time"] > fault["at"]]
+        after = [r for r in job.rank0() if r["time"] > fault.get("respawned", float("inf"))]
         back = after[0]["time"] if after else None
         lost = max(0, fault["step"] - fault["checkpoint"])
         named = bool(re.search(rf"rank {fault['victim']}\b[^\n]*(SIGKILL|exitcode: -9)", text))
