@@ -159,10 +159,11 @@ class Job:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        mine = str(self.run_dir).encode()
         for lives in _lives(self.run_dir).values():
-            for life in lives:
-                if alive(life["pid"]):
-                    with contextlib.suppress(ProcessLookupError):
+            for life in lives:  # only a replica of this run: a pid may have been reused by another process since
+                with contextlib.suppress(OSError):
+                    if alive(life["pid"]) and mine in Path(f"/proc/{life['pid']}/cmdline").read_bytes():
                         os.killpg(life["pid"], signal.SIGKILL)
 
 
