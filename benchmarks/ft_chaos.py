@@ -61,7 +61,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of ``path`` (none when it does not exist yet)."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
@@ -96,7 +97,7 @@ class Job:
 
     def committed(self) -> int:
         """The most rounds any replica has committed."""
-        return max((x["committed"] for log in self.logs for x in _lines(log) if "committed" in x), default=0)
+        return max((x["committed"] for log in self.logs for x in read_records(log) if "committed" in x), default=0)
 
     def finished(self) -> bool:
         """Every replica has ended, or the job has committed its rounds and a replica that is still running is one
@@ -106,7 +107,7 @@ class Job:
             return False  # nothing has ended: no log to read (it grows all run long, beside the replicas' CPU)
         if not any(running):
             return True
-        finals = [r for r, log in enumerate(self.logs) if any(x.get("final") for x in _lines(log))]
+        finals = [r for r, log in enumerate(self.logs) if any(x.get("final") for x in read_records(log))]
         if not finals or any(self.procs[r].poll() is None for r in finals):
             return False
         late = [r for r, proc in enumerate(self.procs) if proc.poll() is None]
@@ -119,7 +120,7 @@ class Job:
 
     def finished_at(self) -> float:
         """When the last replica that completed the job wrote its final record (on the monotonic clock)."""
-        times = [x["time"] for log in self.logs for x in _lines(log) if x.get("final")]
+        times = [x["time"] for log in self.logs for x in read_records(log) if x.get("final")]
         return time.monotonic() - (time.time() - max(times)) if times else time.monotonic()
 
     def kill(self, replica: int) -> None:
@@ -152,13 +153,13 @@ def run(args: argparse.Namespace, mode: str, seed: int) -> Run:
                 assert time.monotonic() - start < args.limit_s, f"{mode} seed {seed}: over --limit-s"
                 time.sleep(0.05)
             result.wall_s = job.finished_at() - start
-            finals = {r for r, log in enumerate(job.logs) if any(x.get("final") for x in _lines(log))}
+            finals = {r for r, log in enumerate(job.logs) if any(x.get("final") for x in read_records(log))}
             # A replica without a final record is one that was started again after its peers had finished: it
             # waited for a quorum that never came. Any other failure is the run's.
             result.late = len(job.procs) - len(finals)
             bad = [r for r, p in enumerate(job.procs) if p.returncode not in (0, None) and r in finals]
             assert not bad and len(finals) >= args.min_replicas, f"replicas {bad} failed: see {tmp}"
-            lines = [x for log in job.logs for x in _lines(log)]
+            lines = [x for log in job.logs for x in read_records(log)]
             result.discarded = sum(x.get("kind") == "discarded" for x in lines)
             losses = [x["test_loss"] for x in lines if x.get("final")]
             result.test_loss = max(losses) if losses else None
@@ -174,8 +175,8 @@ def _fault(job: Job, mode: str, rng: random.Random, result: Run) -> None:
     if mode == "live":
         job.kill(victim)
         job.procs[victim] = job.start(victim)
-        seen = len(_lines(job.logs[victim]))
-        while len(_lines(job.logs[victim])) <= seen and job.procs[victim].poll() is None:
+        seen = len(read_records(job.logs[victim]))
+        while len(read_records(job.logs[victim])) <= seen and job.procs[victim].poll() is None:
             time.sleep(0.05)  # until the victim reports a round again (its join: healed and back in the quorum)
     else:  # restart everyone from the newest checkpoint
         for replica in range(len(job.procs)):

@@ -6,8 +6,8 @@ port, ``min_replicas`` from ``ft.min_replicas``; with ``ft.lighthouse=http://...
 one process per replica group (:mod:`wagma.app.ft_replica`, ids ``ft.first_replica ..``; with ``ft.nproc`` > 1 a
 torchrun of that many ranks, in a session of its own so that stopping it stops its ranks), and supervises them:
 
-- a replica that dies before the job's end is started again, at most ``ft.max_restarts`` times each; it heals from
-  a live peer when it joins, while the others go on;
+- a replica that dies before the job's end is started again, at most ``ft.max_restarts`` times each (a warning
+  names it, its pid and how it ended); it heals from a live peer when it joins, while the others go on;
 - every wait has a deadline: a (re)started replica that has not joined a round within ``ft.rejoin_s`` fails the job
   (named), and so does a job in which no replica committed a round for ``ft.rejoin_s``;
 - the job ends when a replica has trained to the end (it committed ``steps / ft.period`` rounds, the last a sync
@@ -15,7 +15,8 @@ torchrun of that many ranks, in a session of its own so that stopping it stops i
   finished waits for a quorum that never comes: it is stopped, and counted as late).
 
 ``RUN_DIR/replicas.json`` holds every replica's lives (pid -- torchrun's for a group of several ranks --, start and
-end time, exit status, when it first joined a round, whether it healed) while the job runs, so an operator or a
+end time, exit status, when it first joined a round, whether it healed; rewritten as each of these happens) while
+the job runs, so an operator or a
 test can find a replica's pid. At the end the launcher stops the lighthouse and writes ``summary.json`` from the
 replicas' ``final`` records (every replica that finished ends with the same model, after the last sync round).
 ``rank_cpus`` puts each replica process in its own CPU quota.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -45,6 +47,8 @@ from wagma.app.procs import sigterm_exits
 from wagma.app.quota import job_name, quota_job
 
 __all__ = ["POLL_S", "REPLICAS_FILE", "ReplicaFailure", "ReplicaJob", "launch_replicas"]
+
+log = logging.getLogger(__name__)
 
 #: The supervisor's poll interval (seconds).
 POLL_S = 0.1
@@ -78,10 +82,11 @@ class _Replica:
     late: bool = False
     last_round: float = 0.0
 
-    def read(self) -> None:
-        """Take in the records appended since the last read (complete lines only)."""
+    def read(self) -> bool:
+        """Take in the records appended since the last read (complete lines only); whether a life first joined."""
         if not self.log.exists():
-            return
+            return False
+        joined = False
         with open(self.log, "rb") as f:
             f.seek(self.offset)
             data = f.read()
@@ -91,11 +96,13 @@ class _Replica:
             record = json.loads(line)
             life = self.lives[-1] if self.lives else None
             if record["event"] == "round" and record.get("life") == len(self.lives) and life is not None:
+                joined |= "joined" not in life
                 life.setdefault("joined", record["time"])
                 life.setdefault("healed", record["heals"] > 0)
                 self.last_round = time.monotonic()
             elif record["event"] == "final":
                 self.final = record
+        return joined
 
 
 class _Supervisor:
@@ -145,8 +152,8 @@ class _Supervisor:
         finished_at: float | None = None
         while True:
             time.sleep(POLL_S)
-            for rep in self.replicas:
-                rep.read()
+            if [rep for rep in self.replicas if rep.read()]:
+                self.write_file()  # who is in the quorum since when, for an operator or a chaos harness
             if finished_at is None and any(r.final for r in self.replicas):
                 finished_at = time.monotonic()
             if not [r for r in self.replicas if self._running(r, finished_at)]:
@@ -178,6 +185,10 @@ class _Supervisor:
                 f"replica {rep.replica} {_how(code)} and has used its ft.max_restarts={self.cfg.ft.max_restarts} "
                 f"restart(s); see {FT_DIR}/replica{rep.replica}.out"
             )
+        log.warning(
+            "replica %d (pid %d, life %d) %s; starting it again (restart %d of ft.max_restarts=%s)",
+            rep.replica, life["pid"], len(rep.lives), _how(code), restarts + 1, self.cfg.ft.max_restarts,
+        )  # fmt: skip
         self.start(rep)
         return True
 

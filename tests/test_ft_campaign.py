@@ -1,0 +1,90 @@
+"""``benchmarks/ft_campaign.py``: the fault schedule, its argument checks, and one tiny run per mode of the real thing.
+
+The slow test runs the campaign tool as a user would (a subprocess): P = 4, one fault forced 2 s after the first
+step, modes ``none``, ``live`` and ``restart``; it checks the records a working harness must write: the kill
+happened, the live victim came back into the quorum and was named, the restart job resumed from a checkpoint,
+nothing hung, and every run has its accuracy and the Markdown summary its rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ft_campaign import check, draw_faults, main_parser  # noqa: E402
+from benchmarks.ft_campaign_report import with_goodput  # noqa: E402
+
+
+def test_every_mode_of_a_seed_gets_the_same_draws_and_the_first_fault_can_be_forced():
+    faults = draw_faults(7, 30.0, 300.0, None, 1000)
+    assert faults == draw_faults(7, 30.0, 300.0, None, 1000) and faults != draw_faults(8, 30.0, 300.0, None, 1000)
+    assert all(0 < a[0] < b[0] <= 300 for a, b in zip(faults, faults[1:])) and 3 <= len(faults) <= 30
+    assert all(0 <= u < 1 for _, u in faults)
+    forced = draw_faults(7, 30.0, 300.0, 2.0, 1)
+    assert forced == [[2.0, faults[0][1]]]  # the victim's draw is the seed's; only the time is forced
+    assert draw_faults(7, 30.0, -1.0, None, 1000) == []  # the fault-free modes
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--replicas", "1"], "--replicas: expected an integer >= 2, found 1"),
+        (["--steps", "30"], "--steps: expected a positive multiple of 4, found 30"),
+        (["--mtbf-s", "0"], "--mtbf-s: expected a number > 0, found 0.0"),
+    ],
+)
+def test_a_bad_argument_is_one_line(tmp_path, argv, message):
+    args = main_parser().parse_args([*argv, "--out", str(tmp_path / "c.jsonl")])
+    with pytest.raises(SystemExit, match=message):
+        check(args)
+
+
+def test_goodput_and_the_accuracy_gap_are_against_the_same_seeds_reference():
+    base = {"replicas": 4, "mtbf_s": 30.0, "steps": 400, "faults": []}
+    records = [
+        base | {"seed": 0, "mode": "none", "wall_s": 10.0, "test_accuracy": 0.95},
+        base | {"seed": 0, "mode": "live", "wall_s": 12.5, "test_accuracy": 0.94},
+        base | {"seed": 1, "mode": "live", "wall_s": 12.5, "test_accuracy": 0.94},  # no reference
+        base | {"seed": 0, "mode": "restart", "wall_s": 20.0, "test_accuracy": 0.96},  # falls back to none
+    ]
+    out = with_goodput(records)
+    assert [r["goodput"] for r in out] == [1.0, 0.8, None, 0.5]
+    assert [r["accuracy_gap"] for r in out] == [0.0, -0.01, None, 0.01]
+
+
+@pytest.mark.slow  # about 3 min on a loaded 2-core machine: three jobs of four processes, two with a kill
+@pytest.mark.timeout(600)
+def test_one_tiny_run_per_mode_kills_recovers_and_records(tmp_path):
+    out = tmp_path / "campaign.jsonl"
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "ft_campaign.py"), "--replicas", "4", "--steps", "400"]
+    command += ["--step-s", "0.03", "--first-fault-s", "2", "--max-faults", "1", "--checkpoint-every", "10"]
+    command += ["--modes", "none", "live", "restart", "--limit-s", "240", "--out", str(out)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=560)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(records) == ["live", "none", "restart"]
+    for mode, r in records.items():
+        assert not r["hung"] and r["exit"] == 0 and r["wall_s"] > 0, (mode, r)
+        assert r["test_accuracy"] > 0.8, (mode, r["test_accuracy"])
+    assert records["none"]["faults"] == [] and records["none"]["scheduled"] == 0
+    (live,) = records["live"]["faults"]  # the kill happened, on a replica in the quorum
+    assert live["named"], live  # the launcher's warning names the replica and pid
+    assert live["recovery_s"] is not None and 0 < live["recovery_s"] < 60, live  # back in the quorum
+    assert live["lost"] <= 1, live
+    (restart,) = records["restart"]["faults"]
+    assert restart["recovery_s"] is not None and restart["recovery_s"] > 0, restart  # rank 0 trained again
+    assert records["restart"]["resumed_from"] is not None, records["restart"]  # from a checkpoint
+    assert records["restart"]["resumed_from"] >= restart["checkpoint"] > 0
+    summary = out.with_suffix(".md").read_text()
+    assert "| 4 | 30 | live | 1 | 0 | 1 | 1/1 | 1/1 |" in summary, summary
+    assert "| 4 | 30 | restart | 1 | 0 | 1 |" in summary, summary
+    print(done.stdout)
