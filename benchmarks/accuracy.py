@@ -613,7 +613,7 @@ def plot(cells: list[dict[str, Any]], tolerance: float, path: Path) -> bool:
     if ax.get_legend_handles_labels()[0]:  # none while every gap is missing (DDP failed in every seed so far)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_io.save_plot(fig, path)
     plt.close(fig)
     return True
 
@@ -647,7 +647,7 @@ def plot_curves(records: list[dict[str, Any]], target: float, path: Path) -> boo
         ax.set_ylim(max(0.0, 100 * target - 30), 100 * min(1.0, target + 0.1))
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_io.save_plot(fig, path)
     plt.close(fig)
     return True
 

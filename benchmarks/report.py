@@ -20,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from benchmarks import results_io
+
 __all__ = ["check_targets", "plot_accuracy", "plot_consensus", "plot_throughput", "write_markdown"]
 
 Record = dict[str, Any]
@@ -280,7 +282,7 @@ def _finish_grid(fig: Any, axes: Any, used: int, path: Path) -> None:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
+    results_io.save_plot(fig, path)
     plt.close(fig)
 
 
@@ -363,7 +365,7 @@ def plot_throughput(
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=min(8, len(ran) + 1), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_io.save_plot(fig, path)
     plt.close(fig)
 
 

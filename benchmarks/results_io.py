@@ -12,7 +12,7 @@ import lzma
 from pathlib import Path
 from typing import Any
 
-__all__ = ["dump", "find", "load"]
+__all__ = ["dump", "find", "load", "save_plot"]
 
 
 def find(folder: Path, name: str) -> Path:
@@ -40,3 +40,18 @@ def dump(path: Path, obj: Any, preset: int = 9) -> None:
     else:
         tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
+
+
+def save_plot(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Save a matplotlib figure as a PNG of 256 colours: a plot's lines and text lose nothing visible, and the
+    file is about half the size of matplotlib's (every committed plot counts against ``benchmarks/results/``'s
+    5 MiB in git)."""
+    import io
+
+    from PIL import Image  # matplotlib's own dependency
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    buffer.seek(0)
+    image = Image.open(buffer).convert("RGB")
+    image.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, "PNG", optimize=True)
