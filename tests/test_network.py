@@ -463,6 +463,9 @@ def test_a_killed_launcher_leaves_nothing_once_its_ranks_end(tmp_path):
     ranks: dict[int, int] = {}
     try:
         assert _ranks_on_network(job, 2), proc.stdout.read() if proc.poll() is not None else "no namespaces"
+        deadline = time.monotonic() + 60  # a rank's namespace exists before its veth: wait for the whole set-up
+        while len(leftovers(job)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
         ranks = descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # no cleanup of its own: the orphaned ranks go on
         proc.wait(10)
