@@ -470,6 +470,17 @@ def test_overlap_state_dict_carries_the_round_in_flight():
 # -- late="lookahead": every backward pass at w - lr * mu * v ------------------------------------------------------
 
 
+def _assert_conserved_and_identical(out, world, iters):
+    """_lookahead_worker's results: every gradient applied once (sum of rounds x P = sum computed), every round
+    run and flushed, the replicas identical."""
+    for _, _, applied, computed, _, _, flushed, stats in out:
+        torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
+        assert stats["rounds"] == iters - 2 and flushed
+    for rank in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[rank][0]))
+        assert torch.equal(out[0][4], out[rank][4])
+
+
 def _lookahead_worker(
     rank, world, late, nesterov, iters=12, sleep_s=0.0, max_lead=0, split=None, overlap=True, lookahead_rounds=1
 ):
@@ -578,12 +589,7 @@ def test_lookahead_conserves_every_gradient_with_stragglers():
     # sum of every gradient computed, and the replicas stay identical.
     world, iters = 4, 30
     out = run_workers(_lookahead_worker, world, "lookahead", False, iters, 0.03, None, timeout_s=120)
-    for _, _, applied, computed, _, _, flushed, stats in out:
-        torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
-        assert stats["rounds"] == iters - 2 and flushed
-    for rank in range(1, world):
-        assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[rank][0]))
-        assert torch.equal(out[0][4], out[rank][4])
+    _assert_conserved_and_identical(out, world, iters)
     assert any(max(o[7]["staleness_hist"]) > 1 for o in out), [o[7]["staleness_hist"] for o in out]
 
 
@@ -648,12 +654,7 @@ def test_lookahead_rounds_conserve_every_gradient_with_stragglers():
     # As test_lookahead_conserves_every_gradient_with_stragglers, with s = 2: the point moves, the rounds do not.
     world, iters = 3, 14
     out = run_workers(_lookahead_worker, world, "lookahead", False, iters, 0.03, None, None, True, 2, timeout_s=120)
-    for _, _, applied, computed, _, _, flushed, stats in out:
-        torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
-        assert stats["rounds"] == iters - 2 and flushed
-    for rank in range(1, world):
-        assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[rank][0]))
-        assert torch.equal(out[0][4], out[rank][4])
+    _assert_conserved_and_identical(out, world, iters)
 
 
 def test_lookahead_one_round_is_lr_mu_bit_for_bit():
