@@ -233,7 +233,8 @@ def _recovered(job: Job, fault: dict[str, Any]) -> None:
         after = [r for r in job.rank0() if r["time"] > fault.get("respawned", float("inf"))]
         back = after[0]["time"] if after else None
         lost = max(0, fault["step"] - fault["checkpoint"])
-        named = bool(re.search(rf"rank {fault['victim']}\b[^\n]*(SIGKILL|exitcode: -9)", text))
+        # the launcher's line at the restart: "wagma: rank R (pid N) was killed by SIGKILL; restarting every rank ..."
+        named = bool(re.search(rf"rank \d+ \(pid {fault['pid']}\) was killed by SIGKILL", text))
     fault |= {"recovery_s": None if back is None else round(back - fault["at"], 3), "lost": lost, "named": named}
 
 

@@ -81,6 +81,7 @@ def test_one_tiny_run_per_mode_kills_recovers_and_records(tmp_path):
     assert live["recovery_s"] is not None and 0 < live["recovery_s"] < 60, live  # back in the quorum
     assert live["lost"] <= 1, live
     (restart,) = records["restart"]["faults"]
+    assert restart["named"], restart  # the launcher's line at the restart names the killed rank's pid
     assert restart["recovery_s"] is not None and restart["recovery_s"] > 0, restart  # rank 0 trained again
     assert records["restart"]["resumed_from"] is not None, records["restart"]  # from a checkpoint
     assert records["restart"]["resumed_from"] >= restart["checkpoint"] > 0

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from wagma.app import launch
+from wagma.app import run as run_module
 from wagma.app.metrics import MetricsWriter, read_metrics
 from wagma.app.procs import descendants
 from wagma.app.roll_call import RollCall
@@ -445,11 +448,22 @@ def test_python_train_py_max_restarts_resumes_a_job_that_lost_a_rank(tmp_path):
     try:
         ranks = _spawned_ranks(proc.pid, 2)
         _wait_until(lambda: list(run_dir.glob("checkpoints/step_*/meta.json")), 90, "a complete checkpoint")
-        os.kill(ranks[-1], signal.SIGKILL)
+        victim = ranks[-1]
+        os.kill(victim, signal.SIGKILL)
         proc.wait(timeout=150)
     finally:
         _kill_all(descendants(proc.pid))
     assert proc.returncode == 0, _output(tmp_path)[-3000:]
+    # the restart names the rank that died, although the job then succeeded
+    found = re.search(
+        rf"wagma: (rank [01] \(pid {victim}\) was killed by SIGKILL; restarting every rank from the "
+        r"newest complete checkpoint \(restart 1 of 1\))\n",
+        _output(tmp_path),
+    )
+    assert found, _output(tmp_path)[-3000:]
+    cause = found.group(1)
+    assert f"restart 1     {cause}" in _output(tmp_path)  # and the summary repeats it
+    assert json.loads((run_dir / "job.json").read_text())["restart_causes"] == [cause]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["restarts"] == 1
     assert summary["resumed_from"] is not None and 20 <= summary["resumed_from"] < steps
@@ -597,3 +611,51 @@ def test_the_launch_config_fits_torch_versions_with_and_without_a_shutdown_timeo
     monkeypatch.setattr(api, "LaunchConfig", older)
     config = run._launch_config(3, 0)
     assert type(config) is older and config.nproc_per_node == 3
+
+
+def _elastic_failure(rank: int, exitcode: int | None, error: Exception | None = None) -> None:
+    """Log a worker's failure as torch.distributed.elastic's process context does (with its exception, if any)."""
+    logger = logging.getLogger(run_module._FAILURE_LOGGER)
+    args = (exitcode, rank, 4242, "rank_main", "spawn")
+    fmt = "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)"
+    if error is None:
+        logger.error(fmt, *args)
+        return
+    try:
+        raise error
+    except Exception:
+        logger.exception(fmt, *args)
+
+
+def _elastic_restart(left: int, most: int) -> None:
+    logging.getLogger(run_module._RESTART_LOGGER).info(
+        "[%s] Worker group %s. %s/%s attempts left; will restart worker group", "default", "FAILED", left, most
+    )
+
+
+def test_each_restart_of_every_rank_names_the_rank_that_failed_and_how(capsys, caplog):
+    report = run_module._RestartReport(max_restarts=2)
+    with caplog.at_level(logging.DEBUG), run_module._quiet_elastic_logs(report):
+        _elastic_failure(3, -9)  # pid 4242
+        _elastic_restart(2, 2)
+        did_not_arrive = RuntimeError("rank 0: rank(s) [2] did not arrive at step 12 within 5 s\n")
+        _elastic_failure(0, 1, did_not_arrive)
+        _elastic_restart(1, 2)
+    again = "restarting every rank from the newest complete checkpoint"
+    assert report.restarts == [
+        f"rank 3 (pid 4242) was killed by SIGKILL; {again} (restart 1 of 2)",
+        f"rank 0 (pid 4242) failed: rank 0: rank(s) [2] did not arrive at step 12 within 5 s; {again} (restart 2 of 2)",
+    ]
+    assert capsys.readouterr().err.splitlines() == [f"wagma: {line}" for line in report.restarts]
+    assert not caplog.records  # the agent's own records stay off the terminal (and out of Hydra's log)
+    # afterwards the loggers are as they were: nothing of ours left on them
+    for name in (run_module._FAILURE_LOGGER, run_module._RESTART_LOGGER):
+        assert report not in logging.getLogger(name).handlers and logging.getLogger(name).propagate
+
+
+def test_a_failure_without_a_restart_is_not_reported_as_one(capsys):
+    report = run_module._RestartReport(max_restarts=0)
+    with run_module._quiet_elastic_logs(report):
+        _elastic_failure(1, 2)
+    assert report.restarts == [] and capsys.readouterr().err == ""
+    assert run_module._failure_line("rank 1 (pid 7)", "2", None) == "rank 1 (pid 7) failed (exit status 2)"

@@ -24,6 +24,7 @@ import json
 import logging
 import logging.config
 import os
+import re
 import signal
 import sys
 import threading
@@ -63,6 +64,8 @@ class LocalRun:
     summary: dict[str, Any] | None
     run_dir: Path
     error: str | None = None
+    #: One line per restart of every rank (``max_restarts``): which rank failed and how.
+    restarts: tuple[str, ...] = ()
 
 
 def rank_main(cfg: DictConfig, logging_config: Mapping[str, Any] | None) -> None:
@@ -115,24 +118,86 @@ def _launch_config(nproc: int, max_restarts: int) -> Any:
     )
 
 
+#: The elastic loggers whose records :class:`_RestartReport` reads: a worker's failure, the agent's restart.
+_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_RESTART_LOGGER = "torch.distributed.elastic.agent.server.api"
+_FAILURE = re.compile(r"failed \(exitcode: (-?\d+|None)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+class _RestartReport(logging.Handler):
+    """One line on stderr for each restart of every rank: the rank that failed first and how, and the restart's count.
+
+    The elastic agent's own records (silenced by :func:`_quiet_elastic_logs`) are read here: its process context
+    logs the first worker failure it sees (``failed (exitcode: -9) local_rank: 2 (pid: N) ...``, with its exception
+    when it raised one), then the agent logs ``... attempts left; will restart worker group``. On one node (the
+    launcher's c10d rendezvous on localhost) a local rank is the rank.
+    """
+
+    def __init__(self, max_restarts: int) -> None:
+        super().__init__(logging.INFO)
+        self.max_restarts = max_restarts
+        self.failure: str | None = None
+        self.restarts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a record whose arguments do not fit its format: not one of ours
+            return
+        if (found := _FAILURE.search(message)) is not None:
+            who = f"rank {found.group(2)} (pid {found.group(3)})"
+            self.failure = _failure_line(who, found.group(1), record.exc_info)
+        elif "will restart worker group" in message and "attempts left" in message:
+            cause = self.failure or "a rank failed"
+            self.failure = None
+            line = (
+                f"{cause}; restarting every rank from the newest complete checkpoint "
+                f"(restart {len(self.restarts) + 1} of {self.max_restarts})"
+            )
+            self.restarts.append(line)
+            print(f"wagma: {line}", file=sys.stderr, flush=True)
+
+
+def _failure_line(who: str, exitcode: str, exc_info: Any) -> str:
+    """``<who> was killed by SIGKILL``, ``<who> failed: <its error's last line>``, ``<who> failed (exit status N)``."""
+    code = None if exitcode == "None" else int(exitcode)
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{who} was killed by {signal.Signals(-code).name}"
+    error = exc_info[1] if isinstance(exc_info, tuple) and len(exc_info) > 1 else None
+    lines = [line.strip() for line in str(error or "").splitlines() if line.strip()]
+    if lines:
+        return f"{who} failed: {lines[-1]}"
+    return f"{who} failed (exit status {code})"
+
+
 @contextlib.contextmanager
-def _quiet_elastic_logs() -> Iterator[None]:
+def _quiet_elastic_logs(report: _RestartReport | None = None) -> Iterator[None]:
     """Keep the elastic agent's tracebacks and warnings off the terminal: :func:`launch_local` reports the cause.
 
     torch.distributed.elastic's loggers carry their own level (``LOGLEVEL``, WARNING by default), so each
-    one is raised to CRITICAL for the launch and restored after.
+    one is raised to CRITICAL for the launch and restored after. With ``report``, the records of a worker's
+    failure and of the agent's restart go to it alone (not to the terminal), which says in one line who failed.
     """
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
     names = [n for n in logging.root.manager.loggerDict if n.startswith(prefixes)]
-    loggers = [logging.getLogger(n) for n in (*prefixes, *names)]
-    levels = [logger.level for logger in loggers]
+    loggers = [logging.getLogger(n) for n in dict.fromkeys((*prefixes, *names, _FAILURE_LOGGER, _RESTART_LOGGER))]
+    saved = [(logger.level, logger.propagate) for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
+    readers = [logging.getLogger(_FAILURE_LOGGER), logging.getLogger(_RESTART_LOGGER)] if report else []
+    for logger in readers:
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.addHandler(report)  # type: ignore[arg-type]  # not None: readers is empty without a report
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger in readers:
+            logger.removeHandler(report)  # type: ignore[arg-type]
+        for logger, (level, propagate) in zip(loggers, saved):
             logger.setLevel(level)
+            logger.propagate = propagate
 
 
 @contextlib.contextmanager
@@ -194,25 +259,28 @@ def launch_local(
     job = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     job.run_dir = str(directory)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks, without its warning
+    report = _RestartReport(int(cfg.max_restarts))
     try:
         # quota_job, network_job: no cgroup, namespace, veth or bridge left behind by the ranks, by this job's end or
         # by an earlier job's killed launcher
         with (
             quota_job(job_name(directory), enabled=bool(cfg.get("rank_cpus"))),
             network_job(job_name(directory), enabled=rate_name(cfg.get("rank_net")) is not None),
-            _quiet_elastic_logs(),
+            _quiet_elastic_logs(report),
             _signal_handlers_restored(),
         ):
             elastic_launch(_launch_config(int(cfg.nproc), int(cfg.max_restarts)), rank_main)(job, logging_config)
     except SignalException as exc:
-        return LocalRun(128 + int(exc.sigval), None, directory, f"stopped by {signal.Signals(exc.sigval).name}")
+        stopped = f"stopped by {signal.Signals(exc.sigval).name}"
+        return LocalRun(128 + int(exc.sigval), None, directory, stopped, tuple(report.restarts))
     except ChildFailedError as exc:
         code, message = _root_cause(exc, directory)
-        return LocalRun(code, None, directory, message)
+        return LocalRun(code, None, directory, message, tuple(report.restarts))
     summary_path = directory / "summary.json"
     if not summary_path.is_file():
-        return LocalRun(1, None, directory, f"the ranks ended without writing {summary_path}")
-    return LocalRun(0, json.loads(summary_path.read_text()), directory)
+        missing = f"the ranks ended without writing {summary_path}"
+        return LocalRun(1, None, directory, missing, tuple(report.restarts))
+    return LocalRun(0, json.loads(summary_path.read_text()), directory, restarts=tuple(report.restarts))
 
 
 def stopping_signal(code: int) -> signal.Signals | None:
@@ -252,6 +320,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         restarts = {r: n - 1 for r, n in ft["lives"].items() if n > 1}
         late = ft["late"] or "none"
         lines.append(f"replicas      {len(ft['finished'])} finished, restarted {restarts or 'none'}, late {late}")
+    lines += [f"restart {i}     {line}" for i, line in enumerate(summary.get("restart_causes") or [], 1)]
     lines += [f"warning       {line}" for line in (summary.get("guard") or {}).get("warnings", [])]
     return "\n".join(lines)
 
@@ -322,7 +391,8 @@ def run_job(cfg: DictConfig) -> int:
     else:
         log.info("starting %d local rank(s) into %s", int(cfg.nproc), directory)
         result = launch_local(cfg, directory, logging_config=logging_config)  # type: ignore[arg-type]
-    _write_job_file(directory, record | {"exit": result.exit_code, "error": result.error})
+    outcome = {"exit": result.exit_code, "error": result.error, "restart_causes": list(result.restarts)}
+    _write_job_file(directory, record | outcome)
     if (stopped := stopping_signal(result.exit_code)) is not None:
         print(
             f"wagma: stopped by {stopped.name}; the ranks were ended; the newest complete checkpoint in "
@@ -335,5 +405,5 @@ def run_job(cfg: DictConfig) -> int:
         if not sweeping:
             sys.exit(result.exit_code)
         return result.exit_code
-    print("\n" + format_summary(result.summary), flush=True)
+    print("\n" + format_summary(result.summary | {"restart_causes": list(result.restarts)}), flush=True)
     return 0
