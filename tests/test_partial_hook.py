@@ -708,6 +708,23 @@ def test_lookahead_refuses_an_optimizer_without_every_parameter_and_bad_groups()
     )
 
 
+def test_a_lookahead_anchor_of_other_parameters_is_refused_naming_what_differs():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3, 2))
+    errors = error_messages(
+        {
+            "count": lambda: LookAhead([a, b]).load_anchor([torch.ones(2)]),
+            "shape": lambda: LookAhead([a, b]).load_anchor([torch.ones(2), torch.ones(2, 3)]),
+        }
+    )
+    assert errors["count"].endswith("expected one tensor per reduced parameter (2), found 1"), errors
+    assert errors["shape"].endswith(
+        "state['anchor'][1]: expected the shape of reduced parameter 1, [3, 2], found [2, 3]"
+    )
+    ahead = LookAhead([a, b])
+    ahead.load_anchor([torch.ones(2), torch.full((3, 2), 2.0)])  # the right shapes: the true weights restored
+    assert ahead.anchor is not None and torch.equal(ahead.anchor[1], torch.full((3, 2), 2.0))
+
+
 @pytest.mark.parametrize("rounds", [0, -1, True, 1.5])
 def test_bad_lookahead_rounds_raise(rounds):
     # checked before any process group is created: no world needed

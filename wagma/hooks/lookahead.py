@@ -162,8 +162,18 @@ class LookAhead:
         self._unattached = 0
         if anchor is None:
             return
-        if [tuple(w.shape) for w in anchor] != [tuple(local_tensor(p).shape) for p in self.params]:
-            raise ValueError("state['anchor']: expected one tensor per reduced parameter, of its shape")
+        found = [tuple(w.shape) for w in anchor]
+        expected = [tuple(local_tensor(p).shape) for p in self.params]
+        if len(found) != len(expected):
+            raise ValueError(
+                f"state['anchor']: expected one tensor per reduced parameter ({len(expected)}), found {len(found)}"
+            )
+        for i, (want, have) in enumerate(zip(expected, found)):
+            if want != have:
+                raise ValueError(
+                    f"state['anchor'][{i}]: expected the shape of reduced parameter {i}, {list(want)}, "
+                    f"found {list(have)}"
+                )
         restored = [p.detach().clone() for p in self.params]
         for w, value in zip(restored, anchor):
             local_tensor(w).copy_(value)
