@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from wagma.app.config import ConfigError, validate_config
 from wagma.app.data import BatchIterator
+from wagma.app.network import check_rank_net, namespace_name
 from wagma.app.procs import descendants
 from wagma.app.quota import cgroup_root, check_rank_cpus, job_name
 
@@ -48,6 +49,16 @@ def _cfg(*overrides: str) -> DictConfig:
         (["parallel=hsdp", "shard_size=2"], "parallel: expected 'ddp', found 'hsdp'"),
         (["resume=true"], "resume: expected False, found True"),
         (["ft.nproc=0"], "ft.nproc: expected an integer >= 1, found 0"),
+        (
+            ["rank_net=1gbit", "ft.nproc=2"],
+            "rank_net: expected null with ft.nproc > 1 or a running lighthouse (ft.lighthouse), found '1gbit'; here "
+            "ft.nproc=2, ft.lighthouse=None",
+        ),
+        (
+            ["rank_net=1gbit", "ft.lighthouse=http://node0:29510"],
+            "rank_net: expected null with ft.nproc > 1 or a running lighthouse (ft.lighthouse), found '1gbit'; here "
+            "ft.nproc=1, ft.lighthouse='http://node0:29510'",
+        ),
     ],
 )
 def test_a_bad_ft_config_is_named_before_anything_starts(overrides, message):
@@ -200,6 +211,35 @@ def test_python_train_py_recovers_a_killed_replica_live(tmp_path):
     assert (run_dir / "metrics_rank0.jsonl").exists()
     print(f"back in the quorum {second['joined'] - first['ended']:.1f} s after the kill; "
           f"accuracy {summary['test_accuracy']:.4f}; wall {summary['wall_s']:.1f} s")  # fmt: skip
+
+
+@pytest.mark.slow  # about 60 s on a loaded 2-core machine: three replicas on their own links, one killed
+@pytest.mark.timeout(240)
+def test_on_the_emulated_network_a_killed_replica_rejoins_over_its_link_and_nothing_is_left(tmp_path):
+    if (problem := check_rank_net("1gbit", 3)) is not None:
+        pytest.skip(f"no emulated network here: {problem}")
+    run_dir, victim, steps = tmp_path / "run", 2, 800
+    delays = ["imbalance=random_k", "imbalance.k=3", "imbalance.delay_s=0.02"]
+    proc = _train_py(tmp_path, "replicas=3", "rank_net=1gbit", f"steps={steps}", *delays, "log_every=50")
+    try:
+        _kill_when_averaged(run_dir, victim, 20, proc, limit_s=120)
+        assert proc.wait(timeout=180) == 0, (tmp_path / "train.out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job = job_name(run_dir)
+    starts = {r: [x for x in _records(run_dir / "ft" / f"replica{r}.jsonl") if x["event"] == "start"] for r in range(3)}
+    for r in range(3):  # every life in the replica's own namespace, reached at its own address (198.18.0.0/15)
+        assert {x["netns"] for x in starts[r]} == {namespace_name(job, r)}, starts[r]
+        assert all(x["host"].startswith("198.1") for x in starts[r]), starts[r]
+    assert len(starts[victim]) == 2  # started again in its namespace, once the dead life's was gone
+    lives = json.loads((run_dir / "replicas.json").read_text())["replicas"]
+    assert lives[str(victim)][1]["healed"] and lives[str(victim)][1]["exit"] == 0  # healed over the links
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rank_net"] == "1gbit" and summary["ft"]["finished"] == [0, 1, 2]
+    assert len(set(summary["ft"]["checksums"].values())) == 1
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert namespace_name(job, 0)[:-3] not in namespaces  # every namespace removed at the end (veths with them)
 
 
 @pytest.mark.slow  # about 15 s: two launches of one machine share a lighthouse, as two nodes would

@@ -19,7 +19,8 @@ end time, exit status, when it first joined a round, whether it healed; rewritte
 the job runs, so an operator or a
 test can find a replica's pid. At the end the launcher stops the lighthouse and writes ``summary.json`` from the
 replicas' ``final`` records (every replica that finished ends with the same model, after the last sync round).
-``rank_cpus`` puts each replica process in its own CPU quota.
+``rank_cpus`` puts each replica process in its own CPU quota, ``rank_net`` in its own network namespace behind a
+shaped link (one process a replica: ``ft.nproc=1``; the lighthouse is reached through the bridge).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import wagma
 from wagma.app.ft_replica import CONFIG_NAME, FT_DIR, LIFE_VARIABLE, replica_log
 from wagma.app.ft_report import ft_summary
 from wagma.app.metrics import write_summary
+from wagma.app.network import network_job, rate_name
 from wagma.app.procs import sigterm_exits
 from wagma.app.quota import job_name, quota_job
 
@@ -262,7 +264,13 @@ def launch_replicas(cfg: DictConfig, run_dir: Path) -> ReplicaJob:
     job.run_dir = str(run_dir)
     OmegaConf.save(job, ft_dir / CONFIG_NAME)
     started = time.time()
-    with quota_job(job_name(run_dir), enabled=bool(cfg.get("rank_cpus"))), sigterm_exits(), _lighthouse(job) as address:
+    # quota_job, network_job: no cgroup, namespace, veth or bridge of the replicas left behind, however they end
+    with (
+        quota_job(job_name(run_dir), enabled=bool(cfg.get("rank_cpus"))),
+        network_job(job_name(run_dir), enabled=rate_name(cfg.get("rank_net")) is not None),
+        sigterm_exits(),
+        _lighthouse(job) as address,
+    ):
         supervisor = _Supervisor(job, run_dir, address)
         try:
             supervisor.run()

@@ -51,8 +51,8 @@ def check_ft(plain: Mapping[str, Any]) -> list[str]:
     With ``ft=torchft``: every ``ft`` key of its type and range; ``replicas`` >= 1 and, with the launcher's own
     lighthouse, >= ``ft.min_replicas``; ``steps`` a multiple of ``ft.period x ft.sync_period`` (the last round is a
     sync round, so that every replica ends with the same model); ``rank_cpus`` for ``replicas x ft.nproc``
-    processes; and what the replica groups do not support
-    (``parallel=hsdp``, ``rank_net``, ``resume``, batching by tokens).
+    processes; and what the replica groups do not support (``parallel=hsdp``, ``resume``, batching by tokens;
+    ``rank_net`` with ``ft.nproc`` > 1 or a running lighthouse).
     """
     ft = plain.get("ft") or {"name": "none"}
     problems: list[str] = []
@@ -102,12 +102,20 @@ def _unsupported(plain: Mapping[str, Any]) -> list[str]:
     """What replica groups do not take (yet): each a line naming the key and what it must be."""
     wanted = {
         "parallel": ("ddp", plain.get("parallel", "ddp")),
-        "rank_net": (None, plain.get("rank_net")),
         "resume": (False, plain.get("resume", False)),
         "data.batching": ("samples", (plain.get("data") or {}).get("batching", "samples")),
     }
     advice = "ft=torchft replica groups take no other value (a dead replica heals from a live peer)"
-    return [str(fail(key, repr(want), found, advice)) for key, (want, found) in wanted.items() if found != want]
+    problems = [str(fail(key, repr(want), found, advice)) for key, (want, found) in wanted.items() if found != want]
+    ft = plain.get("ft") or {}
+    if plain.get("rank_net") is not None and (ft.get("nproc", 1) != 1 or ft.get("lighthouse") is not None):
+        expected = "null with ft.nproc > 1 or a running lighthouse (ft.lighthouse)"
+        advice = (
+            f"here ft.nproc={ft.get('nproc')}, ft.lighthouse={ft.get('lighthouse')!r}: the emulated network takes one "
+            "process a replica, on one host, with the launcher's own lighthouse"
+        )
+        problems.append(str(fail("rank_net", expected, plain.get("rank_net"), advice)))
+    return problems
 
 
 def _attempt(problems: list[str], check: Callable[[], Any]) -> Any:

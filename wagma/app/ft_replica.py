@@ -2,9 +2,11 @@
 
 :mod:`wagma.app.ft_launch` starts one process per replica group (``python -m wagma.app.ft_replica RUN_DIR REPLICA
 LIGHTHOUSE``), again after it died. The process reads the job's config (``RUN_DIR/ft/config.yaml``), joins its CPU
-quota (``rank_cpus``), builds the configured data, model (the same initial weights on every replica: seeded with
-``seed``), optimizer and imbalance, and a torchft ``Manager`` with wagma's
-:class:`~wagma.integrations.torchft.ReplicaAverager` (``ft.group_size``, ``ft.sync_period``, ``ft.period``). It joins
+quota (``rank_cpus``) and its network (``rank_net``: a namespace of its own behind a shaped link,
+:class:`wagma.app.network.RankNetwork`; its store, heals and rounds then go over that link), builds the configured
+data, model (the same initial weights on every replica: seeded with ``seed``), optimizer and imbalance, and a
+torchft ``Manager`` with wagma's :class:`~wagma.integrations.torchft.ReplicaAverager` (``ft.group_size``,
+``ft.sync_period``, ``ft.period``). It joins
 the job -- a (re)started replica heals from a live peer there: model, optimizer, averager state, data position --
 and trains until the job has committed ``steps / ft.period`` rounds, the last a sync round. With ``ft.nproc`` > 1
 the process is one rank of a replica group under torchrun: DDP averages gradients inside the group, the averager
@@ -48,6 +50,7 @@ from wagma.app.ft_options import ft_rounds
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter
 from wagma.app.models import build_model
+from wagma.app.network import RankNetwork, rate_name
 from wagma.app.quota import RankQuota, job_name
 from wagma.app.report import Totals, window_record
 from wagma.app.step import evaluate
@@ -139,14 +142,13 @@ def _build(cfg: DictConfig, replica: int, group: tuple[int, int], log: TextIO | 
     return _Replica(cfg, replica, *group, net, wrapped, optimizer, averager, batches, test, imbalance, log, writer)
 
 
-def _group_store(run: _Replica, timeout: datetime.timedelta) -> tuple[dist.TCPStore | None, int]:
-    """The TCP store of ``run``'s replica group, hosted by its rank 0 on a free port of ``ft.host``, and that port.
+def _group_store(run: _Replica, host: str, timeout: datetime.timedelta) -> tuple[dist.TCPStore | None, int]:
+    """The TCP store of ``run``'s replica group, hosted by its rank 0 on a free port of ``host``, and that port.
 
     Rank 0 publishes the port in torchrun's store under the restart attempt, so that the other ranks of a group that
     torchrun restarted read the new store's port, not the dead one's (torchft's keys in a store that outlives the
     attempt would be stale). Returns the store on rank 0 (keep it alive), None elsewhere.
     """
-    host = str(run.cfg.ft.host)
     if run.rank == 0:
         store = dist.TCPStore(host, 0, run.ranks, True, timeout=timeout, wait_for_workers=False)
         if run.ranks == 1:
@@ -160,15 +162,17 @@ def _group_store(run: _Replica, timeout: datetime.timedelta) -> tuple[dist.TCPSt
     return None, int(master.get(key))
 
 
-def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
-    """torchft's ``Manager`` for ``run`` and the TCP store it uses (keep it alive; :func:`_group_store`)."""
+def _manager(run: _Replica, lighthouse: str, host: str) -> tuple[Any, Any]:
+    """torchft's ``Manager`` for ``run`` and the TCP store it uses (keep it alive; :func:`_group_store`); ``host``:
+    the address the other replicas reach this one at."""
     from torchft import Manager
 
     from wagma.integrations.torchft import ReplicaProcessGroup
 
     ft = run.cfg.ft
     timeout = datetime.timedelta(seconds=float(ft.timeout_s))
-    store, port = _group_store(run, timeout)
+    store, port = _group_store(run, host, timeout)
+    transport = _checkpoint_transport(host, timeout)
     pg = ReplicaProcessGroup(timeout=timeout)
     manager = Manager(
         pg=pg,
@@ -178,9 +182,10 @@ def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
         use_async_quorum=False,
         rank=run.rank,
         world_size=run.ranks,
-        store_addr=str(ft.host),
+        store_addr=host,
         store_port=port,
-        hostname=str(ft.host),
+        hostname=host,
+        checkpoint_transport=transport,
         lighthouse_addr=lighthouse,
         replica_id=f"replica_{run.replica}",
         timeout=timeout,
@@ -189,6 +194,19 @@ def _manager(run: _Replica, lighthouse: str) -> tuple[Any, Any]:
     )
     run.averager.attach(manager, pg)
     return manager, store
+
+
+def _checkpoint_transport(host: str, timeout: datetime.timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (what a healing peer fetches), advertised at ``host``: torchft's own names
+    this machine's hostname, which a replica in a network namespace of its own (``rank_net``) cannot reach."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class _AtHost(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{host}:{port}/checkpoint/"
+
+    return _AtHost(timeout=timeout, num_chunks=0)
 
 
 def _cpu_cgroup() -> str | None:
@@ -257,16 +275,23 @@ def _train(run: _Replica, manager: Any) -> None:
 def train_replica(cfg: DictConfig, run_dir: Path, replica: int, lighthouse: str) -> dict[str, Any]:
     """Replica ``replica`` of the job: train it, heal it when it (re)joins, and return its ``final`` record."""
     rank, ranks = launch.env_rank(), launch.env_world_size()  # torchrun's, for ft.nproc > 1; else 0 of 1
-    quota = None
+    quota = network = None
     if cfg.get("rank_cpus"):
         quota = RankQuota(float(cfg.rank_cpus), job=job_name(run_dir), rank=replica * ranks + rank)
+    host = str(cfg.ft.host)
+    rate = rate_name(cfg.get("rank_net"))
+    if rate is not None:  # before any socket (ft.nproc is 1: checked); a restarted life waits for its last one's reaper
+        network = RankNetwork(rate, job=job_name(run_dir), rank=replica, wait_s=float(cfg.ft.rejoin_s))
+        host = str(network.address.ip)  # where the other replicas reach this one: its own link
+        lighthouse = _via_bridge(lighthouse, str(network.gateway.ip))
     launch.init_distributed("cpu", float(cfg.dist_timeout_s))  # the replica group's ranks (DDP, evaluate)
     manager = None
     with open(replica_log(run_dir, replica), "a", encoding="utf-8") if rank == 0 else nullcontext() as log:
         run = _build(cfg, replica, (rank, ranks), log, run_dir)
         try:
-            run.record("start", cpu_cgroup=_cpu_cgroup())  # with rank_cpus: this replica's own quota
-            manager, _store = _manager(run, lighthouse)
+            netns = network.namespace if network is not None else None
+            run.record("start", cpu_cgroup=_cpu_cgroup(), netns=netns, host=host)  # its own quota and network
+            manager, _store = _manager(run, lighthouse, host)
             _train(run, manager)
             accuracy, test_loss = evaluate(run.net, *run.test, rank, ranks)
             final: dict[str, Any] = {"test_accuracy": accuracy, "test_loss": test_loss, "checksum": _checksum(run.net)}
@@ -283,6 +308,16 @@ def train_replica(cfg: DictConfig, run_dir: Path, replica: int, lighthouse: str)
                 manager.shutdown(wait=False)
             if quota is not None:
                 quota.leave()
+            if network is not None:
+                network.leave()
+
+
+def _via_bridge(lighthouse: str, gateway: str) -> str:
+    """``lighthouse`` (``http://host:port``, the launcher's, listening on every address of the root namespace) as a
+    replica in a namespace of its own reaches it: through the bridge's address."""
+    scheme, _, rest = lighthouse.partition("://")
+    port = rest.rsplit(":", 1)[1] if ":" in rest else ""
+    return f"{scheme}://{gateway}:{port}" if port else f"{scheme}://{gateway}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from wagma.app.network import rate_name
+
 __all__ = ["ft_summary"]
 
 
@@ -52,6 +54,8 @@ def ft_summary(
         "model": str(cfg.model.name),
         "imbalance": str(cfg.imbalance.name),
         "run_dir": str(cfg.run_dir),
+        "rank_cpus": float(cfg.get("rank_cpus") or 0.0),  # each replica process's CPU quota (0: none)
+        "rank_net": rate_name(cfg.get("rank_net")),  # each replica's link rate (None: loopback)
         "ft": {
             "rounds": rounds,
             "finished": sorted(finals),

@@ -401,12 +401,14 @@ class RankNetwork:
         rate: the link's rate, e.g. ``"200mbit"`` (:func:`parse_rate`).
         job: the job's name (:func:`wagma.app.quota.job_name`), the same on every rank.
         rank: this rank (on one host: its local rank too).
+        wait_s: how long to wait while this rank's namespace is still in use (a restarted process whose previous
+            life's reaper is still draining its sockets); 0: fail at once.
 
     Raises:
         NetworkError: it cannot be set up (the message names the command and what it said); nothing is left.
     """
 
-    def __init__(self, rate: str, *, job: str, rank: int) -> None:
+    def __init__(self, rate: str, *, job: str, rank: int, wait_s: float = 0.0) -> None:
         global _current
         bits = parse_rate(rate)
         if bits is None:
@@ -423,32 +425,16 @@ class RankNetwork:
         self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._env: dict[str, str | None] = {}
         self.joined = False
+        deadline = time.monotonic() + max(0.0, wait_s)
         try:
-            with _host_lock():
-                _stale_locked()
-                if self.namespace in _our_namespaces(tag):  # a namespace in use (a dead one was just swept)
+            while not self._join(tag, rank):  # its namespace in use (a dead one was just swept)
+                if time.monotonic() >= deadline:
+                    waited = f" after {wait_s:g} s" if wait_s > 0 else ""
                     raise NetworkError(
-                        f"rank {rank}: network namespace {self.namespace} is in use by another process "
+                        f"rank {rank}: network namespace {self.namespace} is in use by another process{waited} "
                         "(another job with the same run directory?)"
                     )
-                self.gateway = _bridge_locked(tag)
-                self.address = ipaddress.IPv4Interface(f"{self.gateway.network[rank + 2]}/24")
-                try:
-                    self._create_locked()
-                    ns_fd = os.open(_NETNS_DIR / self.namespace, os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        self._reaper = _start_reaper(tag, rank, ns_fd)
-                        try:
-                            _setns(ns_fd)  # under the lock: no sweeper sees the namespace empty
-                        except BaseException:
-                            self._reaper.kill()
-                            raise
-                    finally:
-                        os.close(ns_fd)
-                except BaseException:
-                    _remove_locked([self.namespace], [], [self.veth])
-                    _remove_locked([], _unused_bridges_locked({tag}), [])
-                    raise
+                time.sleep(0.1)
         except BaseException:
             os.close(self._home)
             raise
@@ -466,6 +452,33 @@ class RankNetwork:
                 **({"MASTER_ADDR": self.store_host} if "MASTER_ADDR" in os.environ else {}),
             }
         )
+
+    def _join(self, tag: str, rank: int) -> bool:
+        """Under the host lock: make this rank's namespace and veth (and the bridge) and enter the namespace; False,
+        with nothing made, while a process is in the namespace."""
+        with _host_lock():
+            _stale_locked()
+            if self.namespace in _our_namespaces(tag):
+                return False
+            self.gateway = _bridge_locked(tag)
+            self.address = ipaddress.IPv4Interface(f"{self.gateway.network[rank + 2]}/24")
+            try:
+                self._create_locked()
+                ns_fd = os.open(_NETNS_DIR / self.namespace, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    self._reaper = _start_reaper(tag, rank, ns_fd)
+                    try:
+                        _setns(ns_fd)  # under the lock: no sweeper sees the namespace empty
+                    except BaseException:
+                        self._reaper.kill()
+                        raise
+                finally:
+                    os.close(ns_fd)
+            except BaseException:
+                _remove_locked([self.namespace], [], [self.veth])
+                _remove_locked([], _unused_bridges_locked({tag}), [])
+                raise
+        return True
 
     def _create_locked(self) -> None:
         burst, rate = tbf_burst(self.bits_per_s), f"{self.bits_per_s}bit"
