@@ -26,7 +26,8 @@ The runs, per framework F (``lightning``, ``accelerate``, ``transformers``):
 Every framework's DDP is built as the plain script builds it (``find_unused_parameters=False``): the HF Trainer's
 default turns it on for any model without activation checkpointing; and the Trainer is told that its dataset has no
 columns to remove (``remove_unused_columns=False``), which spares it filtering every example's keys. ``--hf-defaults``
-keeps both of its defaults.
+keeps both of its defaults. ``--pin`` puts each rank, with every thread it starts, on a core of its own (rank r on
+core r): one rank's extra work then delays the others only where they wait for it, as on separate devices.
 
 ``F/wagma`` against ``plain/wagma`` holds the framework's own per-step cost (its loop, callbacks, logging); where
 that dominates, ``F/wagma`` against ``F/byhand`` is what the adapter adds. ``--cpu-time`` measures the adapters' own
@@ -386,6 +387,8 @@ def _launch(framework: str, variant: str, args: argparse.Namespace) -> float:
         ]
         if args.hf_defaults:
             inner.append("--hf-defaults")
+        if args.pin:
+            inner.append("--pin")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(var, None)
@@ -457,6 +460,9 @@ def main() -> None:
         action="store_true",
         help="leave the HF Trainer at its defaults: find_unused_parameters on, remove_unused_columns on",
     )
+    parser.add_argument(
+        "--pin", action="store_true", help="each rank (with its threads) on a core of its own: ranks as devices"
+    )
     parser.add_argument("--out", help="also write the results as JSON here")
     parser.add_argument("--cpu-time", action="store_true", help="only the adapters' own code, in CPU time, one process")
     parser.add_argument("--launch-run", dest="run", choices=sorted(RUNS), help=argparse.SUPPRESS)
@@ -465,6 +471,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.run:
         torch.set_num_threads(1)
+        if args.pin:  # this rank and every thread it starts (gloo's, wagma's) on one core of its own
+            os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % (os.cpu_count() or 1)})
         RUNS[args.run](args, _Clock())
         return
     if args.cpu_time:
