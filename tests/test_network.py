@@ -20,6 +20,7 @@ import wagma.app.network as network
 from wagma.app.config import ConfigError, validate_config
 from wagma.app.network import (
     RATE_FORMS,
+    NetworkError,
     RankNetwork,
     bridge_name,
     check_rank_net,
@@ -269,6 +270,49 @@ def test_a_killed_rank_is_removed_by_its_reaper_and_a_killed_reaper_by_the_sweep
                 os.kill(rank.pid, signal.SIGKILL)
             rank.join(10)
     assert wait_gone(job) == []  # rank 2's reaper
+
+
+def _try_to_make(job: str, wait_s: float, out) -> None:
+    started = time.monotonic()
+    try:
+        net = RankNetwork("100mbit", job=job, rank=0, wait_s=wait_s)
+    except NetworkError as err:
+        out.put(("error", str(err), time.monotonic() - started))
+        return
+    out.put(("made", net.namespace, time.monotonic() - started))
+    net.leave()
+
+
+@needs_net
+def test_a_rank_whose_namespace_is_still_in_use_waits_for_it_up_to_wait_s():
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    ctx = multiprocessing.get_context("fork")
+    ready, out = ctx.Queue(), ctx.Queue()
+    holder = ctx.Process(target=_make_and_wait, args=(job, 0, ready))  # a previous life, still in rank 0's namespace
+    try:
+        holder.start()
+        ready.get(timeout=60)
+        refused = ctx.Process(target=_try_to_make, args=(job, 0.5, out))
+        refused.start()
+        kind, message, waited = out.get(timeout=30)
+        assert kind == "error" and waited >= 0.5, (kind, message, waited)
+        assert message == (
+            f"rank 0: network namespace {namespace_name(job, 0)} is in use by another process after 0.5 s "
+            "(another job with the same run directory?)"
+        )
+        patient = ctx.Process(target=_try_to_make, args=(job, 30.0, out))
+        patient.start()
+        time.sleep(1.0)
+        os.kill(holder.pid, signal.SIGKILL)  # its reaper removes the namespace; the patient one then makes it anew
+        kind, made, waited = out.get(timeout=60)
+        assert (kind, made) == ("made", namespace_name(job, 0)) and waited >= 1.0, (kind, made, waited)
+        for proc in (refused, patient):
+            proc.join(30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(holder.pid, signal.SIGKILL)
+        holder.join(10)
+    assert wait_gone(job) == []
 
 
 @needs_net
