@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 from benchmarks.machine import machine_info  # noqa: E402
 from wagma.app.metrics import read_metrics  # noqa: E402
 
-__all__ = ["curve", "main", "target"]
+__all__ = ["curve", "curve_in_unit", "main", "target"]
 
 
 def curve(run_dir: Path, summary: dict[str, Any]) -> list[dict[str, float]]:
@@ -53,6 +53,15 @@ def curve(run_dir: Path, summary: dict[str, Any]) -> list[dict[str, float]]:
         "test_accuracy": float(summary["test_accuracy"]),
     }
     return [points[s] for s in sorted(points)]
+
+
+def curve_in_unit(run_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, float]], str]:
+    """:func:`curve`, its test loss in bits per byte for a language model (the summary has ``test_bits_per_byte``),
+    else in nats; and that unit."""
+    points = curve(run_dir, summary)
+    if "test_bits_per_byte" not in summary:
+        return points, "nats"
+    return [pt | {"test_loss": pt["test_loss"] / math.log(2)} for pt in points], "bits/byte"
 
 
 def target(points: Sequence[dict[str, float]], at: int, slack: float) -> dict[str, Any]:
@@ -84,11 +93,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=None, help="write the curve and the target here (JSON)")
     args = p.parse_args(argv)
     summary = json.loads((args.run_dir / "summary.json").read_text())
-    bits = "test_bits_per_byte" in summary  # a language model: its curve in bits per byte
-    unit = "bits/byte" if bits else "nats"
-    points = curve(args.run_dir, summary)
-    if bits:
-        points = [pt | {"test_loss": pt["test_loss"] / math.log(2)} for pt in points]
+    points, unit = curve_in_unit(args.run_dir, summary)
     try:
         chosen = target(points, args.at, args.slack)
     except ValueError as err:

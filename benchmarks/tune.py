@@ -36,7 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing
 
-from benchmarks.calibrate import curve  # noqa: E402
+from benchmarks.calibrate import curve_in_unit  # noqa: E402
+from wagma.app.sweep import collect  # noqa: E402
 
 __all__ = ["KNOBS", "LR_FACTORS", "main", "pick", "plan", "time_to_target"]
 
@@ -95,22 +96,20 @@ def time_to_target(points: Sequence[dict[str, float]], target: float, accuracy: 
     return None
 
 
-def _job(directory: Path, target: float, accuracy: bool) -> dict[str, Any]:
-    record = json.loads((directory / "job.json").read_text())
-    overrides = list(record.get("overrides", []))
+def _job(row: dict[str, Any], target: float, accuracy: bool) -> dict[str, Any]:
+    """One row of :func:`wagma.app.sweep.collect` as the pick sees it: policy, setting, time to ``target``, finals."""
+    directory, overrides = Path(row["dir"]), list(row.get("overrides", []))
     policy = _override(overrides, "averaging")
-    if record.get("exit") != 0:
-        raise SystemExit(f"tune.py: job {directory} failed (exit {record.get('exit')}): {record.get('error')}")
+    if row.get("exit") != 0:
+        raise SystemExit(f"tune.py: job {directory} failed (exit {row.get('exit')}): {row.get('error')}")
     if policy is None:
         raise _fail(f"{directory}/job.json overrides", "an averaging=POLICY override", overrides)
-    summary = json.loads((directory / "summary.json").read_text())
-    points = curve(directory, summary)
-    if "test_bits_per_byte" in summary:  # a language model: losses in bits per byte, as the calibration's
-        points = [p | {"test_loss": p["test_loss"] / math.log(2)} for p in points]
+    points, _unit = curve_in_unit(directory, row["summary"])  # bits per byte for a language model, as calibrated
     setting = [o for o in overrides if o.split("=", 1)[0] in {"optim.lr", *KNOBS.get(policy, {})}]
     return {
         "policy": policy,
         "setting": setting,
+        "overrides": overrides,
         "dir": str(directory),
         "seconds": time_to_target(points, target, accuracy),
         "final_loss": points[-1]["test_loss"],
@@ -120,7 +119,7 @@ def _job(directory: Path, target: float, accuracy: bool) -> dict[str, Any]:
 
 def pick(sweeps: Sequence[Path], target: float, accuracy: bool = False) -> dict[str, dict[str, Any]]:
     """Per policy, every job of ``sweeps`` and the chosen one (module docstring)."""
-    jobs = [_job(p.parent, target, accuracy) for sweep in sweeps for p in sorted(Path(sweep).glob("*/job.json"))]
+    jobs = [_job(row, target, accuracy) for sweep in sweeps for row in collect(sweep)]
     if not jobs:
         raise _fail("sweep directories", "jobs (DIR/*/job.json)", f"none in {[str(s) for s in sweeps]}")
     chosen: dict[str, dict[str, Any]] = {}
@@ -175,8 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print(chosen)
     seeds = ",".join(str(s) for s in args.measure_seeds)
     for policy, entry in chosen.items():
-        job = json.loads((Path(entry["chosen"]["dir"]) / "job.json").read_text())
-        keep = [o for o in job["overrides"] if not o.startswith(("seed=", "hydra."))]
+        keep = [o for o in entry["chosen"]["overrides"] if not o.startswith(("seed=", "hydra."))]
         entry["measure"] = shlex.join(["python", "train.py", "-m", *keep, f"seed={seeds}"])
         print(f"# {policy}{'' if entry['reached'] else ' (no run reached the target)'}\n{entry['measure']}")
     if args.out is not None:
