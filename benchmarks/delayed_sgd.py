@@ -82,7 +82,21 @@ def max_stable_step(mu: float, s: int, *, fresh: float = 0.0) -> float:
 
 
 #: The remedies ``emulate`` can apply to late gradients (``"none"``: the optimizer meets them as they are).
-REMEDIES = ("none", "outside", "momentum", "staleness_lr", "dc", "dc_adaptive", "lookahead", "nesterov")
+REMEDIES = (
+    "none",
+    "outside",
+    "momentum",
+    "staleness_lr",
+    "dc",
+    "dc_adaptive",
+    "lookahead",
+    "nesterov",
+    "extrapolate",
+    "lookahead_last",
+    "lookahead_own",
+)
+#: remedies that compute a late gradient at a point predicted from the momentum buffer at ``w_stale``
+_PREDICTS = ("lookahead", "extrapolate", "lookahead_last", "lookahead_own")
 
 
 def lowered_momentum(momentum: float, staleness: dict[int, float]) -> float:
@@ -133,6 +147,12 @@ def emulate(
     - ``"nesterov"``: SGD with ``nesterov=True``, every gradient (fresh ones too) computed at its parameters: what
       ``PartialAllreduceState(late="lookahead")`` does (the same recurrence; the model kept is ``w``, not the
       look-ahead point). With every gradient one step late it is ``"lookahead"``.
+    - ``"extrapolate"``: the whole last step repeated ``s`` times, ``w_stale - lr * s * v_stale`` (SpecTrain's
+      weight prediction; for ``s = 1`` the in-flight step's gradient estimated by ``(1 - mu) v``).
+    - ``"lookahead_last"``: the look-ahead point plus the in-flight step's gradient estimated by the last mean
+      gradient applied, ``w_stale - lr * (mu * v_stale + g_last)`` (``s = 1``; further steps as ``"lookahead"``).
+    - ``"lookahead_own"``: as ``"lookahead_last"`` with this rank's own gradient of the step before (its share of
+      the in-flight round) as the estimate: ``w_stale - lr * (mu * v_stale + g_own)``.
     """
     if remedy not in REMEDIES:
         raise ValueError(f"remedy: expected one of {REMEDIES}, found {remedy!r}")
@@ -146,27 +166,40 @@ def emulate(
     draw = random.Random(seed)
     ages, weights = list(staleness), list(staleness.values())
     history: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=max(ages) + 1)
-    buffers: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=max(ages) + 1)  # lookahead
+    buffers: collections.deque[list[torch.Tensor | None]] = collections.deque(maxlen=max(ages) + 1)  # lookahead
     if dc_lambda is None:
         dc_lambda = 2.0 if remedy == "dc_adaptive" else 0.04
     mean_square = [torch.zeros_like(p) for p in params]  # dc_adaptive
+    applied: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=max(ages) + 1)  # lookahead_last
+    own: list[list[torch.Tensor] | None] = [None] * ranks  # lookahead_own: each rank's gradient of the step before
     for _ in range(steps):
         now = [p.detach().clone() for p in params]
         history.appendleft(now)
-        if remedy == "lookahead":
+        if remedy in _PREDICTS:
             buffers.appendleft([opt.state[p]["momentum_buffer"].clone() if p in opt.state else None for p in params])
         total = [torch.zeros_like(p) for p in params]
         late = [torch.zeros_like(p) for p in params]  # outside
-        for shard in shards:
+        for r, shard in enumerate(shards):
             age = min(draw.choices(ages, weights)[0], len(history) - 1)
             old = history[age]
             with torch.no_grad():
                 for i, (p, w) in enumerate(zip(params, old)):
                     p.copy_(w)
-                    if remedy == "lookahead" and age > 0 and buffers[age][i] is not None:
-                        p.sub_(buffers[age][i], alpha=lr * sum(mu**k for k in range(1, age + 1)))
+                    if remedy in _PREDICTS and age > 0 and (v := buffers[age][i]) is not None:
+                        if remedy == "extrapolate":
+                            p.sub_(v, alpha=lr * age)
+                        else:
+                            p.sub_(v, alpha=lr * sum(mu**k for k in range(1, age + 1)))
+                        estimate = None
+                        if remedy == "lookahead_last" and len(applied) > age:
+                            estimate = applied[age][i]
+                        elif remedy == "lookahead_own" and (mine := own[r]) is not None:
+                            estimate = mine[i]
+                        if estimate is not None:
+                            p.sub_(estimate, alpha=lr)
             x, y = next(shard)
             grads = torch.autograd.grad(F.cross_entropy(net(x), y), params)
+            own[r] = [g.detach() for g in grads]
             with torch.no_grad():
                 for i, g in enumerate(grads):
                     if remedy == "staleness_lr" and age > 0:
@@ -183,6 +216,8 @@ def emulate(
             for p, w, g in zip(params, now, total):
                 p.copy_(w)
                 p.grad = g
+        if remedy == "lookahead_last":
+            applied.appendleft([g.clone() for g in total])
         opt.step()
         if remedy == "outside":
             with torch.no_grad():

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wagma.hooks import get as get_hook
+from wagma.hooks.fsdp import FSDPPartialAllreduce
 from wagma.hooks.lookahead import LookAhead
 from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
 from wagma.testing import error_messages, rank_device, run_workers
@@ -473,7 +474,7 @@ def test_overlap_state_dict_carries_the_round_in_flight():
 def _assert_conserved_and_identical(out, world, iters):
     """_lookahead_worker's results: every gradient applied once (sum of rounds x P = sum computed), every round
     run and flushed, the replicas identical."""
-    for _, _, applied, computed, _, _, flushed, stats in out:
+    for _, _, applied, computed, _, _, flushed, stats, _ in out:
         torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
         assert stats["rounds"] == iters - 2 and flushed
     for rank in range(1, world):
@@ -485,7 +486,8 @@ def _lookahead_worker(
     rank, world, late, nesterov, iters=12, sleep_s=0.0, max_lead=0, split=None, overlap=True, lookahead_rounds=1
 ):
     """overlap=True: every gradient at least one round late. Record where each backward pass ran, the true weights
-    and momentum buffers after each step, the mean gradient each step applied and every gradient computed."""
+    and momentum buffers after each step, the mean gradient each step applied, every gradient computed (summed over
+    the ranks) and this rank's gradient of each iteration."""
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.0005)
 
@@ -511,13 +513,15 @@ def _lookahead_worker(
         )
 
     computed = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    own: list[torch.Tensor] = []  # this rank's gradient of each iteration, in parameter order
 
     def count(model):  # every gradient this rank computes, summed in parameter order
         at = 0
         for p in model.parameters():
 
-            def add(g, view=computed[at:][: p.numel()]):  # noqa: B008
+            def add(g, view=computed[at:][: p.numel()], at=at):  # noqa: B008
                 view.add_(g.reshape(-1))
+                own[-1][at:][: g.numel()].add_(g.reshape(-1))
 
             p.register_hook(add)
             at += p.numel()
@@ -544,6 +548,7 @@ def _lookahead_worker(
         if sleep_s and shared.randrange(world) == rank:
             time.sleep(sleep_s)
         points.append(flat(model.parameters()))
+        own.append(torch.zeros_like(computed))
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -553,13 +558,13 @@ def _lookahead_worker(
     stats = state.stats_dict()
     state.close()
     dist.all_reduce(computed)
-    return points, after, applied, computed, final, weights, flushed, stats
+    return points, after, applied, computed, final, weights, flushed, stats, own
 
 
 def test_lookahead_runs_every_backward_pass_at_the_look_ahead_point():
     lr, mu = 0.1, 0.9
     out = run_workers(_lookahead_worker, 2, "lookahead", False)
-    for points, after, _, _, final, weights, _, _ in out:
+    for points, after, _, _, final, weights, *_ in out:
         assert len(after) == len(points) + 1  # every step and the flush's
         for t in range(1, len(points)):
             w, v = after[t - 1]  # the true weights and the momentum buffer after step t - 1
@@ -603,6 +608,103 @@ def test_lookahead_state_dict_round_trip_continues_like_an_uninterrupted_run():
         assert torch.equal(a[4], b[4])
 
 
+# -- late="lookahead_local": also ahead by this rank's own gradient of the round in flight --------------------------
+
+
+def test_lookahead_local_runs_every_backward_pass_ahead_by_this_ranks_share_of_the_round_in_flight():
+    # Iteration t's backward pass runs at w - lr * mu * v - lr * g_own, where w, v are the weights and momentum
+    # buffer after step t - 1 and g_own this rank's gradient of iteration t - 1 (the round then sent, in flight
+    # until iteration t applies it); after the two warm-up iterations, whose allreduce is not in flight, by
+    # momentum alone.
+    lr, mu = 0.1, 0.9
+    out = run_workers(_lookahead_worker, 2, "lookahead_local", False)
+    for points, after, _, _, final, weights, _, _, own in out:
+        assert len(after) == len(points) + 1  # every step and the flush's
+        for t in range(1, len(points)):
+            w, v = after[t - 1]
+            expected = w - lr * mu * v - (lr * own[t - 1] if t - 1 >= 2 else 0)
+            torch.testing.assert_close(points[t], expected, rtol=0, atol=1e-14)
+            if t - 1 >= 2:
+                assert not torch.allclose(points[t], w - lr * mu * v, rtol=0, atol=1e-6)  # not momentum alone
+        assert torch.equal(final, weights) and torch.equal(final, after[-1][0])  # the flush ends at w
+    # The ranks' points differ (each steps by its own gradient); their true weights do not.
+    assert not torch.equal(out[0][0][-1], out[1][0][-1])
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_lookahead_local_conserves_every_gradient_with_stragglers():
+    # The point moves by this rank's own gradient; the rounds carry and apply every gradient as before.
+    world, iters = 4, 30
+    out = run_workers(_lookahead_worker, world, "lookahead_local", False, iters, 0.03, 0, timeout_s=120)
+    for _, _, applied, computed, _, _, flushed, stats, _ in out:
+        torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
+        assert stats["rounds"] == iters - 2 and flushed
+    for rank in range(1, world):
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(out[0][1], out[rank][1]))  # the same w after every step
+        assert torch.equal(out[0][4], out[rank][4])
+
+
+def test_lookahead_local_resumes_from_a_state_dict_at_the_same_point_and_conserves():
+    # overlap's rounds take whichever gradients are there, so two runs differ; what a checkpoint must keep is the
+    # rule: the parameters saved at the point (the round in flight estimated), w in the hook's state, the round in
+    # flight in it too. Across the resume at iteration 7 every backward pass is at w - lr * mu * v - lr * g_own and
+    # every gradient is applied once.
+    lr, mu, world, iters = 0.1, 0.9, 2, 12
+    out = run_workers(_lookahead_worker, world, "lookahead_local", False, iters, 0.0, 0, 7, True)
+    for points, after, applied, computed, *_, own in out:
+        for t in range(3, len(points)):
+            w, v = after[t - 1]
+            torch.testing.assert_close(points[t], w - lr * mu * v - lr * own[t - 1], rtol=0, atol=1e-14)
+        torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
+
+
+def test_lookahead_local_steps_as_sgd_would_with_weight_decay_dampening_and_maximize():
+    torch.manual_seed(0)
+    for options in ({"weight_decay": 0.01, "dampening": 0.3}, {"maximize": True}):
+        params = [nn.Parameter(torch.randn(5, dtype=torch.float64)) for _ in range(2)]
+        lr, mu = 0.1, 0.9
+        opt = torch.optim.SGD(params, lr=lr, momentum=mu, **options)
+        ahead = LookAhead(params, local=True)
+        ahead.attach(opt)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            held = [torch.randn_like(p) for p in params] if step != 1 else None  # step 1: nothing in flight
+            ahead.hold_local(held)
+            opt.step()
+            for i, (p, w) in enumerate(zip(params, ahead.weights())):
+                v = opt.state[p]["momentum_buffer"]
+                expected = w - lr * mu * v
+                if held is not None:
+                    # where the next step takes w if its gradient is the held one: SGD's own rule
+                    g = -held[i] if options.get("maximize") else held[i]
+                    d = (1 - options.get("dampening", 0)) * (g + options.get("weight_decay", 0) * w)
+                    expected = expected - lr * d
+                torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-14)
+
+
+def test_lookahead_local_refuses_what_it_cannot_estimate():
+    model = _model()
+    errors = error_messages(
+        {
+            "rounds": lambda: LookAhead(model.parameters(), 2, local=True),
+            "held": lambda: LookAhead(model.parameters(), local=True).hold_local([torch.zeros(1)]),
+            "no overlap": lambda: PartialAllreduceState(model.parameters(), late="lookahead_local"),
+        }
+    )
+    assert errors["rounds"].endswith(
+        "lookahead_rounds: expected 1 with late='lookahead_local' (this rank's "
+        "gradient stands in for one round in flight), found 2"
+    ), errors
+    assert "hold_local: expected one gradient per parameter" in errors["held"], errors
+    with pytest.raises(ValueError, match=r"^late: expected 'apply' or 'lookahead' \(FSDPPartialAllreduce has no"):
+        FSDPPartialAllreduce(model, world=None, late="lookahead_local")
+    assert errors["no overlap"].endswith(
+        "late: 'lookahead_local' needs overlap=True (this rank's gradient stands "
+        "in for the round in flight; without overlap none is), found overlap=False"
+    )
+
+
 def _lookahead_bad_worker(rank, world):
     model = _model()
     errors = error_messages(
@@ -629,7 +731,7 @@ def _lookahead_bad_worker(rank, world):
 
 def test_lookahead_bad_arguments_raise():
     errors = run_workers(_lookahead_bad_worker, 2)[0]
-    assert "late: expected one of 'apply', 'lookahead', found 'outside'" in errors["late"]
+    assert "late: expected one of 'apply', 'lookahead', 'lookahead_local', found 'outside'" in errors["late"]
     assert all("nesterov=False" in errors[k] for k in ("nesterov", "momentum", "adam")), errors
     assert "attach(optimizer)" in errors["unattached"]
 
@@ -642,7 +744,7 @@ def test_lookahead_rounds_put_every_backward_pass_s_rounds_of_momentum_ahead(rou
     lr, mu = 0.1, 0.9
     reach = lr * sum(mu**k for k in range(1, rounds + 1))
     out = run_workers(_lookahead_worker, 2, "lookahead", False, 6, 0.0, rounds - 1, None, True, rounds)
-    for points, after, _, _, final, weights, _, _ in out:
+    for points, after, _, _, final, weights, *_ in out:
         for t in range(1, len(points)):
             w, v = after[t - 1]
             torch.testing.assert_close(points[t], w - reach * v, rtol=0, atol=1e-14)

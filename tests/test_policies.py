@@ -43,6 +43,7 @@ PRESETS = {
     "reference/eager_majority": "eager_majority",
     "wagma_ahead_conserve": "wagma",
     "candidate/eager_solo_overlap_lookahead": "eager_solo",
+    "candidate/eager_solo_overlap_lookahead_local": "eager_solo",
 }  # option -> policy name
 CPU = torch.device("cpu")
 
@@ -125,6 +126,8 @@ def test_the_averaging_options_and_experiment_presets_exist():
         0,
         1,
     )
+    local = _compose("averaging=candidate/eager_solo_overlap_lookahead_local").averaging
+    assert (local.late, local.overlap, local.max_lead) == ("lookahead_local", True, 0)
     assert _compose("averaging=reference/eager_solo_overlap").averaging.get("late", "apply") == "apply"
     for gossip in ("dpsgd", "sgp", "osgp", "adpsgd"):  # the decentralized baselines, shipped to be compared against
         assert _compose(f"averaging={gossip}").averaging.baseline is True
@@ -282,7 +285,18 @@ KNOWN = (
         (
             "reference/eager_solo",
             {"late": "outside"},
-            "averaging.late: expected one of 'apply', 'lookahead', found 'outside'$",
+            "averaging.late: expected one of 'apply', 'lookahead', 'lookahead_local', found 'outside'$",
+        ),
+        (
+            "reference/eager_solo",
+            {"late": "lookahead_local"},
+            r"averaging.overlap: expected true with averaging.late=lookahead_local \(it estimates the round in "
+            r"flight\), found False$",
+        ),
+        (
+            "candidate/eager_solo_overlap_lookahead_local",
+            {"lookahead_rounds": 2},
+            "averaging.lookahead_rounds: expected 1 with averaging.late=lookahead_local, found 2$",
         ),
         (
             "reference/eager_solo",

@@ -86,6 +86,11 @@ class FSDPPartialAllreduce:
         late: Late = "apply",
         lookahead_rounds: int = 1,
     ) -> None:
+        if late == "lookahead_local":
+            raise ValueError(
+                "late: expected 'apply' or 'lookahead' (FSDPPartialAllreduce has no overlap, so no round is in flight "
+                "for 'lookahead_local' to estimate), found 'lookahead_local'"
+            )
         _check_module(module)
         self.late: Late = check_choice("late", late, LATE)
         self.params = [p for p in module.parameters() if p.requires_grad]

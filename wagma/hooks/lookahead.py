@@ -9,6 +9,17 @@ heavy-ball momentum alone carries the model to in those ``s`` steps than at the 
 optimizer, its weight decay and the rounds' results act on ``w``), a post-hook keeps the ``w`` the step computed and
 moves the parameters to ``ŵ``. With ``s = 1`` this is SGD with Nesterov momentum whose parameters are the look-ahead
 point; with ``s > 1`` it is the weight prediction of delayed-momentum methods (SpecTrain, DANA), not Nesterov.
+
+``late="lookahead_local"`` (``local=True``, ``s = 1``) also takes the round in flight into account, which the point
+above leaves out: the step that will have been taken when a gradient computed now is applied adds that round's mean
+gradient, not known yet; this rank's own gradient of that round, which it has just sent, stands in for it (the
+correction of delayed gradient averaging, Zhu et al., NeurIPS 2021):
+
+    ŵ = w - lr * mu * v - lr * (1 - dampening) * (g_own + weight_decay * w)
+
+where ``g_own`` is this rank's gradient of the round in flight (negated with ``maximize``): exactly the point the
+next step reaches if the round's mean equals ``g_own``. Only where the backward passes run changes, never what the
+rounds carry or the optimizer applies.
 Both partial hooks (:class:`~wagma.PartialAllreduceState` for DDP, :class:`~wagma.FSDPPartialAllreduce` for FSDP2's
 sharded DTensor parameters) hold one.
 """
@@ -26,8 +37,8 @@ from wagma.checks import check_int
 __all__ = ["LATE", "Late", "LookAhead", "lookahead_coefficient"]
 
 #: what a partial hook does about late gradients: apply them as they are, or compute them at the look-ahead point
-Late = Literal["apply", "lookahead"]
-LATE = ("apply", "lookahead")
+Late = Literal["apply", "lookahead", "lookahead_local"]
+LATE = ("apply", "lookahead", "lookahead_local")
 
 _NEEDS = "torch.optim.SGD with momentum > 0 and nesterov=False"
 _WHY = "the look-ahead point is where its heavy-ball momentum carries the model"
@@ -54,14 +65,24 @@ class LookAhead:
     Args:
         params: the parameters to move (plain tensors or DTensors; the optimizer's own objects).
         rounds: ``s >= 1``, the rounds of heavy-ball momentum the point looks ahead.
+        local: also step by this rank's own gradient of the round in flight (:meth:`hold_local`), as the next step
+            would if that round's mean were it (``late="lookahead_local"``; ``rounds`` must be 1).
 
     Raises:
-        ValueError: ``rounds`` is not an integer >= 1.
+        ValueError: ``rounds`` is not an integer >= 1, or not 1 with ``local``.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], rounds: int = 1) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], rounds: int = 1, *, local: bool = False) -> None:
         self.params = list(params)
         self.rounds = check_int("lookahead_rounds", rounds, 1)
+        self.local = bool(local)
+        if self.local and self.rounds != 1:
+            raise ValueError(
+                f"lookahead_rounds: expected 1 with late='lookahead_local' (this rank's gradient stands in for one "
+                f"round in flight), found {self.rounds}"
+            )
+        #: local: this rank's gradient of the round in flight, one tensor per parameter, until the next step uses it
+        self._held: list[torch.Tensor] | None = None
         #: the true weights while the parameters hold the look-ahead point (None: they hold w)
         self.anchor: list[torch.Tensor] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -113,17 +134,35 @@ class LookAhead:
                 )
         return {id(p): groups[id(p)][1] for p in self.params}
 
+    def hold_local(self, grads: list[torch.Tensor] | None) -> None:
+        """``local``: this rank's gradient of the round just sent (one tensor per parameter, in order; kept by
+        reference, so the caller must not change them before the step), for the look-ahead after the next step;
+        ``None`` drops it (nothing in flight any more). Used by that step's post-hook, then dropped: a step with
+        none held (warm-up, after a flush) looks ahead by momentum alone."""
+        if grads is not None and len(grads) != len(self.params):
+            raise ValueError(
+                f"hold_local: expected one gradient per parameter ({len(self.params)}), found {len(grads)}"
+            )
+        self._held = grads
+
     @torch.no_grad()
     def _look_ahead(self) -> None:
-        """After a step: keep ``w``, move the parameters to ``w - lr * (mu + ... + mu**s) * v``."""
+        """After a step: keep ``w``, move the parameters to ``w - lr * (mu + ... + mu**s) * v`` (``local``: and by
+        the held gradient of the round in flight, as the next step would)."""
         assert self._optimizer is not None
         state = self._optimizer.state
         anchor = [p.detach().clone() for p in self.params]
-        for p in self.params:
+        held, self._held = self._held, None
+        for i, p in enumerate(self.params):
+            g = self._groups[id(p)]
             v = state.get(p, {}).get("momentum_buffer")
             if v is not None:
-                g = self._groups[id(p)]
                 p.sub_(v, alpha=lookahead_coefficient(g["lr"], g["momentum"], self.rounds))
+            if held is not None:
+                step = held[i].neg() if g.get("maximize") else held[i]
+                if g.get("weight_decay"):
+                    step = step.add(anchor[i], alpha=g["weight_decay"])
+                p.sub_(step, alpha=g["lr"] * (1 - g.get("dampening", 0)))
         self.anchor = anchor
 
     @torch.no_grad()
@@ -156,27 +195,41 @@ class LookAhead:
         """For a state_dict: copies of the true weights' local tensors (this rank's shards of DTensors), or None."""
         return None if self.anchor is None else [local_tensor(w).detach().clone() for w in self.anchor]
 
-    @torch.no_grad()
-    def load_anchor(self, anchor: list[torch.Tensor] | None) -> None:
-        """Restore :meth:`anchor_state`'s tensors (the parameters hold the look-ahead point of a checkpoint)."""
-        self._unattached = 0
-        if anchor is None:
-            return
-        found = [tuple(w.shape) for w in anchor]
+    def point_state(self) -> list[torch.Tensor] | None:
+        """For a state_dict (``local``): copies of the parameters' local tensors while they hold this rank's own
+        point, or None."""
+        return None if self.anchor is None else [local_tensor(p).detach().clone() for p in self.params]
+
+    def _check_shapes(self, key: str, tensors: list[torch.Tensor]) -> None:
+        found = [tuple(w.shape) for w in tensors]
         expected = [tuple(local_tensor(p).shape) for p in self.params]
         if len(found) != len(expected):
             raise ValueError(
-                f"state['anchor']: expected one tensor per reduced parameter ({len(expected)}), found {len(found)}"
+                f"state[{key!r}]: expected one tensor per reduced parameter ({len(expected)}), found {len(found)}"
             )
         for i, (want, have) in enumerate(zip(expected, found)):
             if want != have:
                 raise ValueError(
-                    f"state['anchor'][{i}]: expected the shape of reduced parameter {i}, {list(want)}, "
+                    f"state[{key!r}][{i}]: expected the shape of reduced parameter {i}, {list(want)}, "
                     f"found {list(have)}"
                 )
+
+    @torch.no_grad()
+    def load_anchor(self, anchor: list[torch.Tensor] | None, point: list[torch.Tensor] | None = None) -> None:
+        """Restore :meth:`anchor_state`'s tensors (the parameters hold the look-ahead point of a checkpoint) and,
+        given :meth:`point_state`'s, put this rank's point back into the parameters."""
+        self._unattached = 0
+        self._held = None
+        if anchor is None:
+            return
+        self._check_shapes("anchor", anchor)
+        if point is not None:
+            self._check_shapes("point", point)
         restored = [p.detach().clone() for p in self.params]
         for w, value in zip(restored, anchor):
             local_tensor(w).copy_(value)
+        for p, value in zip(self.params, point or []):
+            local_tensor(p).copy_(value)
         self.anchor = restored
 
     def detach(self) -> None:
@@ -186,4 +239,4 @@ class LookAhead:
         self._hooks = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__ | {"_optimizer": None, "_hooks": [], "_groups": {}}
+        return self.__dict__ | {"_optimizer": None, "_hooks": [], "_groups": {}, "_held": None}

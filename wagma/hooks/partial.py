@@ -95,6 +95,10 @@ class PartialAllreduceState:
             and ``mu`` its group's), where the model will be, up to the one round still in flight, when a
             gradient computed now is applied one round later. Needs :meth:`attach` with the optimizer (an SGD
             with momentum and ``nesterov=False``); what the rounds carry and apply is unchanged.
+            ``"lookahead_local"`` (with ``overlap=True``, ``lookahead_rounds=1``): the point also takes the round
+            still in flight into account, with this rank's own gradient of it standing in for its mean:
+            ``w - lr * mu * v - lr * g_own`` (plus ``lr * weight_decay * w``, times ``1 - dampening``), the point
+            the next step reaches if the round's mean is ``g_own`` (design §2.4).
         lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead point covers: ``w - lr * (mu + mu**2 + ...
             + mu**s) * v``, where heavy-ball momentum alone carries the model in ``s`` steps, for gradients applied
             ``s`` rounds late (e.g. ``overlap=True, max_lead=s - 1``). ``s = 1`` (default) is Nesterov momentum; ``s >
@@ -123,6 +127,11 @@ class PartialAllreduceState:
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
         self.late: Late = check_choice("late", late, LATE)
+        if self.late == "lookahead_local" and not overlap:
+            raise ValueError(
+                "late: 'lookahead_local' needs overlap=True (this rank's gradient stands in for the round in flight; "
+                f"without overlap none is), found overlap={overlap!r}"
+            )
         self.mode: Mode = check_choice("mode", mode, MODES)
         self.sync_period = check_int("sync_period", sync_period, 0)
         self.warmup_iters = check_int("warmup_iters", warmup_iters, 2)
@@ -133,8 +142,8 @@ class PartialAllreduceState:
         self._ready: torch.Tensor | None = None  # overlap: its sum, once collected by state_dict()
         self.timeout = as_timeout(timeout)
         self.params, self.dtype, self.device = reduced_parameters(params)
-        #: late="lookahead": the look-ahead point, its anchor w and the optimizer's hooks
-        self.lookahead = LookAhead(self.params, lookahead_rounds)
+        #: late="lookahead"/"lookahead_local": the look-ahead point, its anchor w and the optimizer's hooks
+        self.lookahead = LookAhead(self.params, lookahead_rounds, local=self.late == "lookahead_local")
         self.transport = check_transport(transport, self.device)
         # Residuals and round sums of half-precision gradients are kept in float32: a sum over P ranks (and
         # over carried rounds) would overflow float16 before the division by P.
@@ -157,6 +166,9 @@ class PartialAllreduceState:
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._warmup_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._warmup_nbytes = 0  # bytes of the warm-up iteration's buckets so far
+        #: late="lookahead_local": this rank's gradient of the round in flight, flat, and its views by parameter
+        self._own: torch.Tensor | None = None
+        self._own_views: list[torch.Tensor] = []
 
     def _own_group(self) -> dist.ProcessGroup | None:
         """Create the world's group (warm-up and flush) and the finalizer that releases what the state owns.
@@ -188,7 +200,7 @@ class PartialAllreduceState:
             )
         if self.iteration < self.warmup_iters:
             return self._warmup_allreduce(bucket)
-        if self.late == "lookahead":
+        if self.late != "apply":
             self.lookahead.check_attached()
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             offset, n = self._offsets[id(p)]
@@ -227,6 +239,8 @@ class PartialAllreduceState:
     def _finish_iteration(self) -> None:
         assert self.engine is not None
         if self.overlap:
+            if self.lookahead.local:  # this rank's share of the round now sent: the look-ahead's estimate of it
+                self._hold_own(self._staging)
             k = self.engine.submit(self._staging)
             self._staging = self.engine.staging_buffer()
             total, res = self._take_in_flight()
@@ -261,6 +275,15 @@ class PartialAllreduceState:
             nbytes = self.engine.wire_nbytes if self.engine is not None else total.nbytes
             self.stats.record_reduction("global" if res.is_sync else "local", nbytes, res.wait_s)
             self.stats.record_contribution(res.staleness + lag)  # 0 when this rank's fresh gradient made it in
+
+    def _hold_own(self, staging: torch.Tensor) -> None:
+        if self._own is None:
+            self._own = torch.empty_like(staging)
+            self._own_views = [
+                self._own[offset : offset + n].view_as(p) for p in self.params for offset, n in [self._offsets[id(p)]]
+            ]
+        self._own.copy_(staging)
+        self.lookahead.hold_local(self._own_views)
 
     def _take_in_flight(self) -> tuple[torch.Tensor, Any]:
         """overlap: the sum of the round in flight (and its result; None when state_dict() collected it, or
@@ -314,7 +337,7 @@ class PartialAllreduceState:
             ValueError: the optimizer lacks a parameter of this state (by identity), is not SGD with momentum > 0
                 and ``nesterov=False`` in every group holding them, or another optimizer is attached already.
         """
-        if self.late == "lookahead":
+        if self.late != "apply":
             self.lookahead.attach(optimizer)
 
     def weights(self) -> list[torch.Tensor]:
@@ -353,6 +376,7 @@ class PartialAllreduceState:
         if self.engine is None or self.group is None:
             raise RuntimeError("this PartialAllreduceState is closed; flush() needs its engine")
         in_flight, _ = self._take_in_flight() if self.overlap else (None, None)
+        self.lookahead.hold_local(None)  # nothing is in flight after this round
         residual = self.engine.take_pending()
         start = time.perf_counter()
         # overlap: the last round's sum, the same on every rank, not applied yet, goes along
@@ -391,7 +415,10 @@ class PartialAllreduceState:
     def state_dict(self) -> dict[str, Any]:
         """``{"iteration", "rounds", "stats", "residual", "in_flight"}``: the residual is copied, not taken;
         ``in_flight`` (overlap) is the sum of the round the next iteration applies, collected now, or None;
-        ``late="lookahead"`` adds ``"anchor"``, the true weights while the parameters hold the look-ahead point."""
+        ``late="lookahead"`` adds ``"anchor"``, the true weights while the parameters hold the look-ahead point;
+        ``"lookahead_local"`` also ``"point"``, this rank's parameters: each rank's point is its own, and
+        :meth:`load_state_dict` puts it back (load it after wrapping the model in DDP, whose constructor copies rank
+        0's parameters to every rank)."""
         if self._pending is not None and self.engine is not None:
             # First: the round in flight takes its share of the residual when its exchange starts.
             self._ready = self.engine.collect(self._pending).sum
@@ -405,8 +432,10 @@ class PartialAllreduceState:
             "residual": residual,
             "in_flight": in_flight,
         }
-        if self.late == "lookahead":  # the parameters hold the look-ahead point: w is kept here
+        if self.late != "apply":  # the parameters hold the look-ahead point: w is kept here
             out["anchor"] = self.lookahead.anchor_state()
+        if self.late == "lookahead_local":
+            out["point"] = self.lookahead.point_state()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -428,7 +457,10 @@ class PartialAllreduceState:
             raise ValueError(f"state['in_flight']: expected {self.numel} elements, found {in_flight.numel()}")
         self._start_engine(residual)
         self._ready = None if in_flight is None else in_flight.to(device=self.device, dtype=self.sum_dtype)
-        self.lookahead.load_anchor(state.get("anchor") if self.late == "lookahead" else None)
+        self.lookahead.load_anchor(
+            state.get("anchor") if self.late != "apply" else None,
+            state.get("point") if self.late == "lookahead_local" else None,
+        )
 
     def close(self) -> None:
         """Stop the engine's thread and release the groups; idempotent. A context manager does the same."""

@@ -52,6 +52,8 @@ class EagerPolicy(Policy):
         late: ``"apply"`` or ``"lookahead"``: the backward passes run at ``w - lr * (mu + ... + mu**s) * v``
             (:class:`~wagma.PartialAllreduceState`'s and :class:`~wagma.FSDPPartialAllreduce`'s ``late``; the policy
             attaches the optimizer at its first ``before_step``, under ``parallel=ddp`` and ``parallel=hsdp``).
+            ``"lookahead_local"`` (``overlap`` only, ``parallel=ddp``): also ahead by this rank's own gradient of
+            the round in flight.
         lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead covers (the hooks' ``lookahead_rounds``).
     """
 
@@ -59,7 +61,7 @@ class EagerPolicy(Policy):
     def remedy(self) -> str:  # type: ignore[override]  # the advice leaves out the look-ahead when it is on
         lookahead = (
             ""
-            if self.late == "lookahead"
+            if self.late != "apply"
             else "averaging.late=lookahead (late gradients computed where momentum carries the model), "
         )
         return (
@@ -86,8 +88,8 @@ class EagerPolicy(Policy):
         late: Late = "apply",
         lookahead_rounds: int = 1,
     ) -> None:
-        # the preset's name (eager_solo_overlap, eager_solo_overlap_lookahead)
-        self.name = f"eager_{mode}" + ("_overlap" if overlap else "") + ("_lookahead" if late == "lookahead" else "")
+        # the preset's name (eager_solo_overlap, eager_solo_overlap_lookahead, eager_solo_overlap_lookahead_local)
+        self.name = f"eager_{mode}" + ("_overlap" if overlap else "") + ("" if late == "apply" else f"_{late}")
         self.late: Late = late
         self.lookahead_rounds = lookahead_rounds
         self.progress_nice = int(progress_nice)
