@@ -166,7 +166,7 @@ def emulate(
     draw = random.Random(seed)
     ages, weights = list(staleness), list(staleness.values())
     history: collections.deque[list[torch.Tensor]] = collections.deque(maxlen=max(ages) + 1)
-    buffers: collections.deque[list[torch.Tensor | None]] = collections.deque(maxlen=max(ages) + 1)  # lookahead
+    buffers: collections.deque[list[torch.Tensor | None]] = collections.deque(maxlen=max(ages) + 1)  # _PREDICTS
     if dc_lambda is None:
         dc_lambda = 2.0 if remedy == "dc_adaptive" else 0.04
     mean_square = [torch.zeros_like(p) for p in params]  # dc_adaptive
@@ -199,7 +199,8 @@ def emulate(
                             p.sub_(estimate, alpha=lr)
             x, y = next(shard)
             grads = torch.autograd.grad(F.cross_entropy(net(x), y), params)
-            own[r] = [g.detach() for g in grads]
+            if remedy == "lookahead_own":
+                own[r] = [g.detach() for g in grads]
             with torch.no_grad():
                 for i, g in enumerate(grads):
                     if remedy == "staleness_lr" and age > 0:

@@ -50,6 +50,17 @@ from wagma.world import World, WorldLike, member_world
 __all__ = ["LATE", "MODES", "Late", "Mode", "PartialAllreduceState", "partial_allreduce_hook", "sum_residuals"]
 
 
+def _checked_late(late: Late, overlap: bool) -> Late:
+    """``late``, one of :data:`~wagma.hooks.lookahead.LATE`; ``"lookahead_local"`` only with ``overlap``."""
+    checked: Late = check_choice("late", late, LATE)
+    if checked == "lookahead_local" and not overlap:
+        raise ValueError(
+            "late: 'lookahead_local' needs overlap=True (this rank's gradient stands in for the round in flight; "
+            f"without overlap none is), found overlap={overlap!r}"
+        )
+    return checked
+
+
 class PartialAllreduceState:
     """State of :func:`partial_allreduce_hook`: the engine, the residual and the counters.
 
@@ -126,12 +137,7 @@ class PartialAllreduceState:
         lookahead_rounds: int = 1,
     ) -> None:
         self.progress_nice = check_progress_nice(progress_nice)
-        self.late: Late = check_choice("late", late, LATE)
-        if self.late == "lookahead_local" and not overlap:
-            raise ValueError(
-                "late: 'lookahead_local' needs overlap=True (this rank's gradient stands in for the round in flight; "
-                f"without overlap none is), found overlap={overlap!r}"
-            )
+        self.late: Late = _checked_late(late, overlap)
         self.mode: Mode = check_choice("mode", mode, MODES)
         self.sync_period = check_int("sync_period", sync_period, 0)
         self.warmup_iters = check_int("warmup_iters", warmup_iters, 2)
