@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 from wagma.app.data import BatchIterator, load_dataset  # noqa: E402
 from wagma.app.models import build_model  # noqa: E402
 
-__all__ = ["REMEDIES", "emulate", "lowered_momentum", "max_stable_step", "parse_staleness"]
+__all__ = ["REMEDIES", "emulate", "lowered_momentum", "max_stable_step", "own_steps", "parse_staleness"]
 
 
 def parse_staleness(text: str) -> dict[int, float]:
@@ -99,6 +99,12 @@ REMEDIES = (
 _PREDICTS = ("lookahead", "extrapolate", "lookahead_last", "lookahead_own")
 
 
+def own_steps(mu: float, s: int) -> float:
+    """``c_s = sum_{j=1..s} (1 + mu + ... + mu^(j-1))``: a gradient ``g`` applied at each of ``s`` steps of
+    heavy-ball SGD (momentum ``mu``) moves the model by ``lr * c_s * g`` in all (``c_1 = 1``, ``c_2 = 2 + mu``)."""
+    return sum(sum(mu**k for k in range(j)) for j in range(1, s + 1))
+
+
 def lowered_momentum(momentum: float, staleness: dict[int, float]) -> float:
     """Explicit momentum lowered by the implicit momentum of asynchrony (Mitliagkas et al., Allerton 2016): with
     mean staleness ``s`` (their queue of ``M = s + 1`` workers) asynchrony adds about ``1 - 1/M = s / (s + 1)``;
@@ -121,6 +127,7 @@ def emulate(
     seed: int = 0,
     remedy: str = "none",
     dc_lambda: float | None = None,
+    cover: int | None = None,
 ) -> float:
     """Train with every gradient ``s`` steps late (``s`` drawn from ``staleness`` per gradient); return the final
     test accuracy.
@@ -152,10 +159,19 @@ def emulate(
     - ``"lookahead_last"``: the look-ahead point plus the in-flight step's gradient estimated by the last mean
       gradient applied, ``w_stale - lr * (mu * v_stale + g_last)`` (``s = 1``; further steps as ``"lookahead"``).
     - ``"lookahead_own"``: as ``"lookahead_last"`` with this rank's own gradient of the step before (its share of
-      the in-flight round) as the estimate: ``w_stale - lr * (mu * v_stale + g_own)``.
+      the in-flight round) as the estimate of every step in flight: ``w_stale - lr * (mu * v_stale + g_own)`` for
+      ``s = 1``; for ``s`` steps, where SGD's recurrence carries ``w_stale`` if each of them applies ``g_own``:
+      ``w_stale - lr * ((mu + ... + mu^s) * v_stale + c_s * g_own)``, ``c_s = sum_{j=1..s} (1 - mu^j) / (1 - mu)``
+      (``c_1 = 1``, ``c_2 = 2 + mu``).
+
+    ``cover``: the steps of delay the predicted point covers (the ``s`` in the formulas above) for every late
+    gradient, whatever its age; ``None`` (default): its own age, as if each gradient knew how late it would be.
+    ``cover=1`` is what ``PartialAllreduceState(late="lookahead_local")`` computes (its point covers one round).
     """
     if remedy not in REMEDIES:
         raise ValueError(f"remedy: expected one of {REMEDIES}, found {remedy!r}")
+    if cover is not None and (isinstance(cover, bool) or not isinstance(cover, int) or cover < 1):
+        raise ValueError(f"cover: expected None or an integer >= 1 (steps the predicted point covers), found {cover!r}")
     torch.manual_seed(seed)
     data = load_dataset(dataset, seed=seed)
     net = build_model(model, data.in_shape, data.num_classes)
@@ -186,17 +202,15 @@ def emulate(
                 for i, (p, w) in enumerate(zip(params, old)):
                     p.copy_(w)
                     if remedy in _PREDICTS and age > 0 and (v := buffers[age][i]) is not None:
+                        ahead = age if cover is None else cover
                         if remedy == "extrapolate":
-                            p.sub_(v, alpha=lr * age)
+                            p.sub_(v, alpha=lr * ahead)
                         else:
-                            p.sub_(v, alpha=lr * sum(mu**k for k in range(1, age + 1)))
-                        estimate = None
+                            p.sub_(v, alpha=lr * sum(mu**k for k in range(1, ahead + 1)))
                         if remedy == "lookahead_last" and len(applied) > age:
-                            estimate = applied[age][i]
+                            p.sub_(applied[age][i], alpha=lr)
                         elif remedy == "lookahead_own" and (mine := own[r]) is not None:
-                            estimate = mine[i]
-                        if estimate is not None:
-                            p.sub_(estimate, alpha=lr)
+                            p.sub_(mine[i], alpha=lr * own_steps(mu, ahead))
             x, y = next(shard)
             grads = torch.autograd.grad(F.cross_entropy(net(x), y), params)
             if remedy == "lookahead_own":
@@ -246,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     em.add_argument("--seeds", type=int, nargs="+", default=[0])
     em.add_argument("--remedy", choices=REMEDIES, default="none", help="what late gradients do (emulate's docstring)")
     em.add_argument("--dc-lambda", type=float, default=None, help="dc: lambda (0.04); dc_adaptive: lambda0 (2)")
+    em.add_argument("--cover", type=int, default=None, help="steps a predicted point covers (default: the age)")
     em.add_argument("--json", type=Path, default=None, help="also write the accuracies and the arguments here")
     args = p.parse_args(argv)
     if args.what == "stability":
@@ -268,14 +283,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             seed=s,
             remedy=args.remedy,
             dc_lambda=args.dc_lambda,
+            cover=args.cover,
         )
         for s in args.seeds
     ]
     for s, a in zip(args.seeds, accs):
         print(f"seed {s}: test accuracy {100 * a:.2f} %")
+    covered = "" if args.cover is None else f" (cover {args.cover})"
     print(
         f"staleness {args.staleness}, lr {args.lr}, momentum {args.momentum}, {args.ranks} ranks x {args.steps} steps, "
-        f"remedy {args.remedy}: median {100 * statistics.median(accs):.2f} %, mean {100 * statistics.mean(accs):.2f} %"
+        f"remedy {args.remedy}{covered}: median {100 * statistics.median(accs):.2f} %, "
+        f"mean {100 * statistics.mean(accs):.2f} %"
     )
     if args.json is not None:
         record = {k: v for k, v in vars(args).items() if k not in ("what", "json")}
