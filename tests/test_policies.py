@@ -44,6 +44,7 @@ PRESETS = {
     "wagma_ahead_conserve": "wagma",
     "candidate/eager_solo_overlap_lookahead": "eager_solo",
     "candidate/eager_solo_overlap_lookahead_local": "eager_solo",
+    "candidate/eager_solo_overlap_lookahead_local_lead1": "eager_solo",
 }  # option -> policy name
 CPU = torch.device("cpu")
 
