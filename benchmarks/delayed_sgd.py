@@ -41,8 +41,9 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 from wagma.app.data import BatchIterator, load_dataset  # noqa: E402
 from wagma.app.models import build_model  # noqa: E402
+from wagma.hooks.lookahead import in_flight_steps  # noqa: E402
 
-__all__ = ["REMEDIES", "emulate", "lowered_momentum", "max_stable_step", "own_steps", "parse_staleness"]
+__all__ = ["REMEDIES", "emulate", "lowered_momentum", "max_stable_step", "parse_staleness"]
 
 
 def parse_staleness(text: str) -> dict[int, float]:
@@ -97,12 +98,6 @@ REMEDIES = (
 )
 #: remedies that compute a late gradient at a point predicted from the momentum buffer at ``w_stale``
 _PREDICTS = ("lookahead", "extrapolate", "lookahead_last", "lookahead_own")
-
-
-def own_steps(mu: float, s: int) -> float:
-    """``c_s = sum_{j=1..s} (1 + mu + ... + mu^(j-1))``: a gradient ``g`` applied at each of ``s`` steps of
-    heavy-ball SGD (momentum ``mu``) moves the model by ``lr * c_s * g`` in all (``c_1 = 1``, ``c_2 = 2 + mu``)."""
-    return sum(sum(mu**k for k in range(j)) for j in range(1, s + 1))
 
 
 def lowered_momentum(momentum: float, staleness: dict[int, float]) -> float:
@@ -210,7 +205,7 @@ def emulate(
                         if remedy == "lookahead_last" and len(applied) > age:
                             p.sub_(applied[age][i], alpha=lr)
                         elif remedy == "lookahead_own" and (mine := own[r]) is not None:
-                            p.sub_(mine[i], alpha=lr * own_steps(mu, ahead))
+                            p.sub_(mine[i], alpha=lr * in_flight_steps(mu, ahead))
             x, y = next(shard)
             grads = torch.autograd.grad(F.cross_entropy(net(x), y), params)
             if remedy == "lookahead_own":

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wagma.hooks import get as get_hook
 from wagma.hooks.fsdp import FSDPPartialAllreduce
-from wagma.hooks.lookahead import LookAhead
+from wagma.hooks.lookahead import LookAhead, in_flight_steps
 from wagma.hooks.partial import PartialAllreduceState, partial_allreduce_hook
 from wagma.testing import error_messages, rank_device, run_workers
 
@@ -658,13 +658,29 @@ def test_lookahead_local_resumes_from_a_state_dict_at_the_same_point_and_conserv
         torch.testing.assert_close(sum(applied) * world, computed, rtol=1e-9, atol=1e-10)
 
 
+def test_in_flight_steps_count_a_gradient_applied_at_each_of_s_heavy_ball_steps():
+    mu = 0.9
+    assert in_flight_steps(mu, 1) == 1.0
+    assert in_flight_steps(mu, 2) == pytest.approx(2 + mu)
+    assert in_flight_steps(mu, 3) == pytest.approx(3 + 2 * mu + mu**2)
+    # the definition: v_j = mu v_(j-1) + g from v_0 = 0, and the model moves by lr * sum_j v_j
+    v, moved = 0.0, 0.0
+    for _ in range(4):
+        v = mu * v + 1.0
+        moved += v
+    assert in_flight_steps(mu, 4) == pytest.approx(moved)
+
+
 def test_lookahead_local_steps_as_sgd_would_with_weight_decay_dampening_and_maximize():
     torch.manual_seed(0)
-    for options in ({"weight_decay": 0.01, "dampening": 0.3}, {"maximize": True}):
+    cases = [({"weight_decay": 0.01, "dampening": 0.3}, 1), ({"maximize": True}, 1), ({"weight_decay": 0.01}, 2)]
+    for options, rounds in cases:
         params = [nn.Parameter(torch.randn(5, dtype=torch.float64)) for _ in range(2)]
         lr, mu = 0.1, 0.9
+        # s rounds in flight: momentum's s steps and c_s steps of the held gradient (c_1 = 1, c_2 = 2 + mu)
+        reach, times = (mu, 1.0) if rounds == 1 else (mu + mu**2, 2 + mu)
         opt = torch.optim.SGD(params, lr=lr, momentum=mu, **options)
-        ahead = LookAhead(params, local=True)
+        ahead = LookAhead(params, rounds, local=True)
         ahead.attach(opt)
         for step in range(3):
             for p in params:
@@ -674,12 +690,12 @@ def test_lookahead_local_steps_as_sgd_would_with_weight_decay_dampening_and_maxi
             opt.step()
             for i, (p, w) in enumerate(zip(params, ahead.weights())):
                 v = opt.state[p]["momentum_buffer"]
-                expected = w - lr * mu * v
+                expected = w - lr * reach * v
                 if held is not None:
                     # where the next step takes w if its gradient is the held one: SGD's own rule
                     g = -held[i] if options.get("maximize") else held[i]
                     d = (1 - options.get("dampening", 0)) * (g + options.get("weight_decay", 0) * w)
-                    expected = expected - lr * d
+                    expected = expected - lr * times * d
                 torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-14)
 
 
@@ -687,15 +703,10 @@ def test_lookahead_local_refuses_what_it_cannot_estimate():
     model = _model()
     errors = error_messages(
         {
-            "rounds": lambda: LookAhead(model.parameters(), 2, local=True),
             "held": lambda: LookAhead(model.parameters(), local=True).hold_local([torch.zeros(1)]),
             "no overlap": lambda: PartialAllreduceState(model.parameters(), late="lookahead_local"),
         }
     )
-    assert errors["rounds"].endswith(
-        "lookahead_rounds: expected 1 with late='lookahead_local' (this rank's "
-        "gradient stands in for one round in flight), found 2"
-    ), errors
     assert "hold_local: expected one gradient per parameter" in errors["held"], errors
     with pytest.raises(ValueError, match=r"^late: expected 'apply' or 'lookahead' \(FSDPPartialAllreduce has no"):
         FSDPPartialAllreduce(model, world=None, late="lookahead_local")

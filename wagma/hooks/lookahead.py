@@ -10,16 +10,18 @@ optimizer, its weight decay and the rounds' results act on ``w``), a post-hook k
 moves the parameters to ``ŵ``. With ``s = 1`` this is SGD with Nesterov momentum whose parameters are the look-ahead
 point; with ``s > 1`` it is the weight prediction of delayed-momentum methods (SpecTrain, DANA), not Nesterov.
 
-``late="lookahead_local"`` (``local=True``, ``s = 1``) also takes the round in flight into account, which the point
-above leaves out: the step that will have been taken when a gradient computed now is applied adds that round's mean
-gradient, not known yet; this rank's own gradient of that round, which it has just sent, stands in for it (the
-correction of delayed gradient averaging, Zhu et al., NeurIPS 2021):
+``late="lookahead_local"`` (``local=True``) also takes the rounds in flight into account, which the point above leaves
+out: the steps that will have been taken when a gradient computed now is applied add those rounds' mean gradients,
+not known yet; this rank's own gradient of the round it has just sent stands in for each of them (the correction of
+delayed gradient averaging, Zhu et al., NeurIPS 2021):
 
-    ŵ = w - lr * mu * v - lr * (1 - dampening) * (g_own + weight_decay * w)
+    ŵ = w - lr * mu * v - lr * (1 - dampening) * (g_own + weight_decay * w)                          (s = 1)
 
 where ``g_own`` is this rank's gradient of the round in flight (negated with ``maximize``): exactly the point the
-next step reaches if the round's mean equals ``g_own``. Only where the backward passes run changes, never what the
-rounds carry or the optimizer applies.
+next step reaches if the round's mean equals ``g_own``. For ``s`` rounds the momentum part is as above and the own
+step is taken ``c_s`` times (:func:`in_flight_steps`: ``c_1 = 1``, ``c_2 = 2 + mu``), where ``s`` steps that each
+apply ``g_own`` carry ``w`` (up to the weight decay of the steps in between). Only where the backward passes run
+changes, never what the rounds carry or the optimizer applies.
 Both partial hooks (:class:`~wagma.PartialAllreduceState` for DDP, :class:`~wagma.FSDPPartialAllreduce` for FSDP2's
 sharded DTensor parameters) hold one.
 """
@@ -34,7 +36,7 @@ import torch
 from wagma.averaging.tensors import local_tensor
 from wagma.checks import check_int
 
-__all__ = ["LATE", "Late", "LookAhead", "lookahead_coefficient"]
+__all__ = ["LATE", "Late", "LookAhead", "in_flight_steps", "lookahead_coefficient"]
 
 #: what a partial hook does about late gradients: apply them as they are, or compute them at the look-ahead point
 Late = Literal["apply", "lookahead", "lookahead_local"]
@@ -54,6 +56,17 @@ def lookahead_coefficient(lr: float, momentum: float, rounds: int) -> float:
     return lr * total
 
 
+def in_flight_steps(momentum: float, rounds: int) -> float:
+    """``c_s = sum_{j=1..s} (1 + mu + ... + mu**(j - 1))``: a gradient ``g`` applied at each of ``s`` steps of
+    heavy-ball SGD moves the model by ``lr * c_s * g`` in all (``c_1 = 1``, ``c_2 = 2 + mu``)."""
+    total, partial, power = 0.0, 0.0, 1.0
+    for _ in range(rounds):
+        partial += power
+        power *= momentum
+        total += partial
+    return total
+
+
 class LookAhead:
     """The look-ahead point ``w - lr * (mu + ... + mu**rounds) * v`` of a list of parameters, kept between steps.
 
@@ -65,22 +78,18 @@ class LookAhead:
     Args:
         params: the parameters to move (plain tensors or DTensors; the optimizer's own objects).
         rounds: ``s >= 1``, the rounds of heavy-ball momentum the point looks ahead.
-        local: also step by this rank's own gradient of the round in flight (:meth:`hold_local`), as the next step
-            would if that round's mean were it (``late="lookahead_local"``; ``rounds`` must be 1).
+        local: also step by this rank's own gradient of the round in flight (:meth:`hold_local`), ``c_s`` times
+            (:func:`in_flight_steps`), as the next ``rounds`` steps would if each round's mean were it
+            (``late="lookahead_local"``).
 
     Raises:
-        ValueError: ``rounds`` is not an integer >= 1, or not 1 with ``local``.
+        ValueError: ``rounds`` is not an integer >= 1.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], rounds: int = 1, *, local: bool = False) -> None:
         self.params = list(params)
         self.rounds = check_int("lookahead_rounds", rounds, 1)
         self.local = bool(local)
-        if self.local and self.rounds != 1:
-            raise ValueError(
-                f"lookahead_rounds: expected 1 with late='lookahead_local' (this rank's gradient stands in for one "
-                f"round in flight), found {self.rounds}"
-            )
         #: local: this rank's gradient of the round in flight, one tensor per parameter, until the next step uses it
         self._held: list[torch.Tensor] | None = None
         #: the true weights while the parameters hold the look-ahead point (None: they hold w)
@@ -148,7 +157,7 @@ class LookAhead:
     @torch.no_grad()
     def _look_ahead(self) -> None:
         """After a step: keep ``w``, move the parameters to ``w - lr * (mu + ... + mu**s) * v`` (``local``: and by
-        the held gradient of the round in flight, as the next step would)."""
+        ``c_s`` steps of the held gradient of the round in flight, as the next ``s`` steps would)."""
         assert self._optimizer is not None
         state = self._optimizer.state
         anchor = [p.detach().clone() for p in self.params]
@@ -162,7 +171,7 @@ class LookAhead:
                 step = held[i].neg() if g.get("maximize") else held[i]
                 if g.get("weight_decay"):
                     step = step.add(anchor[i], alpha=g["weight_decay"])
-                p.sub_(step, alpha=g["lr"] * (1 - g.get("dampening", 0)))
+                p.sub_(step, alpha=g["lr"] * (1 - g.get("dampening", 0)) * in_flight_steps(g["momentum"], self.rounds))
         self.anchor = anchor
 
     @torch.no_grad()

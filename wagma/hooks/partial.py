@@ -106,10 +106,11 @@ class PartialAllreduceState:
             and ``mu`` its group's), where the model will be, up to the one round still in flight, when a
             gradient computed now is applied one round later. Needs :meth:`attach` with the optimizer (an SGD
             with momentum and ``nesterov=False``); what the rounds carry and apply is unchanged.
-            ``"lookahead_local"`` (with ``overlap=True``, ``lookahead_rounds=1``): the point also takes the round
-            still in flight into account, with this rank's own gradient of it standing in for its mean:
-            ``w - lr * mu * v - lr * g_own`` (plus ``lr * weight_decay * w``, times ``1 - dampening``), the point
-            the next step reaches if the round's mean is ``g_own`` (design §2.4).
+            ``"lookahead_local"`` (with ``overlap=True``): the point also takes the round still in flight into
+            account, with this rank's own gradient of it standing in for its mean: ``w - lr * mu * v - lr * g_own``
+            (plus ``lr * weight_decay * w``, times ``1 - dampening``), the point the next step reaches if the round's
+            mean is ``g_own`` (design §2.4); with ``lookahead_rounds=s``, ``c_s`` steps of ``g_own``
+            (:func:`wagma.hooks.lookahead.in_flight_steps`: ``2 + mu`` for ``s = 2``).
         lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead point covers: ``w - lr * (mu + mu**2 + ...
             + mu**s) * v``, where heavy-ball momentum alone carries the model in ``s`` steps, for gradients applied
             ``s`` rounds late (e.g. ``overlap=True, max_lead=s - 1``). ``s = 1`` (default) is Nesterov momentum; ``s >

@@ -53,7 +53,7 @@ class EagerPolicy(Policy):
             (:class:`~wagma.PartialAllreduceState`'s and :class:`~wagma.FSDPPartialAllreduce`'s ``late``; the policy
             attaches the optimizer at its first ``before_step``, under ``parallel=ddp`` and ``parallel=hsdp``).
             ``"lookahead_local"`` (``overlap`` only, ``parallel=ddp``): also ahead by this rank's own gradient of
-            the round in flight.
+            the round in flight (``c_s`` steps of it for ``lookahead_rounds=s``).
         lookahead_rounds: ``s >= 1``, the rounds of delay the look-ahead covers (the hooks' ``lookahead_rounds``).
     """
 

@@ -296,15 +296,13 @@ def validate_eager(policy: str, options: Mapping[str, Any], world_size: int) -> 
     check_int("averaging.seed", options.get("seed", 0))
     _flag(options, "overlap")
     late = _choice(options, "late", ("apply", "lookahead", "lookahead_local"), "apply")
-    rounds = _int(options, "lookahead_rounds", 1, required=False)
+    _int(options, "lookahead_rounds", 1, required=False)
     if late == "lookahead_local" and not options.get("overlap", False):
         raise fail(
             "averaging.overlap",
             "true with averaging.late=lookahead_local (it estimates the round in flight)",
             options.get("overlap", False),
         )
-    if late == "lookahead_local" and rounds not in (None, 1):
-        raise fail("averaging.lookahead_rounds", "1 with averaging.late=lookahead_local", rounds)
     _progress_nice(options)
     _transport(options)
     _wire(options)
