@@ -45,6 +45,7 @@ PRESETS = {
     "candidate/eager_solo_overlap_lookahead": "eager_solo",
     "candidate/eager_solo_overlap_lookahead_local": "eager_solo",
     "candidate/eager_solo_overlap_lookahead_local_lead1": "eager_solo",
+    "candidate/eager_solo_overlap_lookahead_local_lead1_rounds2": "eager_solo",
 }  # option -> policy name
 CPU = torch.device("cpu")
 
@@ -133,7 +134,7 @@ def test_the_averaging_options_and_experiment_presets_exist():
     assert (lead1.late, lead1.overlap, lead1.max_lead, lead1.lookahead_rounds) == ("lookahead_local", True, 1, 1)
     options = _options("candidate/eager_solo_overlap_lookahead_local", lookahead_rounds=2)
     two = build_policy(options, rank=0, world_size=4, device=CPU)
-    assert (two.name, two.lookahead_rounds) == ("eager_solo_overlap_lookahead_local", 2)  # c_2 steps of g_own
+    assert (two.name, two.lookahead_rounds) == ("eager_solo_overlap_lookahead_local_rounds2", 2)  # c_2 steps of g_own
     assert _compose("averaging=reference/eager_solo_overlap").averaging.get("late", "apply") == "apply"
     for gossip in ("dpsgd", "sgp", "osgp", "adpsgd"):  # the decentralized baselines, shipped to be compared against
         assert _compose(f"averaging={gossip}").averaging.baseline is True

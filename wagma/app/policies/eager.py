@@ -89,10 +89,13 @@ class EagerPolicy(Policy):
         lookahead_rounds: int = 1,
     ) -> None:
         # the preset's name (eager_solo_overlap, eager_solo_overlap_lookahead, eager_solo_overlap_lookahead_local);
-        # a look-ahead's point is made for gradients max_lead + 1 rounds late: a max_lead above 0 is named (_lead1)
+        # a look-ahead's point is made for gradients max_lead + 1 rounds late: a max_lead above 0 is named (_lead1),
+        # and so is a point more than one round ahead (_rounds2)
         self.name = f"eager_{mode}" + ("_overlap" if overlap else "") + ("" if late == "apply" else f"_{late}")
         if late != "apply" and max_lead:
             self.name += f"_lead{int(max_lead)}"
+        if late != "apply" and lookahead_rounds != 1:
+            self.name += f"_rounds{int(lookahead_rounds)}"
         self.late: Late = late
         self.lookahead_rounds = lookahead_rounds
         self.progress_nice = int(progress_nice)
