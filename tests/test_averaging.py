@@ -878,6 +878,7 @@ def _train_with_delays(rank: int, world: int, kind: str, delay_seed: int | None)
     return _flat_params(model).tolist()
 
 
+@pytest.mark.slow  # 3 x 5 s: kept out of the 10-minute quick suite; CI's slow suite runs it
 @pytest.mark.parametrize("kind", ["local_sgd", "hierarchical", "hierarchical_momentum"])
 def test_blocking_averagers_train_the_same_model_whatever_the_delays_world4(kind):
     # The accuracy grid lets these presets skip cells that differ from ones they ran only in their delays

@@ -478,6 +478,7 @@ def test_adpsgd_state_dict_finishes_what_is_in_flight_and_resume_continues_the_e
         torch.testing.assert_close(r[3], torch.full((7,), 2.5, dtype=torch.float64), rtol=1e-12, atol=0)
 
 
+@pytest.mark.slow  # 6 s (test_close covers a dead AD-PSGD partner in the quick suite)
 def test_adpsgd_a_dead_peer_is_named_by_the_training_loop_of_its_partner():
     def worker(rank, world_size):
         params = _constant_params(rank)

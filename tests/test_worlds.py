@@ -305,6 +305,7 @@ def check_two_worlds(device: str = "cpu") -> None:
         assert values == pytest.approx([own / 2, own / 2])
 
 
+@pytest.mark.slow  # 7 s: kept out of the 10-minute quick suite; CI's slow suite runs it
 def test_two_worlds_on_exchanged_groups_sum_their_own_ranks():
     check_two_worlds("cpu")
 
