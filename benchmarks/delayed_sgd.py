@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 from wagma.app.data import BatchIterator, load_dataset  # noqa: E402
 from wagma.app.models import build_model  # noqa: E402
-from wagma.hooks.lookahead import in_flight_steps  # noqa: E402
+from wagma.hooks.lookahead import in_flight_steps, lookahead_coefficient  # noqa: E402
 
 __all__ = ["REMEDIES", "emulate", "lowered_momentum", "max_stable_step", "parse_staleness"]
 
@@ -201,7 +201,7 @@ def emulate(
                         if remedy == "extrapolate":
                             p.sub_(v, alpha=lr * ahead)
                         else:
-                            p.sub_(v, alpha=lr * sum(mu**k for k in range(1, ahead + 1)))
+                            p.sub_(v, alpha=lookahead_coefficient(lr, mu, ahead))
                         if remedy == "lookahead_last" and len(applied) > age:
                             p.sub_(applied[age][i], alpha=lr)
                         elif remedy == "lookahead_own" and (mine := own[r]) is not None:
