@@ -53,6 +53,7 @@ KNOBS: dict[str, dict[str, tuple[Any, ...]]] = {
     "wagma": {"averaging.group_size": (2, 4), "averaging.sync_period": (10, 20)},
     "wagma_relaxed": {"averaging.group_size": (2, 4), "averaging.sync_period": (10, 20)},
     "wagma_ahead_conserve": {"averaging.group_size": (2, 4), "averaging.sync_period": (10, 20)},
+    "eager_solo_overlap_lookahead_local": {"averaging.sync_period": (16, 32)},
     "dpsgd": {"averaging.topology": ("ring", "exponential")},
     "sgp": {"averaging.warmup_steps": (0, 100)},
     "osgp": {"averaging.warmup_steps": (0, 100)},

@@ -64,6 +64,7 @@ def test_root_config_picks_one_option_per_group_and_has_the_top_level_keys():
         "wagma",
         "wagma_relaxed",
         "wagma_ahead_conserve",
+        "eager_solo_overlap_lookahead_local",
         "dpsgd",
         "sgp",
         "osgp",

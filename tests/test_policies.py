@@ -43,7 +43,7 @@ PRESETS = {
     "reference/eager_majority": "eager_majority",
     "wagma_ahead_conserve": "wagma",
     "candidate/eager_solo_overlap_lookahead": "eager_solo",
-    "candidate/eager_solo_overlap_lookahead_local": "eager_solo",
+    "eager_solo_overlap_lookahead_local": "eager_solo",
     "candidate/eager_solo_overlap_lookahead_local_lead1": "eager_solo",
     "candidate/eager_solo_overlap_lookahead_local_lead1_rounds2": "eager_solo",
 }  # option -> policy name
@@ -73,6 +73,7 @@ def test_the_averaging_options_and_experiment_presets_exist():
         "wagma",
         "wagma_relaxed",
         "wagma_ahead_conserve",
+        "eager_solo_overlap_lookahead_local",
         "dpsgd",
         "sgp",
         "osgp",
@@ -128,11 +129,12 @@ def test_the_averaging_options_and_experiment_presets_exist():
         0,
         1,
     )
-    local = _compose("averaging=candidate/eager_solo_overlap_lookahead_local").averaging
+    local = _compose("averaging=eager_solo_overlap_lookahead_local").averaging
     assert (local.late, local.overlap, local.max_lead) == ("lookahead_local", True, 0)
     lead1 = _compose("averaging=candidate/eager_solo_overlap_lookahead_local_lead1").averaging  # section 7.2
     assert (lead1.late, lead1.overlap, lead1.max_lead, lead1.lookahead_rounds) == ("lookahead_local", True, 1, 1)
-    options = _options("candidate/eager_solo_overlap_lookahead_local", lookahead_rounds=2)
+    assert (local.validated_staleness, lead1.validated_staleness) == (1.1, 0.0)  # a candidate inherits no bound
+    options = _options("eager_solo_overlap_lookahead_local", lookahead_rounds=2)
     two = build_policy(options, rank=0, world_size=4, device=CPU)
     assert (two.name, two.lookahead_rounds) == ("eager_solo_overlap_lookahead_local_rounds2", 2)  # c_2 steps of g_own
     assert _compose("averaging=reference/eager_solo_overlap").averaging.get("late", "apply") == "apply"
@@ -403,11 +405,17 @@ def test_wagma_policy_averages_on_the_side_of_the_step_its_order_says(monkeypatc
     assert stats["staleness"] == 1.0 and stats["staleness_max"] == 2 and stats["fresh_fraction"] == 0.5
 
 
-def test_eager_policy_advises_the_look_ahead_only_where_it_is_off():
+def test_eager_policy_advises_the_shipped_preset_unless_it_runs_it():
+    shipped = "averaging=eager_solo_overlap_lookahead_local"
     off = policies.EagerPolicy(device=CPU, mode="solo", overlap=True).remedy
-    on = policies.EagerPolicy(device=CPU, mode="solo", overlap=True, late="lookahead").remedy
-    assert "averaging.late=lookahead" in off
-    assert "averaging.late=lookahead" not in on and "averaging=wagma" in on
+    ahead = policies.EagerPolicy(device=CPU, mode="solo", overlap=True, late="lookahead").remedy
+    majority = policies.EagerPolicy(device=CPU, mode="majority").remedy
+    assert off.startswith(shipped) and ahead.startswith(shipped) and majority.startswith(shipped)
+    local = dict(device=CPU, mode="solo", overlap=True, late="lookahead_local")
+    itself = policies.EagerPolicy(**local, max_lead=0).remedy  # the shipped preset: other advice
+    assert shipped not in itself and "averaging.sync_period" in itself and "averaging=wagma" in itself
+    assert policies.EagerPolicy(**local, max_lead=1).remedy.startswith(shipped)  # the _lead1 candidate
+    assert policies.EagerPolicy(**local, max_lead=0, lookahead_rounds=2).remedy.startswith(shipped)
 
 
 def test_eager_policy_flushes_at_the_end_and_keeps_the_hooks_wait_apart(monkeypatch):

@@ -58,16 +58,17 @@ class EagerPolicy(Policy):
     """
 
     @property
-    def remedy(self) -> str:  # type: ignore[override]  # the advice leaves out the look-ahead when it is on
-        lookahead = (
+    def remedy(self) -> str:  # type: ignore[override]  # the advice names the shipped preset unless this is it
+        shipped = (self.mode, self.late, self.max_lead, self.lookahead_rounds) == ("solo", "lookahead_local", 0, 1)
+        first = (
             ""
-            if self.late != "apply"
-            else "averaging.late=lookahead (late gradients computed where momentum carries the model), "
+            if shipped
+            else "averaging=eager_solo_overlap_lookahead_local (the eager preset that ships: every gradient one "
+            "round late, computed where it will be applied), "
         )
         return (
-            "averaging=wagma (model averaging takes stale information far better than late gradients), "
-            f"averaging=reference/eager_majority (about half of each round's gradients fresh), {lookahead}"
-            "a smaller averaging.max_lead, averaging.overlap=false, or a lower optim.lr / optim.momentum"
+            f"{first}averaging=wagma (model averaging takes stale information far better than late gradients), "
+            "a smaller averaging.sync_period (more fully fresh rounds), or a lower optim.lr / optim.momentum"
         )
 
     def __init__(
