@@ -22,8 +22,11 @@ harness), the final test accuracy and (restart) the step the last restart resume
 Records are appended to ``--out`` (JSON lines; with ``--resume`` the runs already there are skipped) and summarised
 in Markdown beside it (``.md``). A run that failed or hung keeps its directory (``work``).
 
-    python benchmarks/ft_campaign.py --replicas 4 --mtbf-s 30 --steps 2000 --seeds 0 1 2 \\
-        --out benchmarks/results/ft_chaos/campaign_p4_mtbf30.jsonl
+Several ``--mtbf-s`` values share one file: the fault-free references (``none``, ``restart_none``) do not depend on
+the faults' rate, so each runs once per seed (recorded with ``mtbf_s`` null) and serves every rate.
+
+    python benchmarks/ft_campaign.py --replicas 4 --mtbf-s 30 60 --steps 2000 --seeds 0 1 2 \\
+        --out benchmarks/results/ft_chaos/campaign_p4.jsonl
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
 from benchmarks.chaos import alive  # noqa: E402
-from benchmarks.ft_campaign_report import markdown, with_goodput  # noqa: E402
+from benchmarks.ft_campaign_report import FAULT_FREE, cell, markdown, with_goodput  # noqa: E402
 from benchmarks.ft_chaos import read_records  # noqa: E402
 from wagma.app.procs import descendants  # noqa: E402
 
@@ -238,12 +241,11 @@ def _recovered(job: Job, fault: dict[str, Any]) -> None:
     fault |= {"recovery_s": None if back is None else round(back - fault["at"], 3), "lost": lost, "named": named}
 
 
-def run(args: argparse.Namespace, mode: str, seed: int) -> dict[str, Any]:
-    """One job in ``mode`` with the faults of ``seed``; its record."""
-    horizon = args.limit_s if mode in ("live", "restart") else -1.0
-    schedule = draw_faults(seed, args.mtbf_s, horizon, args.first_fault_s, args.max_faults)
+def run(args: argparse.Namespace, mode: str, seed: int, mtbf_s: float | None) -> dict[str, Any]:
+    """One job in ``mode`` with the faults of ``seed`` at ``mtbf_s`` (None: a fault-free reference); its record."""
+    schedule = [] if mtbf_s is None else draw_faults(seed, mtbf_s, args.limit_s, args.first_fault_s, args.max_faults)
     work = Path(tempfile.mkdtemp(prefix=f"wagma-ftc-{mode}-{seed}-"))
-    record: dict[str, Any] = {"replicas": args.replicas, "mtbf_s": args.mtbf_s, "seed": seed, "mode": mode}
+    record: dict[str, Any] = {"replicas": args.replicas, "mtbf_s": mtbf_s, "seed": seed, "mode": mode}
     record |= {"data": args.data, "model": args.model, "steps": args.steps, "work": str(work)}
     job = Job(args, mode, seed, work, len(schedule))
     began = time.time()
@@ -270,7 +272,9 @@ def main_parser() -> argparse.ArgumentParser:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=4, help="P: replica processes (live) or ranks (restart)")
-    parser.add_argument("--mtbf-s", type=float, default=30.0, help="mean seconds between faults")
+    parser.add_argument(
+        "--mtbf-s", type=float, nargs="+", default=[30.0], help="mean seconds between faults (one cell per value)"
+    )
     parser.add_argument(
         "--first-fault-s", type=float, default=None, help="the first fault this long after the first step"
     )
@@ -293,7 +297,7 @@ def check(args: argparse.Namespace) -> None:
     """Refuse bad arguments in one line each."""
     for name, value, ok, expected in (
         ("--replicas", args.replicas, args.replicas >= 2, "an integer >= 2"),
-        ("--mtbf-s", args.mtbf_s, args.mtbf_s > 0, "a number > 0"),
+        ("--mtbf-s", args.mtbf_s, all(m > 0 for m in args.mtbf_s), "numbers > 0"),
         ("--steps", args.steps, args.steps > 0 and args.steps % 4 == 0, "a positive multiple of 4"),
         ("--step-s", args.step_s, args.step_s >= 0, "a number >= 0"),
         ("--limit-s", args.limit_s, args.limit_s > 0, "a number > 0"),
@@ -306,22 +310,33 @@ def check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--out: expected a new file (or --resume to continue it), found {args.out}")
 
 
+def planned(args: argparse.Namespace, records: list[dict[str, Any]]) -> list[tuple[int, str, float | None]]:
+    """``(seed, mode, mtbf_s)`` of every run still to do, in order: per seed, each mode; a fault-free mode once
+    (``mtbf_s`` None), a faulted one at each ``--mtbf-s``; the runs ``records`` already hold are left out."""
+    done = {cell(r) for r in records}
+    todo = []
+    for seed in args.seeds:
+        for mode in args.modes:
+            for mtbf in [None] if mode in FAULT_FREE else dict.fromkeys(args.mtbf_s):
+                key = {"replicas": args.replicas, "mtbf_s": mtbf, "seed": seed, "mode": mode, "steps": args.steps}
+                if cell(key) not in done:
+                    todo.append((seed, mode, mtbf))
+    return todo
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the campaign; append each record as it ends; rewrite the Markdown summary."""
     args = main_parser().parse_args(argv)
     check(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["replicas"], r["mtbf_s"], r["seed"], r["mode"]) for r in read_records(args.out)}
-    for seed in args.seeds:
-        for mode in args.modes:
-            if (args.replicas, args.mtbf_s, seed, mode) in done:
-                continue
-            record = run(args, mode, seed)
-            with args.out.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            recov = [f["recovery_s"] for f in record["faults"]]
-            said = f"wall {record['wall_s']} s, recovery {recov}, accuracy {record['test_accuracy']}"
-            print(f"P={args.replicas} {mode:12s} seed {seed}: {said}, hung {record['hung']}", flush=True)
+    for seed, mode, mtbf in planned(args, read_records(args.out)):
+        record = run(args, mode, seed, mtbf)
+        with args.out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        recov = [f["recovery_s"] for f in record["faults"]]
+        said = f"wall {record['wall_s']} s, recovery {recov}, accuracy {record['test_accuracy']}"
+        rate = "" if mtbf is None else f" MTBF {mtbf:g} s"
+        print(f"P={args.replicas}{rate} {mode:12s} seed {seed}: {said}, hung {record['hung']}", flush=True)
     records = with_goodput(read_records(args.out))
     shown = " ".join(a if " " not in a else repr(a) for a in sys.argv)
     args.out.with_suffix(".md").write_text(markdown(records, f"python {shown}", ROOT))

@@ -10,17 +10,25 @@ from typing import Any
 REFERENCE = {"none": "none", "live": "none", "restart_none": "restart_none", "restart": "restart_none"}
 
 
-def _key(record: dict[str, Any], mode: str) -> tuple[Any, ...]:
-    return record["replicas"], record["mtbf_s"], record["seed"], record["steps"], mode
+#: The modes without faults: their run does not depend on the faults' rate, so one serves every MTBF.
+FAULT_FREE = ("none", "restart_none")
+
+
+def cell(record: dict[str, Any], mode: str | None = None) -> tuple[Any, ...]:
+    """What identifies a run of ``mode`` (the record's own by default): P, MTBF (None for a fault-free mode,
+    whatever the record says: older files gave their references the rate of their file), seed, steps, mode."""
+    mode = mode or record["mode"]
+    mtbf = None if mode in FAULT_FREE else record["mtbf_s"]
+    return record["replicas"], mtbf, record["seed"], record["steps"], mode
 
 
 def with_goodput(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``records`` with ``goodput`` (the reference's wall time, same P, MTBF, seed and steps, over this run's) and
+    """``records`` with ``goodput`` (the reference's wall time, same P, seed and steps, over this run's) and
     ``accuracy_gap`` (this run's test accuracy minus the reference's); None where either is missing."""
-    by_key = {_key(r, r["mode"]): r for r in records}
+    by_key = {cell(r): r for r in records}
     out = []
     for r in records:
-        ref = by_key.get(_key(r, REFERENCE[r["mode"]])) or by_key.get(_key(r, "none"))
+        ref = by_key.get(cell(r, REFERENCE[r["mode"]])) or by_key.get(cell(r, "none"))
         wall, ref_wall = r.get("wall_s"), ref and ref.get("wall_s")
         goodput = round(ref_wall / wall, 3) if wall and ref_wall else None
         acc, ref_acc = r.get("test_accuracy"), ref and ref.get("test_accuracy")
@@ -50,7 +58,8 @@ def _row(group: list[dict[str, Any]]) -> str:
     ended_first = sum(f["recovery_s"] is None for r in group if not r["hung"] for f in r["faults"])
     back = f"{len(recov)}/{len(faults)}" + (f" ({ended_first} ended first)" if ended_first else "")
     cells = [
-        f"{r0['replicas']}", f"{r0['mtbf_s']:g}", r0["mode"], str(len(group)), str(sum(r["hung"] for r in group)),
+        f"{r0['replicas']}", "-" if cell(r0)[1] is None else f"{r0['mtbf_s']:g}", r0["mode"], str(len(group)),
+        str(sum(r["hung"] for r in group)),
         str(len(faults)), f"{sum(f['named'] for f in faults)}/{len(faults)}",
         back if faults else "",
         _span([r["goodput"] for r in group if r["goodput"] is not None]),
@@ -69,8 +78,8 @@ def markdown(records: list[dict[str, Any]], command: str, repo: Path) -> str:
     info = machine_info(repo)
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     order = {m: i for i, m in enumerate(REFERENCE)}
-    for r in sorted(records, key=lambda r: (r["replicas"], r["mtbf_s"], order[r["mode"]], r["seed"])):
-        groups.setdefault((r["replicas"], r["mtbf_s"], r["mode"]), []).append(r)
+    for r in sorted(records, key=lambda r: (r["replicas"], cell(r)[1] or 0.0, order[r["mode"]], r["seed"])):
+        groups.setdefault(cell(r)[:2] + (r["mode"],), []).append(r)
     lines = [
         "# Live recovery against restarting everyone on `python train.py` (benchmarks/ft_campaign.py)",
         "",
@@ -85,7 +94,8 @@ def markdown(records: list[dict[str, Any]], command: str, repo: Path) -> str:
         "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---|---|",
         *[_row(group) for group in groups.values()],
         "",
-        "Goodput: the fault-free reference's wall time (same P, MTBF, seed, steps; `live` against `none`, `restart`"
+        "Goodput: the fault-free reference's wall time (same P, seed and steps; one reference serves every MTBF;"
+        " `live` against `none`, `restart`"
         " against `restart_none`) over this run's, from the first training step to the job's end. Recovery: from"
         " the kill until the victim's next life ran a round in the quorum (live) or rank 0 trained again (restart);"
         " 'ended first': the job trained to its end before the victim was back."

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ft_campaign import check, draw_faults, main_parser  # noqa: E402
+from benchmarks.ft_campaign import check, draw_faults, main_parser, planned  # noqa: E402
 from benchmarks.ft_campaign_report import with_goodput  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def test_every_mode_of_a_seed_gets_the_same_draws_and_the_first_fault_can_be_for
     [
         (["--replicas", "1"], "--replicas: expected an integer >= 2, found 1"),
         (["--steps", "30"], "--steps: expected a positive multiple of 4, found 30"),
-        (["--mtbf-s", "0"], "--mtbf-s: expected a number > 0, found 0.0"),
+        (["--mtbf-s", "30", "0"], r"--mtbf-s: expected numbers > 0, found \[30.0, 0.0\]"),
     ],
 )
 def test_a_bad_argument_is_one_line(tmp_path, argv, message):
@@ -58,6 +58,32 @@ def test_goodput_and_the_accuracy_gap_are_against_the_same_seeds_reference():
     out = with_goodput(records)
     assert [r["goodput"] for r in out] == [1.0, 0.8, None, 0.5]
     assert [r["accuracy_gap"] for r in out] == [0.0, -0.01, None, 0.01]
+
+
+def test_one_fault_free_reference_serves_every_mtbf():
+    base = {"replicas": 4, "steps": 400, "faults": [], "seed": 0}
+    records = [
+        base | {"mtbf_s": 30.0, "mode": "none", "wall_s": 10.0, "test_accuracy": 0.95},  # an older file's reference
+        base | {"mtbf_s": None, "mode": "restart_none", "wall_s": 8.0, "test_accuracy": 0.95},
+        base | {"mtbf_s": 60.0, "mode": "live", "wall_s": 12.5, "test_accuracy": 0.94},
+        base | {"mtbf_s": 30.0, "mode": "restart", "wall_s": 16.0, "test_accuracy": 0.96},
+        base | {"mtbf_s": 60.0, "mode": "restart", "steps": 800, "wall_s": 16.0, "test_accuracy": 0.96},  # other steps
+    ]
+    assert [r["goodput"] for r in with_goodput(records)] == [1.0, 1.0, 0.8, 0.5, None]
+
+
+def test_the_plan_runs_each_reference_once_and_each_faulted_mode_at_every_mtbf(tmp_path):
+    args = main_parser().parse_args(["--mtbf-s", "30", "60", "--seeds", "0", "1", "--out", str(tmp_path / "c.jsonl")])
+    todo = planned(args, [])
+    assert todo[:6] == [
+        (0, "none", None), (0, "live", 30.0), (0, "live", 60.0),
+        (0, "restart_none", None), (0, "restart", 30.0), (0, "restart", 60.0),
+    ]  # fmt: skip
+    assert len(todo) == 12 and todo[6:] == [(1, mode, mtbf) for _, mode, mtbf in todo[:6]]
+    held = [{"replicas": 4, "steps": 2000, "seed": 0, "mode": "none", "mtbf_s": 30.0}]  # a reference of any rate
+    held += [{"replicas": 4, "steps": 2000, "seed": 0, "mode": "live", "mtbf_s": 60.0}]
+    held += [{"replicas": 4, "steps": 1000, "seed": 1, "mode": "none", "mtbf_s": None}]  # other steps: not this run
+    assert planned(args, held) == [t for t in todo if t not in [(0, "none", None), (0, "live", 60.0)]]
 
 
 @pytest.mark.slow  # about 3 min on a loaded 2-core machine: three jobs of four processes, two with a kill
