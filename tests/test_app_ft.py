@@ -50,14 +50,13 @@ def _cfg(*overrides: str) -> DictConfig:
         (["resume=true"], "resume: expected False, found True"),
         (["ft.nproc=0"], "ft.nproc: expected an integer >= 1, found 0"),
         (
-            ["rank_net=1gbit", "ft.nproc=2"],
-            "rank_net: expected null with ft.nproc > 1 or a running lighthouse (ft.lighthouse), found '1gbit'; here "
-            "ft.nproc=2, ft.lighthouse=None",
+            ["rank_net=1gbit", "ft.lighthouse=http://node0:29510"],
+            "rank_net: expected null with a running lighthouse (ft.lighthouse), found '1gbit'; here "
+            "ft.lighthouse='http://node0:29510'",
         ),
         (
-            ["rank_net=1gbit", "ft.lighthouse=http://node0:29510"],
-            "rank_net: expected null with ft.nproc > 1 or a running lighthouse (ft.lighthouse), found '1gbit'; here "
-            "ft.nproc=1, ft.lighthouse='http://node0:29510'",
+            ["rank_net=1gbit", "replicas=2", "ft.nproc=127"],
+            "rank_net=1gbit: expected at most 253 ranks on a host (one /24), found 254 (replicas x ft.nproc = 254",
         ),
     ],
 )
@@ -330,6 +329,37 @@ def test_a_replica_group_of_two_ranks_loses_a_rank_and_heals_as_a_group(tmp_path
     assert len(evaluated) >= 4  # every 200 steps, a collective over the group's two ranks, and the final one
     print(f"group back in the quorum {second['joined'] - first['ended']:.1f} s after its rank died; "
           f"accuracy {summary['test_accuracy']:.4f}; wall {summary['wall_s']:.1f} s")  # fmt: skip
+
+
+@pytest.mark.slow  # about 80 s: two replica groups of two ranks, each rank on a link of its own, a rank killed
+@pytest.mark.timeout(300)
+def test_on_the_emulated_network_every_rank_of_a_group_has_its_link_and_a_killed_group_heals(tmp_path):
+    if (problem := check_rank_net("1gbit", 4)) is not None:
+        pytest.skip(f"no emulated network here: {problem}")
+    run_dir, steps = tmp_path / "run", 800
+    delays = ["imbalance=random_k", "imbalance.k=2", "imbalance.delay_s=0.02"]
+    options = ["replicas=2", "ft.nproc=2", "ft.min_replicas=1", f"steps={steps}", *delays, "log_every=50"]
+    proc = _train_py(tmp_path, *options, "rank_net=1gbit")
+    try:
+        _kill_when_averaged(run_dir, 1, 20, proc, limit_s=150, rank=1)  # rank 1 of replica group 1
+        assert proc.wait(timeout=200) == 0, (tmp_path / "train.out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job = job_name(run_dir)
+    for r in range(2):  # every life's every rank in a namespace of its own, at its own address
+        starts = [x for x in _records(run_dir / "ft" / f"replica{r}.jsonl") if x["event"] == "start"]
+        assert len(starts) == (2 if r == 1 else 1), starts
+        for start in starts:
+            assert start["group_netns"] == [namespace_name(job, 2 * r + q) for q in range(2)], start
+            assert len(set(start["group_hosts"])) == 2 and all(h.startswith("198.1") for h in start["group_hosts"])
+    lives = json.loads((run_dir / "replicas.json").read_text())["replicas"]
+    assert lives["1"][1]["healed"] and lives["1"][1]["exit"] == 0  # the group healed over the links
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rank_net"] == "1gbit" and summary["ft"]["finished"] == [0, 1]
+    assert len(set(summary["ft"]["checksums"].values())) == 1
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert namespace_name(job, 0)[:-3] not in namespaces  # every namespace removed at the end
 
 
 @pytest.mark.slow  # about 20 s: two replicas start and train, then the launcher gets SIGTERM

@@ -20,7 +20,8 @@ the job runs, so an operator or a
 test can find a replica's pid. At the end the launcher stops the lighthouse and writes ``summary.json`` from the
 replicas' ``final`` records (every replica that finished ends with the same model, after the last sync round).
 ``rank_cpus`` puts each replica process in its own CPU quota, ``rank_net`` in its own network namespace behind a
-shaped link (one process a replica: ``ft.nproc=1``; the lighthouse is reached through the bridge).
+shaped link (with ``ft.nproc`` > 1 every rank of a group has its own; the lighthouse is reached through the
+bridge).
 """
 
 from __future__ import annotations

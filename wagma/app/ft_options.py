@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from wagma.app.network import check_rank_net
 from wagma.app.quota import check_rank_cpus
 from wagma.checks import check_choice, check_int, check_number, fail
 
@@ -51,8 +52,8 @@ def check_ft(plain: Mapping[str, Any]) -> list[str]:
     With ``ft=torchft``: every ``ft`` key of its type and range; ``replicas`` >= 1 and, with the launcher's own
     lighthouse, >= ``ft.min_replicas``; ``steps`` a multiple of ``ft.period x ft.sync_period`` (the last round is a
     sync round, so that every replica ends with the same model); ``rank_cpus`` for ``replicas x ft.nproc``
-    processes; and what the replica groups do not support (``parallel=hsdp``, ``resume``, batching by tokens;
-    ``rank_net`` with ``ft.nproc`` > 1 or a running lighthouse).
+    processes, and ``rank_net`` for as many; and what the replica groups do not support (``parallel=hsdp``,
+    ``resume``, batching by tokens; ``rank_net`` with a running lighthouse).
     """
     ft = plain.get("ft") or {"name": "none"}
     problems: list[str] = []
@@ -94,6 +95,10 @@ def check_ft(plain: Mapping[str, Any]) -> list[str]:
         quota = check_rank_cpus(plain.get("rank_cpus"), replicas * nproc)
         if quota is not None:
             problems.append(f"{quota} (replicas x ft.nproc = {replicas * nproc} processes)")
+        if plain.get("rank_net") is not None:  # a link for every rank of every group
+            net = check_rank_net(plain.get("rank_net"), replicas * nproc)
+            if net is not None:
+                problems.append(f"{net} (replicas x ft.nproc = {replicas * nproc} processes)")
     problems += _unsupported(plain)
     return problems
 
@@ -108,11 +113,11 @@ def _unsupported(plain: Mapping[str, Any]) -> list[str]:
     advice = "ft=torchft replica groups take no other value (a dead replica heals from a live peer)"
     problems = [str(fail(key, repr(want), found, advice)) for key, (want, found) in wanted.items() if found != want]
     ft = plain.get("ft") or {}
-    if plain.get("rank_net") is not None and (ft.get("nproc", 1) != 1 or ft.get("lighthouse") is not None):
-        expected = "null with ft.nproc > 1 or a running lighthouse (ft.lighthouse)"
+    if plain.get("rank_net") is not None and ft.get("lighthouse") is not None:
+        expected = "null with a running lighthouse (ft.lighthouse)"
         advice = (
-            f"here ft.nproc={ft.get('nproc')}, ft.lighthouse={ft.get('lighthouse')!r}: the emulated network takes one "
-            "process a replica, on one host, with the launcher's own lighthouse"
+            f"here ft.lighthouse={ft.get('lighthouse')!r}: the emulated network puts the replicas of one host on "
+            "links of their own, with the launcher's own lighthouse (ft.lighthouse=null)"
         )
         problems.append(str(fail("rank_net", expected, plain.get("rank_net"), advice)))
     return problems

@@ -3,7 +3,8 @@
 :mod:`wagma.app.ft_launch` starts one process per replica group (``python -m wagma.app.ft_replica RUN_DIR REPLICA
 LIGHTHOUSE``), again after it died. The process reads the job's config (``RUN_DIR/ft/config.yaml``), joins its CPU
 quota (``rank_cpus``) and its network (``rank_net``: a namespace of its own behind a shaped link,
-:class:`wagma.app.network.RankNetwork`; its store, heals and rounds then go over that link), builds the configured
+:class:`wagma.app.network.RankNetwork`; its store, heals and rounds then go over that link; with ``ft.nproc`` > 1
+every rank of the group has its own), builds the configured
 data, model (the same initial weights on every replica: seeded with ``seed``), optimizer and imbalance, and a
 torchft ``Manager`` with wagma's :class:`~wagma.integrations.torchft.ReplicaAverager` (``ft.group_size``,
 ``ft.sync_period``, ``ft.period``). It joins
@@ -142,24 +143,27 @@ def _build(cfg: DictConfig, replica: int, group: tuple[int, int], log: TextIO | 
     return _Replica(cfg, replica, *group, net, wrapped, optimizer, averager, batches, test, imbalance, log, writer)
 
 
-def _group_store(run: _Replica, host: str, timeout: datetime.timedelta) -> tuple[dist.TCPStore | None, int]:
-    """The TCP store of ``run``'s replica group, hosted by its rank 0 on a free port of ``host``, and that port.
+def _group_store(run: _Replica, host: str, timeout: datetime.timedelta) -> tuple[dist.TCPStore | None, str, int]:
+    """The TCP store of ``run``'s replica group, hosted by its rank 0 on a free port of ``host`` (rank 0's), and
+    where it is: the host and the port.
 
-    Rank 0 publishes the port in torchrun's store under the restart attempt, so that the other ranks of a group that
-    torchrun restarted read the new store's port, not the dead one's (torchft's keys in a store that outlives the
-    attempt would be stale). Returns the store on rank 0 (keep it alive), None elsewhere.
+    Rank 0 publishes both in torchrun's store under the restart attempt, so that the other ranks of a group that
+    torchrun restarted read the new store's address, not the dead one's (torchft's keys in a store that outlives the
+    attempt would be stale), and, each rank in a namespace of its own (``rank_net``), reach it at rank 0's address.
+    Returns the store on rank 0 (keep it alive), None elsewhere.
     """
     if run.rank == 0:
         store = dist.TCPStore(host, 0, run.ranks, True, timeout=timeout, wait_for_workers=False)
         if run.ranks == 1:
-            return store, store.port
+            return store, host, store.port
     wait = datetime.timedelta(seconds=max(launch.START_S, timeout.total_seconds()))  # ranks start unevenly
     master = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
-    key = f"wagma/ft_store_port/{launch.restart_count()}"
+    key = f"wagma/ft_store/{launch.restart_count()}"
     if run.rank == 0:
-        master.set(key, str(store.port))
-        return store, store.port
-    return None, int(master.get(key))
+        master.set(key, f"{host} {store.port}")
+        return store, host, store.port
+    store_host, port = master.get(key).decode().split()
+    return None, store_host, int(port)
 
 
 def _manager(run: _Replica, lighthouse: str, host: str) -> tuple[Any, Any]:
@@ -171,7 +175,7 @@ def _manager(run: _Replica, lighthouse: str, host: str) -> tuple[Any, Any]:
 
     ft = run.cfg.ft
     timeout = datetime.timedelta(seconds=float(ft.timeout_s))
-    store, port = _group_store(run, host, timeout)
+    store, store_host, port = _group_store(run, host, timeout)
     transport = _checkpoint_transport(host, timeout)
     pg = ReplicaProcessGroup(timeout=timeout)
     manager = Manager(
@@ -182,7 +186,7 @@ def _manager(run: _Replica, lighthouse: str, host: str) -> tuple[Any, Any]:
         use_async_quorum=False,
         rank=run.rank,
         world_size=run.ranks,
-        store_addr=host,
+        store_addr=store_host,
         store_port=port,
         hostname=host,
         checkpoint_transport=transport,
@@ -280,17 +284,23 @@ def train_replica(cfg: DictConfig, run_dir: Path, replica: int, lighthouse: str)
         quota = RankQuota(float(cfg.rank_cpus), job=job_name(run_dir), rank=replica * ranks + rank)
     host = str(cfg.ft.host)
     rate = rate_name(cfg.get("rank_net"))
-    if rate is not None:  # before any socket (ft.nproc is 1: checked); a restarted life waits for its last one's reaper
-        network = RankNetwork(rate, job=job_name(run_dir), rank=replica, wait_s=float(cfg.ft.rejoin_s))
-        host = str(network.address.ip)  # where the other replicas reach this one: its own link
+    if rate is not None:  # before any socket; a restarted life waits for its last one's reaper
+        index = (replica - int(cfg.ft.first_replica)) * ranks + rank  # every rank of every group: a link of its own
+        network = RankNetwork(rate, job=job_name(run_dir), rank=index, wait_s=float(cfg.ft.rejoin_s))
+        host = str(network.address.ip)  # where the other replicas (and this group's ranks) reach this one
         lighthouse = _via_bridge(lighthouse, str(network.gateway.ip))
     launch.init_distributed("cpu", float(cfg.dist_timeout_s))  # the replica group's ranks (DDP, evaluate)
+    netns = network.namespace if network is not None else None
+    where: list[Any] = [(netns, host)]
+    if ranks > 1:  # what rank 0 records: every rank's namespace and address
+        where = [None] * ranks
+        dist.all_gather_object(where, (netns, host))
     manager = None
     with open(replica_log(run_dir, replica), "a", encoding="utf-8") if rank == 0 else nullcontext() as log:
         run = _build(cfg, replica, (rank, ranks), log, run_dir)
         try:
-            netns = network.namespace if network is not None else None
-            run.record("start", cpu_cgroup=_cpu_cgroup(), netns=netns, host=host)  # its own quota and network
+            spread = {"group_netns": [w[0] for w in where], "group_hosts": [w[1] for w in where]} if ranks > 1 else {}
+            run.record("start", cpu_cgroup=_cpu_cgroup(), netns=netns, host=host, **spread)  # its quota and network
             manager, _store = _manager(run, lighthouse, host)
             _train(run, manager)
             accuracy, test_loss = evaluate(run.net, *run.test, rank, ranks)
