@@ -15,12 +15,13 @@ victim, the same draws for every mode of one seed. Each fault SIGKILLs a process
 Per run: wall time (first step to the job's end), faults, goodput (its reference's wall time, same seed and steps,
 over this run's; ``restart`` falls back to ``none`` without ``restart_none``), per fault the seconds until the
 victim is back in the quorum (live: its next life's first round, ``replicas.json``) or the job trains again
-(restart: rank 0's first metrics record after the kill), the steps survivors lost (live: their discarded rounds
-while the victim was down; restart: the steps past the resumed checkpoint, as far as rank 0's flushed metrics show:
-a lower bound), whether the job's output named the victim, whether the run hung (over ``--limit-s``: killed by the
-harness), the final test accuracy and (restart) the step the last restart resumed from, both from ``summary.json``.
-Records are appended to ``--out`` (JSON lines; with ``--resume`` the runs already there are skipped) and summarised
-in Markdown beside it (``.md``). A run that failed or hung keeps its directory (``work``).
+(restart: rank 0's first metrics record after the kill), the steps survivors lost (live: the most rounds one
+survivor discarded while the victim was down, ``discarded`` per survivor -- one step a round, ``ft.period=1``;
+restart: the steps past the resumed checkpoint, as far as rank 0's flushed metrics show: a lower bound), whether
+the job's output named the victim, whether the run hung (over ``--limit-s``: killed by the harness), the final
+test accuracy and (restart) the step the last restart resumed from, both from ``summary.json``. Records are
+appended to ``--out`` (JSON lines; with ``--resume`` the runs already there are skipped) and summarised in Markdown
+beside it (``.md``). A run that failed or hung keeps its directory (``work``).
 
 Several ``--mtbf-s`` values share one file: the fault-free references (``none``, ``restart_none``) do not depend on
 the faults' rate, so each runs once per seed (recorded with ``mtbf_s`` null) and serves every rate.
@@ -226,11 +227,17 @@ def _recovered(job: Job, fault: dict[str, Any]) -> None:
         lives = _lives(job.run_dir).get(str(fault["victim"]), [])
         later = [life for life in lives if life["started"] > fault["at"] and "joined" in life]
         back = later[0]["joined"] if later else None
-        survivors = [r for q in range(job.p) if q != fault["victim"] for r in read_records(job._log(q))]
         until = back if back is not None else float("inf")
-        lost = sum(
-            r.get("kind") == "discarded" for r in survivors if r["event"] == "round" and fault["at"] < r["time"] < until
-        )
+        discarded = {  # per survivor: the rounds it discarded while the victim was down
+            str(q): sum(
+                r["event"] == "round" and r.get("kind") == "discarded" and fault["at"] < r["time"] < until
+                for r in read_records(job._log(q))
+            )
+            for q in range(job.p)
+            if q != fault["victim"]
+        }
+        fault["discarded"] = discarded
+        lost = max(discarded.values(), default=0)  # a survivor's loss (a sync round: every survivor loses that one)
         named = f"replica {fault['victim']} (pid {fault['pid']}," in text
     else:
         after = [r for r in job.rank0() if r["time"] > fault.get("respawned", float("inf"))]

@@ -99,9 +99,9 @@ def markdown(records: list[dict[str, Any]], command: str, repo: Path) -> str:
         " against `restart_none`) over this run's, from the first training step to the job's end. Recovery: from"
         " the kill until the victim's next life ran a round in the quorum (live) or rank 0 trained again (restart);"
         " 'ended first': the job trained to its end before the victim was back."
-        " Steps lost: live, rounds the survivors discarded while the victim was down; restart, steps past the"
-        " resumed checkpoint that rank 0's flushed metrics showed at the kill (a lower bound). Named: the job's"
-        " output names the victim (live: the launcher's warning with its replica and pid).",
+        " Steps lost: live, the most rounds (of one step) one survivor discarded while the victim was down;"
+        " restart, steps past the resumed checkpoint that rank 0's flushed metrics showed at the kill (a lower"
+        " bound). Named: the job's output names the victim (live: the launcher's warning with its replica and pid).",
         "",
     ]  # fmt: skip
     return "\n".join(lines)

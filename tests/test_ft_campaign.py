@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ft_campaign import check, draw_faults, main_parser, planned  # noqa: E402
+from benchmarks.ft_campaign import _recovered, check, draw_faults, main_parser, planned  # noqa: E402
 from benchmarks.ft_campaign_report import with_goodput  # noqa: E402
 
 
@@ -86,6 +87,25 @@ def test_the_plan_runs_each_reference_once_and_each_faulted_mode_at_every_mtbf(t
     assert planned(args, held) == [t for t in todo if t not in [(0, "none", None), (0, "live", 60.0)]]
 
 
+def test_a_live_fault_loses_a_survivor_the_rounds_it_discarded_not_their_sum(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "ft").mkdir(parents=True)
+    lives = {"1": [{"started": 0.0, "joined": 1.0}, {"started": 10.5, "joined": 14.0}]}
+    (run_dir / "replicas.json").write_text(json.dumps({"replicas": lives}))
+    rounds = {0: ["group", "discarded", "sync"], 1: [], 2: ["discarded", "group", "group"], 3: ["discarded", "sync"]}
+    for q, kinds in rounds.items():  # rounds after the kill at 10 s, before the victim is back at 14 s
+        lines = [{"event": "round", "kind": k, "time": 11.0 + i} for i, k in enumerate(kinds)]
+        lines.append({"event": "round", "kind": "discarded", "time": 20.0})  # after it was back: not this fault's
+        (run_dir / "ft" / f"replica{q}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "train.out").write_text("replica 1 (pid 77, life 1) was killed by SIGKILL; starting it again\n")
+    job = types.SimpleNamespace(out_path=tmp_path / "train.out", live=True, run_dir=run_dir, p=4)
+    job._log = lambda q: run_dir / "ft" / f"replica{q}.jsonl"
+    fault = {"at": 10.0, "victim": 1, "pid": 77}
+    _recovered(job, fault)
+    assert fault["discarded"] == {"0": 1, "2": 1, "3": 1} and fault["lost"] == 1  # one round each, not three
+    assert fault["recovery_s"] == 4.0 and fault["named"]
+
+
 @pytest.mark.slow  # about 3 min on a loaded 2-core machine: three jobs of four processes, two with a kill
 @pytest.mark.timeout(600)
 def test_one_tiny_run_per_mode_kills_recovers_and_records(tmp_path):
@@ -105,7 +125,7 @@ def test_one_tiny_run_per_mode_kills_recovers_and_records(tmp_path):
     (live,) = records["live"]["faults"]  # the kill happened, on a replica in the quorum
     assert live["named"], live  # the launcher's warning names the replica and pid
     assert live["recovery_s"] is not None and 0 < live["recovery_s"] < 60, live  # back in the quorum
-    assert live["lost"] <= 1, live
+    assert live["lost"] <= 1 and live["lost"] == max(live["discarded"].values()), live
     (restart,) = records["restart"]["faults"]
     assert restart["named"], restart  # the launcher's line at the restart names the killed rank's pid
     assert restart["recovery_s"] is not None and restart["recovery_s"] > 0, restart  # rank 0 trained again
