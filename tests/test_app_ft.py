@@ -302,19 +302,26 @@ def test_a_replica_past_its_restarts_fails_the_run_named(tmp_path):
     assert len(lives["2"]) == 1 and all(_gone(life["pid"]) for r in lives.values() for life in r)
 
 
-@pytest.mark.slow  # about 70 s: two replica groups of two ranks (torchrun each), a rank killed, its group restarted
-@pytest.mark.timeout(300)
-def test_a_replica_group_of_two_ranks_loses_a_rank_and_heals_as_a_group(tmp_path):
-    run_dir, steps = tmp_path / "run", 800
+def _two_groups_of_two_one_rank_killed(tmp_path: Path, *overrides: str) -> Path:
+    """``python train.py`` with two replica groups of two ranks (800 steps), rank 1 of group 1 SIGKILLed once the
+    groups have averaged 20 rounds; asserts the job then ended well, and returns its run directory."""
+    run_dir = tmp_path / "run"
     delays = ["imbalance=random_k", "imbalance.k=2", "imbalance.delay_s=0.02"]
-    options = ["replicas=2", "ft.nproc=2", "ft.min_replicas=1", f"steps={steps}", *delays, "log_every=50"]
-    proc = _train_py(tmp_path, *options, "eval_every=200")
+    options = ["replicas=2", "ft.nproc=2", "ft.min_replicas=1", "steps=800", *delays, "log_every=50"]
+    proc = _train_py(tmp_path, *options, *overrides)
     try:
         _kill_when_averaged(run_dir, 1, 20, proc, limit_s=150, rank=1)  # rank 1 of replica group 1
         assert proc.wait(timeout=200) == 0, (tmp_path / "train.out").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+    return run_dir
+
+
+@pytest.mark.slow  # about 70 s: two replica groups of two ranks (torchrun each), a rank killed, its group restarted
+@pytest.mark.timeout(300)
+def test_a_replica_group_of_two_ranks_loses_a_rank_and_heals_as_a_group(tmp_path):
+    run_dir = _two_groups_of_two_one_rank_killed(tmp_path, "eval_every=200")
     lives = json.loads((run_dir / "replicas.json").read_text())["replicas"]
     first, second = lives["1"]
     assert first["exit"] != 0 and second["healed"] and second["exit"] == 0  # torchrun ended the group; it healed
@@ -336,16 +343,7 @@ def test_a_replica_group_of_two_ranks_loses_a_rank_and_heals_as_a_group(tmp_path
 def test_on_the_emulated_network_every_rank_of_a_group_has_its_link_and_a_killed_group_heals(tmp_path):
     if (problem := check_rank_net("1gbit", 4)) is not None:
         pytest.skip(f"no emulated network here: {problem}")
-    run_dir, steps = tmp_path / "run", 800
-    delays = ["imbalance=random_k", "imbalance.k=2", "imbalance.delay_s=0.02"]
-    options = ["replicas=2", "ft.nproc=2", "ft.min_replicas=1", f"steps={steps}", *delays, "log_every=50"]
-    proc = _train_py(tmp_path, *options, "rank_net=1gbit")
-    try:
-        _kill_when_averaged(run_dir, 1, 20, proc, limit_s=150, rank=1)  # rank 1 of replica group 1
-        assert proc.wait(timeout=200) == 0, (tmp_path / "train.out").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_dir = _two_groups_of_two_one_rank_killed(tmp_path, "rank_net=1gbit")
     job = job_name(run_dir)
     for r in range(2):  # every life's every rank in a namespace of its own, at its own address
         starts = [x for x in _records(run_dir / "ft" / f"replica{r}.jsonl") if x["event"] == "start"]

@@ -291,15 +291,15 @@ def train_replica(cfg: DictConfig, run_dir: Path, replica: int, lighthouse: str)
         lighthouse = _via_bridge(lighthouse, str(network.gateway.ip))
     launch.init_distributed("cpu", float(cfg.dist_timeout_s))  # the replica group's ranks (DDP, evaluate)
     netns = network.namespace if network is not None else None
-    where: list[Any] = [(netns, host)]
+    spread: dict[str, list[Any]] = {}
     if ranks > 1:  # what rank 0 records: every rank's namespace and address
-        where = [None] * ranks
+        where: list[Any] = [None] * ranks
         dist.all_gather_object(where, (netns, host))
+        spread = {"group_netns": [w[0] for w in where], "group_hosts": [w[1] for w in where]}
     manager = None
     with open(replica_log(run_dir, replica), "a", encoding="utf-8") if rank == 0 else nullcontext() as log:
         run = _build(cfg, replica, (rank, ranks), log, run_dir)
         try:
-            spread = {"group_netns": [w[0] for w in where], "group_hosts": [w[1] for w in where]} if ranks > 1 else {}
             run.record("start", cpu_cgroup=_cpu_cgroup(), netns=netns, host=host, **spread)  # its quota and network
             manager, _store = _manager(run, lighthouse, host)
             _train(run, manager)
