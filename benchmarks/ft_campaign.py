@@ -21,7 +21,8 @@ restart: the steps past the resumed checkpoint, as far as rank 0's flushed metri
 the job's output named the victim, whether the run hung (over ``--limit-s``: killed by the harness), the final
 test accuracy and (restart) the step the last restart resumed from, both from ``summary.json``. Records are
 appended to ``--out`` (JSON lines; with ``--resume`` the runs already there are skipped) and summarised in Markdown
-beside it (``.md``). A run that failed or hung keeps its directory (``work``).
+beside it (``.md``). A run that failed, hung or lost a survivor more than one round at a fault keeps its
+directory (``work``, and ``kept`` says why).
 
 Several ``--mtbf-s`` values share one file: the fault-free references (``none``, ``restart_none``) do not depend on
 the faults' rate, so each runs once per seed (recorded with ``mtbf_s`` null) and serves every rate.
@@ -269,10 +270,24 @@ def run(args: argparse.Namespace, mode: str, seed: int, mtbf_s: float | None) ->
     record |= {"hung": hung, "exit": job.proc.returncode, "total_s": round(ended - began, 3)}
     record |= {"wall_s": None if start is None or hung else round(ended - start, 3), "faults": done}
     record |= {"test_accuracy": accuracy, "resumed_from": resumed_from, "scheduled": len(schedule)}
-    if not hung and job.proc.returncode == 0:
-        shutil.rmtree(work, ignore_errors=True)  # a failed or hung run's directory is kept to be read
+    record["kept"] = kept_for(record, job.live)
+    if record["kept"] is None:
+        shutil.rmtree(work, ignore_errors=True)
         record["work"] = None
     return record
+
+
+def kept_for(record: dict[str, Any], live: bool) -> str | None:
+    """Why a run's directory (its output, the replicas' logs) is kept to be read; None: it is removed. Kept: a run
+    that hung or failed, and a live run where a fault cost a survivor more rounds than the target's one."""
+    if record["hung"]:
+        return "hung"
+    if record["exit"] != 0:
+        return f"exit status {record['exit']}"
+    over = [f for f in record["faults"] if live and f.get("lost", 0) > 1]
+    if over:
+        return f"a survivor lost {over[0]['lost']} rounds at the fault on replica {over[0]['victim']}"
+    return None
 
 
 def main_parser() -> argparse.ArgumentParser:
@@ -343,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         recov = [f["recovery_s"] for f in record["faults"]]
         said = f"wall {record['wall_s']} s, recovery {recov}, accuracy {record['test_accuracy']}"
         rate = "" if mtbf is None else f" MTBF {mtbf:g} s"
-        print(f"P={args.replicas}{rate} {mode:12s} seed {seed}: {said}, hung {record['hung']}", flush=True)
+        kept = "" if record["kept"] is None else f"; kept {record['work']} ({record['kept']})"
+        print(f"P={args.replicas}{rate} {mode:12s} seed {seed}: {said}, hung {record['hung']}{kept}", flush=True)
     records = with_goodput(read_records(args.out))
     shown = " ".join(a if " " not in a else repr(a) for a in sys.argv)
     args.out.with_suffix(".md").write_text(markdown(records, f"python {shown}", ROOT))

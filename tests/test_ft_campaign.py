@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ft_campaign import _recovered, check, draw_faults, main_parser, planned  # noqa: E402
+from benchmarks.ft_campaign import _recovered, check, draw_faults, kept_for, main_parser, planned  # noqa: E402
 from benchmarks.ft_campaign_report import with_goodput  # noqa: E402
 
 
@@ -104,6 +104,16 @@ def test_a_live_fault_loses_a_survivor_the_rounds_it_discarded_not_their_sum(tmp
     _recovered(job, fault)
     assert fault["discarded"] == {"0": 1, "2": 1, "3": 1} and fault["lost"] == 1  # one round each, not three
     assert fault["recovery_s"] == 4.0 and fault["named"]
+
+
+def test_a_run_that_missed_the_one_round_target_keeps_its_logs_to_be_read():
+    ok = {"hung": False, "exit": 0, "faults": [{"victim": 6, "lost": 1}, {"victim": 2, "lost": 0}]}
+    assert kept_for(ok, live=True) is None  # removed
+    over = ok | {"faults": [{"victim": 6, "lost": 2}]}
+    assert kept_for(over, live=True) == "a survivor lost 2 rounds at the fault on replica 6"
+    assert kept_for(over | {"faults": [{"victim": 6, "lost": 14}]}, live=False) is None  # restart: a lower bound
+    assert kept_for(ok | {"hung": True}, live=True) == "hung"
+    assert kept_for(ok | {"exit": 1}, live=False) == "exit status 1"
 
 
 @pytest.mark.slow  # about 3 min on a loaded 2-core machine: three jobs of four processes, two with a kill
