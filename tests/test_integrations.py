@@ -58,3 +58,31 @@ print(json.dumps(out))
         "transformers": "wagma.integrations.transformers needs transformers (transformers is not installed): "
         'pip install "wagma[transformers]"',
     }
+
+
+def test_an_installed_framework_whose_import_fails_is_named_with_the_cause_not_called_missing(tmp_path, monkeypatch):
+    from wagma.integrations._common import require
+
+    (tmp_path / "wagma_fake_framework").mkdir()
+    (tmp_path / "wagma_fake_framework" / "__init__.py").write_text("import wagma_fake_dependency_of_it\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        require("wagma_fake_framework", "torchft", "torchft")
+    except ModuleNotFoundError as exc:
+        raise AssertionError(f"a broken install was reported as missing: {exc}") from exc
+    except ImportError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("require() imported a package whose dependency is missing")
+    assert "wagma_fake_framework is installed but importing it failed" in message, message
+    assert "wagma_fake_dependency_of_it" in message and 'pip install "wagma[torchft]"' in message, message
+    # A package that is not there at all is a ModuleNotFoundError, which pytest.importorskip skips on.
+    try:
+        require("wagma_no_such_framework", "torchft", "torchft")
+    except ModuleNotFoundError as exc:
+        assert str(exc) == (
+            "wagma.integrations.torchft needs torchft (wagma_no_such_framework is not installed): "
+            'pip install "wagma[torchft]"'
+        )
+    else:
+        raise AssertionError("require() imported a package that does not exist")

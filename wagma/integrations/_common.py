@@ -29,16 +29,27 @@ __all__ = [
 
 
 def require(module: str, extra: str, what: str) -> ModuleType:
-    """Import ``module``; if it is missing, raise one line naming the extra that installs it.
+    """Import ``module``; if that fails, raise one line saying why and naming the extra that installs it.
 
     Raises:
-        ImportError: ``wagma.integrations.<extra> needs <what>: pip install "wagma[<extra>]"``.
+        ModuleNotFoundError: ``module`` is not installed:
+            ``wagma.integrations.<extra> needs <what> (<module> is not installed): pip install "wagma[<extra>]"``
+            (so that ``pytest.importorskip`` skips).
+        ImportError: ``module`` is installed but its own import failed (a dependency of it is missing or broken):
+            the message names ``module`` and the underlying error.
     """
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and missing.split(".")[0] == module.split(".")[0]:
+            raise ModuleNotFoundError(
+                f'wagma.integrations.{extra} needs {what} ({module} is not installed): pip install "wagma[{extra}]"',
+                name=module,
+            ) from exc
         raise ImportError(
-            f'wagma.integrations.{extra} needs {what} ({module} is not installed): pip install "wagma[{extra}]"'
+            f"wagma.integrations.{extra} needs {what}: {module} is installed but importing it failed ({exc}); "
+            f'pip install "wagma[{extra}]" installs what it needs'
         ) from exc
 
 
