@@ -11,7 +11,9 @@
 #
 # The machine has no package index: the project runs from the checkout (PYTHONPATH), and Python packages it lacks
 # (Hydra, OmegaConf, antlr4, SimPy) travel as wheels in .whl/ (see /work/.library/device/README.md), installed to
-# /tmp/site. Deadlines (seconds) can be changed with T_PYTEST, T_KERNELS, T_TRAIN, T_REGIME.
+# /tmp/site. torchft is not among them: it needs opentelemetry, which that machine lacks, and an installed
+# package that fails to import stops pytest's collection (without it, its tests skip). Deadlines (seconds) can be
+# changed with T_PYTEST, T_KERNELS, T_TRAIN, T_REGIME.
 set -u
 OUT=${OUT:-/tmp/gpu_checklist}
 mkdir -p "$OUT"
