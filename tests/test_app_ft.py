@@ -7,6 +7,7 @@ starts it again, it heals from a live peer, and the job ends with every replica 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,6 +46,12 @@ def _cfg(*overrides: str) -> DictConfig:
         (["ft.sync_period=0"], "ft.sync_period: expected an integer >= 1, found 0"),
         (["ft.max_restarts=-1"], "ft.max_restarts: expected an integer >= 0, found -1"),
         (["ft.timeout_s=0"], "ft.timeout_s: expected a finite number > 0, found 0"),
+        (["ft.quorum_timeout_s=0"], "ft.quorum_timeout_s: expected a finite number > 0, found 0"),
+        (
+            ["ft.quorum_timeout_s=5"],
+            "ft.quorum_timeout_s: expected at least ft.timeout_s (10), found 5; a replica that times out waiting for a "
+            "quorum fails, so the quorum must outwait a collective",
+        ),
         (["ft.lighthouse=host:29510"], "ft.lighthouse: expected null (start one) or an address http://host:port"),
         (["parallel=hsdp", "shard_size=2"], "parallel: expected 'ddp', found 'hsdp'"),
         (["resume=true"], "resume: expected False, found True"),
@@ -272,6 +279,34 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"  # a zombie of a dead parent
+
+
+@pytest.mark.slow  # about 40 s: two processes start, one is stopped for 15 s on its way
+@pytest.mark.timeout(180)
+def test_a_peer_stopped_while_starting_makes_the_others_wait_for_the_quorum_not_fail(tmp_path):
+    # ft.timeout_s=3 is a collective's deadline; the quorum's (ft.quorum_timeout_s=60) outwaits replica 1, stopped
+    # (SIGSTOP) for 15 s as soon as it starts. Replica 0 waits for a quorum of two all that time and must not fail:
+    # with one deadline for both (torchft raises when a quorum times out) it died and was started again.
+    run_dir = tmp_path / "run"
+    proc = _train_py(tmp_path, "replicas=2", "steps=40", "ft.timeout_s=3")
+    try:
+        deadline, pid = time.monotonic() + 60, None
+        while pid is None and time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pid = json.loads((run_dir / "replicas.json").read_text())["replicas"]["1"][0]["pid"]
+            time.sleep(0.01)
+        assert pid is not None, (tmp_path / "train.out").read_text()[-2000:]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(15)
+        os.kill(pid, signal.SIGCONT)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "train.out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lives = json.loads((run_dir / "replicas.json").read_text())["replicas"]
+    assert all(len(lives[r]) == 1 and lives[r][0]["exit"] == 0 for r in ("0", "1")), lives
+    joined = {r: lives[r][0]["joined"] for r in ("0", "1")}
+    assert joined["0"] - lives["1"][0]["started"] > 15, "replica 0 did not have to wait for replica 1"
 
 
 @pytest.mark.slow  # about 10 s: the replicas start, none can join in time

@@ -193,7 +193,9 @@ def _manager(run: _Replica, lighthouse: str, host: str) -> tuple[Any, Any]:
         lighthouse_addr=lighthouse,
         replica_id=f"replica_{run.replica}",
         timeout=timeout,
-        quorum_timeout=timeout,
+        # A quorum waits for peers still starting, healing or on a starved CPU; a replica whose quorum times out
+        # fails (torchft raises), so it gets the longer deadline, and collectives the short one.
+        quorum_timeout=datetime.timedelta(seconds=float(ft.quorum_timeout_s)),
         connect_timeout=timeout,
     )
     run.averager.attach(manager, pg)
