@@ -264,6 +264,8 @@ def run(args: argparse.Namespace, mode: str, seed: int, mtbf_s: float | None) ->
     ended = time.time()
     for fault in done:
         _recovered(job, fault)
+    if job.live:
+        record["survivor_exits"] = survivor_exits(_lives(job.run_dir), done, start)
     path = job.run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
     accuracy, resumed_from = summary.get("test_accuracy"), summary.get("resumed_from")
@@ -277,13 +279,38 @@ def run(args: argparse.Namespace, mode: str, seed: int, mtbf_s: float | None) ->
     return record
 
 
+def survivor_exits(
+    lives: dict[str, list[dict[str, Any]]], faults: list[dict[str, Any]], start: float | None
+) -> list[dict[str, Any]]:
+    """Live modes: the lives that ended on their own with a nonzero status (a replica the harness did not kill
+    that failed, and that the launcher started again): ``replica``, ``life`` (1-based), ``exit`` and ``ended_s``
+    (seconds after the first training step)."""
+    killed = {f["pid"] for f in faults}
+    return [
+        {
+            "replica": int(replica),
+            "life": i + 1,
+            "exit": life["exit"],
+            "ended_s": None if start is None or "ended" not in life else round(life["ended"] - start, 3),
+        }  # fmt: skip
+        for replica, replica_lives in sorted(lives.items(), key=lambda kv: int(kv[0]))
+        for i, life in enumerate(replica_lives)
+        if life["pid"] not in killed and life.get("exit") not in (0, None)
+    ]
+
+
 def kept_for(record: dict[str, Any], live: bool) -> str | None:
     """Why a run's directory (its output, the replicas' logs) is kept to be read; None: it is removed. Kept: a run
-    that hung or failed, and a live run where a fault cost a survivor more rounds than the target's one."""
+    that hung or failed, and a live run where a survivor failed or a fault cost one more rounds than the target's
+    one."""
     if record["hung"]:
         return "hung"
     if record["exit"] != 0:
         return f"exit status {record['exit']}"
+    failed = record.get("survivor_exits") or []
+    if live and failed:
+        replica, status = failed[0]["replica"], failed[0]["exit"]
+        return f"{len(failed)} survivor life(s) failed, the first replica {replica}'s with status {status}"
     over = [f for f in record["faults"] if live and f.get("lost", 0) > 1]
     if over:
         return f"a survivor lost {over[0]['lost']} rounds at the fault on replica {over[0]['victim']}"
@@ -357,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(record) + "\n")
         recov = [f["recovery_s"] for f in record["faults"]]
         said = f"wall {record['wall_s']} s, recovery {recov}, accuracy {record['test_accuracy']}"
+        if "survivor_exits" in record:
+            said += f", survivors failed {len(record['survivor_exits'])}"
         rate = "" if mtbf is None else f" MTBF {mtbf:g} s"
         kept = "" if record["kept"] is None else f"; kept {record['work']} ({record['kept']})"
         print(f"P={args.replicas}{rate} {mode:12s} seed {seed}: {said}, hung {record['hung']}{kept}", flush=True)

@@ -50,7 +50,7 @@ def _span(values: list[float], digits: int = 3) -> str:
 
 
 def _row(group: list[dict[str, Any]]) -> str:
-    """One table row: runs, hangs, named faults, goodput, recovery, lost steps, accuracy and its gap."""
+    """One table row: runs, hangs, named faults, goodput, recovery, lost steps, survivors failed, accuracy, its gap."""
     r0 = group[0]
     faults = [f for r in group for f in r["faults"]]
     recov = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
@@ -65,10 +65,20 @@ def _row(group: list[dict[str, Any]]) -> str:
         _span([r["goodput"] for r in group if r["goodput"] is not None]),
         f"{statistics.median(recov):.1f} / {max(recov):.1f}" if recov else "",
         f"{max(f['lost'] for f in faults)}" if faults else "",
+        _failed(group),
         _span([r["test_accuracy"] for r in group if r["test_accuracy"] is not None], 4),
         _span([r["accuracy_gap"] for r in group if r["accuracy_gap"] is not None], 4),
     ]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
+
+
+def _failed(group: list[dict[str, Any]]) -> str:
+    """Live modes: survivor lives that failed (not killed by the harness) over the runs that recorded them."""
+    read = [r for r in group if "survivor_exits" in r]
+    if not read:
+        return ""
+    unread = len(group) - len(read)
+    return str(sum(len(r["survivor_exits"]) for r in read)) + (f" ({unread} runs not read)" if unread else "")
 
 
 def markdown(records: list[dict[str, Any]], command: str, repo: Path) -> str:
@@ -90,8 +100,9 @@ def markdown(records: list[dict[str, Any]], command: str, repo: Path) -> str:
         f" {info['load_average_start']}.",
         "",
         "| P | MTBF (s) | mode | runs | hung | faults | named | back | goodput median (range) "
-        "| recovery median / max (s) | most steps lost by survivors | test accuracy | gap to fault-free |",
-        "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---|---|",
+        "| recovery median / max (s) | most steps lost by survivors | survivors failed | test accuracy "
+        "| gap to fault-free |",
+        "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---|---|---|",
         *[_row(group) for group in groups.values()],
         "",
         "Goodput: the fault-free reference's wall time (same P, seed and steps; one reference serves every MTBF;"
@@ -101,7 +112,9 @@ def markdown(records: list[dict[str, Any]], command: str, repo: Path) -> str:
         " 'ended first': the job trained to its end before the victim was back."
         " Steps lost: live, the most rounds (of one step) one survivor discarded while the victim was down;"
         " restart, steps past the resumed checkpoint that rank 0's flushed metrics showed at the kill (a lower"
-        " bound). Named: the job's output names the victim (live: the launcher's warning with its replica and pid).",
+        " bound). Survivors failed: live, replica lives the harness did not kill that ended with a nonzero status"
+        " (the launcher started them again; recorded since the harness read them). Named: the job's output names"
+        " the victim (live: the launcher's warning with its replica and pid).",
         "",
     ]  # fmt: skip
     return "\n".join(lines)

@@ -20,7 +20,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ft_campaign import _recovered, check, draw_faults, kept_for, main_parser, planned  # noqa: E402
+from benchmarks.ft_campaign import (  # noqa: E402
+    _recovered,
+    check,
+    draw_faults,
+    kept_for,
+    main_parser,
+    planned,
+    survivor_exits,
+)
 from benchmarks.ft_campaign_report import with_goodput  # noqa: E402
 
 
@@ -114,6 +122,21 @@ def test_a_run_that_missed_the_one_round_target_keeps_its_logs_to_be_read():
     assert kept_for(over | {"faults": [{"victim": 6, "lost": 14}]}, live=False) is None  # restart: a lower bound
     assert kept_for(ok | {"hung": True}, live=True) == "hung"
     assert kept_for(ok | {"exit": 1}, live=False) == "exit status 1"
+
+
+def test_a_survivor_that_failed_is_recorded_and_its_run_kept():
+    # replica 1's first life was the harness's kill (pid 11); replica 2's first life failed on its own (status 1)
+    lives = {
+        "2": [{"pid": 20, "exit": 1, "ended": 112.5}, {"pid": 21, "exit": 0, "ended": 190.0}],
+        "1": [{"pid": 11, "exit": -9, "ended": 104.7}, {"pid": 12, "exit": 0, "ended": 190.0}],
+        "0": [{"pid": 10, "exit": 0, "ended": 190.0}],
+    }
+    failed = survivor_exits(lives, [{"pid": 11}], start=100.0)
+    assert failed == [{"replica": 2, "life": 1, "exit": 1, "ended_s": 12.5}]
+    record = {"hung": False, "exit": 0, "faults": [{"victim": 1, "lost": 1}], "survivor_exits": failed}
+    assert kept_for(record, live=True) == "1 survivor life(s) failed, the first replica 2's with status 1"
+    assert kept_for(record | {"survivor_exits": []}, live=True) is None
+    assert survivor_exits({"0": [{"pid": 10}]}, [], start=None) == []  # still running at the end: no exit yet
 
 
 @pytest.mark.slow  # about 3 min on a loaded 2-core machine: three jobs of four processes, two with a kill
