@@ -64,21 +64,7 @@ def check_ft(plain: Mapping[str, Any]) -> list[str]:
         key: _attempt(problems, functools.partial(check_int, f"ft.{key}", ft.get(key), low))
         for key, low in _INTS.items()
     }
-    timeouts = {
-        key: _attempt(problems, functools.partial(check_number, f"ft.{key}", ft.get(key), 0, above=True))
-        for key in ("timeout_s", "quorum_timeout_s", "rejoin_s")
-    }
-    if None not in timeouts.values() and timeouts["quorum_timeout_s"] < timeouts["timeout_s"]:
-        problems.append(
-            str(
-                fail(
-                    "ft.quorum_timeout_s",
-                    f"at least ft.timeout_s ({timeouts['timeout_s']:g})",
-                    ft.get("quorum_timeout_s"),
-                    "a replica that times out waiting for a quorum fails, so the quorum must outwait a collective",
-                )
-            )
-        )
+    problems += _timeouts(ft)
     lighthouse = ft.get("lighthouse")
     if lighthouse is not None and not (isinstance(lighthouse, str) and lighthouse.startswith(("http://", "https://"))):
         problems.append(str(fail("ft.lighthouse", "null (start one) or an address http://host:port", lighthouse)))
@@ -113,6 +99,28 @@ def check_ft(plain: Mapping[str, Any]) -> list[str]:
             if net is not None:
                 problems.append(f"{net} (replicas x ft.nproc = {replicas * nproc} processes)")
     problems += _unsupported(plain)
+    return problems
+
+
+def _timeouts(ft: Mapping[str, Any]) -> list[str]:
+    """The problems of the deadlines: each > 0, and the quorum's at least a collective's (torchft fails a replica
+    whose quorum times out, so a quorum must outwait a peer that is still starting or healing)."""
+    problems: list[str] = []
+    timeouts = {
+        key: _attempt(problems, functools.partial(check_number, f"ft.{key}", ft.get(key), 0, above=True))
+        for key in ("timeout_s", "quorum_timeout_s", "rejoin_s")
+    }
+    if None not in timeouts.values() and timeouts["quorum_timeout_s"] < timeouts["timeout_s"]:
+        problems.append(
+            str(
+                fail(
+                    "ft.quorum_timeout_s",
+                    f"at least ft.timeout_s ({timeouts['timeout_s']:g})",
+                    ft.get("quorum_timeout_s"),
+                    "a replica that times out waiting for a quorum fails, so the quorum must outwait a collective",
+                )
+            )
+        )
     return problems
 
 
