@@ -131,6 +131,10 @@ def test_every_config_option_composes_validates_and_builds(group, option):
         (["device=tpu"], "device: expected one of 'auto', 'cpu', 'cuda', found 'tpu'"),
         (["telemetry_interval_s=-1"], r"telemetry_interval_s: expected a finite number >= 0, found -1 \(0: off\)"),
         (["resume_policy_change=2"], "resume_policy_change: expected True or False, found 2"),
+        (["stop_at_loss=-1"], r"stop_at_loss: expected a finite number > 0, found -1 \(null: off\)"),
+        (["stop_at_accuracy=1.5"], r"stop_at_accuracy: expected a finite number > 0 and <= 1, found 1.5 \(null: off\)"),
+        (["stop_after_s=abc"], r"stop_after_s: expected a finite number > 0, found 'abc' \(null: off\)"),
+        (["stop_at_loss=0.5", "eval_every=0"], r"stop_at_loss: needs eval_every >= 1 .*found eval_every=0"),
     ],
 )
 def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
@@ -290,6 +294,38 @@ def test_train_end_to_end_on_three_ranks(tmp_path):
         assert all(torch.equal(tensor, s["model"][name]) for s in states[1:])
     final = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(final[k], states[0]["model"][k]) for k in final)
+
+
+@pytest.mark.parametrize("policy", ["allreduce", "wagma"])
+def test_a_run_stops_after_the_first_evaluation_that_reached_its_target_on_every_rank(tmp_path, policy):
+    cfg = _cfg(tmp_path, f"averaging={policy}", "steps=400", "eval_every=10", "stop_at_accuracy=0.85")
+    summaries = run_workers(_train_worker, 2, cfg, timeout_s=120)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stop = summary["steps"]
+    assert 10 <= stop < 400 and stop % 10 == 0 and all(s["steps"] == stop for s in summaries)
+    assert summary["stopped"].startswith("test accuracy 0.") and "stop_at_accuracy=0.85" in summary["stopped"]
+    for rank in range(2):
+        records = read_metrics(tmp_path, rank)
+        assert records[-1]["step"] == stop  # no step after the stop, on either rank
+        evals = [r["test_accuracy"] for r in records if "test_accuracy" in r]
+        assert evals[-1] >= 0.85 and all(a < 0.85 for a in evals[:-1])  # the first evaluation that reached it
+    assert latest_step(tmp_path) == stop  # the final checkpoint is the stop's step: resume goes on from there
+
+
+def test_a_run_stops_after_the_first_evaluation_past_its_time_limit(tmp_path):
+    cfg = _cfg(tmp_path, "steps=400", "eval_every=25", "stop_after_s=0.5", "stop_at_loss=1e-9")
+    run_workers(_train_worker, 2, cfg, timeout_s=120)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    records = read_metrics(tmp_path, 0)
+    before = [r["elapsed_s"] for r in records if "test_accuracy" in r][:-1]
+    assert summary["steps"] < 400 and summary["stopped"].endswith("s of training >= stop_after_s=0.5")
+    assert all(t < 0.5 for t in before)  # (rank 0's clock; the stop reads the slowest rank's, never behind it)
+
+
+def test_a_run_without_a_stop_runs_all_its_steps(tmp_path):
+    run_workers(_train_worker, 2, _cfg(tmp_path, "steps=30", "eval_every=10"), timeout_s=120)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["stopped"] is None
 
 
 # P >= 3: gloo sums in an order set by DDP's bucket layout, which changes after DDP's first iteration.

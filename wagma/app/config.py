@@ -109,7 +109,8 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], world_size: int) -> Non
 
     Checked: the top-level keys (``steps``, ``batch_size`` >= 1; ``checkpoint_every``, ``eval_every``,
     ``consensus_every`` >= 0; ``log_every`` >= 1; ``telemetry_interval_s`` >= 0; ``device`` in
-    auto/cpu/cuda; ``resume`` a bool), the dataset and its split
+    auto/cpu/cuda; ``resume`` a bool; ``stop_at_loss``, ``stop_at_accuracy``, ``stop_after_s`` null or positive,
+    with ``eval_every`` >= 1), the dataset and its split
     (every rank's shard holds at least one batch), the model (built once on the CPU, it is small), the
     optimizer (built over a dummy parameter), the imbalance injector (built for rank 0 of
     ``world_size``), ``parallel`` / ``shard_size`` (:func:`wagma.app.parallel.check_parallel`) and the averaging
@@ -154,8 +155,26 @@ def _check_top_level(plain: Mapping[str, Any], world_size: int, problems: list[s
     _attempt(problems, lambda: check_choice("device", plain["device"], ("auto", "cpu", "cuda")))
     _attempt(problems, lambda: check_bool("resume", plain["resume"]))
     _attempt(problems, lambda: check_bool("resume_policy_change", plain.get("resume_policy_change", False)))
+    _check_stops(plain, problems)
     if world_size >= 1:
         _check_placement(plain, world_size, problems)
+
+
+def _check_stops(plain: Mapping[str, Any], problems: list[str]) -> None:
+    """``stop_at_loss`` (> 0), ``stop_at_accuracy`` (in (0, 1]) and ``stop_after_s`` (> 0), each null or a number;
+    any of them needs ``eval_every`` >= 1: the run stops only after an evaluation."""
+    bounds = {"stop_at_loss": (0, None), "stop_at_accuracy": (0, 1), "stop_after_s": (0, None)}
+    set_keys = [key for key in bounds if plain.get(key) is not None]
+    for key in set_keys:
+        low, high = bounds[key]
+        _attempt(
+            problems, functools.partial(check_number, key, plain[key], low, high, above=True), advice=" (null: off)"
+        )
+    if set_keys and isinstance(plain.get("eval_every"), int) and plain["eval_every"] < 1:
+        problems.append(
+            f"{set_keys[0]}: needs eval_every >= 1 (the run stops only after an evaluation), found eval_every="
+            f"{plain['eval_every']}"
+        )
 
 
 def _check_placement(plain: Mapping[str, Any], world_size: int, problems: list[str]) -> None:

@@ -20,10 +20,12 @@ Read top to bottom, it does:
 5. per step: inject the imbalance, forward, backward (DDP and the policy's comm hook average there),
    ``policy.before_step``, ``optimizer.step()``, ``policy.after_step``; record (every rank its JSON lines,
    rank 0 also ``metrics.csv`` and TensorBoard events: :mod:`wagma.app.metrics`) and show progress on rank 0
-   (:mod:`wagma.app.progress`); evaluate every ``eval_every`` steps; measure the consensus distance every
-   ``consensus_every`` steps (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every
-   ``checkpoint_every`` steps; on a CUDA device, records also carry ``gpu_*`` telemetry sampled every
-   ``telemetry_interval_s`` (:class:`wagma.telemetry.GpuMetrics`);
+   (:mod:`wagma.app.progress`); evaluate every ``eval_every`` steps -- and stop after an evaluation that
+   reached ``stop_at_loss`` / ``stop_at_accuracy`` or came ``stop_after_s`` training seconds in
+   (:func:`_stop_reason`); measure the consensus distance every ``consensus_every`` steps
+   (:mod:`wagma.app.consensus`, recorded as ``consensus``); checkpoint every ``checkpoint_every`` steps; on a CUDA
+   device, records also carry ``gpu_*`` telemetry sampled every ``telemetry_interval_s``
+   (:class:`wagma.telemetry.GpuMetrics`);
 6. checkpoint the final training state, ``policy.finalize``, evaluate on the test split, and have rank 0
    write ``summary.json`` (with the time split ``startup_s`` / ``train_s`` / ``finish_s``, see
    :func:`wagma.app.report.run_summary`) and ``model.pt`` (the finalized model's state dict). The metrics files are
@@ -161,6 +163,8 @@ class _Loop:
     eval_every: int
     checkpoint_every: int
     consensus_every: int
+    end_step: int  # the last step: ``steps``, or the one after which an evaluation stopped the run
+    stopped: str | None = None  # why the run stopped before ``steps`` (:func:`_stop_reason`)
 
 
 def _train(
@@ -239,7 +243,7 @@ def _open_loop(run: Run) -> _Loop:
         chance_loss=math.log(run.dataset.num_classes),
     )
     every = (int(cfg.log_every), int(cfg.eval_every), int(cfg.checkpoint_every), int(cfg.get("consensus_every", 0)))
-    return _Loop(clock, roll_call, run.writer, run.progress, guard, *every)
+    return _Loop(clock, roll_call, run.writer, run.progress, guard, *every, end_step=steps)
 
 
 def _run_steps(run: Run, loop: _Loop, step_callback: StepCallback | None) -> None:
@@ -269,19 +273,45 @@ def _run_steps(run: Run, loop: _Loop, step_callback: StepCallback | None) -> Non
             run.totals.add(timings)
             window.append(timings)
             extra = _measure(run, loop, done)
+            loop.stopped = _stop_reason(run, loop, extra) if "test_loss" in extra else None
             record: dict[str, Any] | None = None
             if done % loop.log_every == 0 or done == steps or extra:
                 record = window_record(window) | policy_fields(run.policy) | extra | run.gpu.fields()
                 loop.writer.write(done, **record)
                 window = []
-            if loop.checkpoint_every and done % loop.checkpoint_every == 0 and done < steps:
-                _save(run, done)
+            if loop.checkpoint_every and done % loop.checkpoint_every == 0 and done < steps and not loop.stopped:
+                _save(run, done)  # (a stopping run saves this step in the final sync)
             loop.progress.update(done, record)
             warning = loop.guard.observe(done, timings["loss"], record)
             if warning is not None and run.ctx.rank == 0:
                 log.warning("guard: %s", warning)
             if step_callback is not None:
                 step_callback(done, timings)
+            if loop.stopped:
+                loop.end_step = done
+                if run.ctx.rank == 0:
+                    log.info("stopping after step %d of %d: %s", done, steps, loop.stopped)
+                break
+
+
+def _stop_reason(run: Run, loop: _Loop, extra: dict[str, Any]) -> str | None:
+    """Why the run stops after this evaluation (``extra``'s): ``stop_at_loss`` reached (bits per byte for a
+    language model, else nats), ``stop_at_accuracy`` reached, or ``stop_after_s`` training seconds spent; None to
+    go on. Every rank decides alike: the evaluation is collective, and the time is the slowest rank's (a MAX
+    allreduce, only when ``stop_after_s`` is set)."""
+    cfg = run.cfg
+    loss = bits_per_byte(extra["test_loss"]) if run.dataset.token_targets else extra["test_loss"]
+    unit = "bits per byte" if run.dataset.token_targets else "nats"
+    if cfg.get("stop_at_loss") is not None and loss <= float(cfg.stop_at_loss):
+        return f"test loss {loss:.4f} {unit} <= stop_at_loss={cfg.stop_at_loss}"
+    if cfg.get("stop_at_accuracy") is not None and extra["test_accuracy"] >= float(cfg.stop_at_accuracy):
+        return f"test accuracy {extra['test_accuracy']:.4f} >= stop_at_accuracy={cfg.stop_at_accuracy}"
+    if cfg.get("stop_after_s") is not None:
+        spent = torch.tensor([loop.writer.elapsed_s], dtype=torch.float64, device=run.ctx.device)
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        if float(spent) >= float(cfg.stop_after_s):
+            return f"{float(spent):.1f} s of training >= stop_after_s={cfg.stop_after_s}"
+    return None
 
 
 def _measure(run: Run, loop: _Loop, done: int) -> dict[str, Any]:
@@ -316,7 +346,7 @@ def _final_sync(run: Run, loop: _Loop) -> tuple[dict[str, Any], tuple[float, flo
     """Save the training state as it is (a later resume with more steps continues this exact trajectory), then let
     the policy produce the model to keep and evaluate it; collectives too, so the roll call names a rank that froze
     or died here as well. Returns the policy's statistics of the training steps and the test accuracy and loss."""
-    steps = int(run.cfg.steps)
+    steps = loop.end_step
     loop.roll_call.begin(FINAL)
     with loop.roll_call.watching():
         if run.start_step < steps or run.resume_from is None:
@@ -341,6 +371,8 @@ def _finish(
     summary = run_summary(
         cfg, run.policy, trained_stats, run.imbalance, run.totals, test, run.run_dir, started, phases, run.layout
     )
+    summary["steps"] = loop.end_step  # (``steps``, or where an evaluation stopped the run)
+    summary["stopped"] = loop.stopped
     summary["resumed_from"] = run.resume_from
     summary["restarts"] = launch.restart_count()
     if run.dataset.token_targets:  # a language model: its loss in bits per byte, and which corpus it was
@@ -352,7 +384,7 @@ def _finish(
         staleness_max=summary["staleness_max"],
         test_accuracy=test[0],
         num_classes=run.dataset.num_classes,
-        steps=int(cfg.steps),
+        steps=loop.end_step,
     )
     summary["guard"] = TrainingGuard.summary_field(warnings)
     final_state = full_model_state(run.net) if run.layout.sharded else run.net.state_dict()  # collective under hsdp
