@@ -1,0 +1,145 @@
+"""Time to solution on the emulated cluster: allreduce first, then every other policy capped at its time.
+
+Issue 50's campaign, one (rate, seed) at a time: every rank a device (``rank_cpus``) on a link of its own
+(``rank_net``), the long task (``experiment=torch_source_lm``), each policy stopped at the target
+(``stop_at_loss``) instead of its last step. Allreduce runs first; every other policy is capped at ``--cap`` times
+allreduce's time to the target (``stop_after_s``): a run past the cap has lost the comparison, and how far it got
+(its loss at the cap) is recorded. Each run is a ``python train.py -m`` job of its own (``OUT/RATE/seedS/POLICY``);
+the table is built by :func:`benchmarks.tune.pick` from the jobs' curves, so the time to the target is the
+training seconds (evaluations included) at the first evaluation at or below it.
+
+    python benchmarks/cluster_tts.py --rate 40mbit --seed 0 --policies allreduce wagma adpsgd \\
+        --target 2.974 --out-dir /tmp/cluster --record benchmarks/results/cluster/tts_40mbit.json
+
+A policy's extra overrides follow its name after a colon (``wagma:averaging.group_size=4``). Runs already done
+(their ``job.json``) are kept: rerunning the command continues the campaign.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing
+
+from benchmarks.machine import load_average, machine_info  # noqa: E402
+from benchmarks.tune import pick  # noqa: E402
+
+__all__ = ["main", "run_command"]
+
+#: What every run of the campaign shares besides its policy, rate, seed and caps.
+BASE = ("experiment=torch_source_lm", "nproc=8", "rank_cpus=0.25", "eval_every=100", "progress_every=100")
+
+
+def run_command(policy: str, rate: str, seed: int, target: float, cap_s: float | None, sweep: Path) -> list[str]:
+    """The ``python train.py -m`` command of one policy's run (``policy`` may carry ``:override,...``)."""
+    name, _, extra = policy.partition(":")
+    argv = [sys.executable, "train.py", "-m", *BASE, f"rank_net={rate}", f"averaging={name}", f"seed={seed}"]
+    argv += [o for o in extra.split(",") if o] + [f"stop_at_loss={target}"]
+    if cap_s is not None:
+        argv.append(f"stop_after_s={math.ceil(cap_s)}")
+    return [*argv, f"hydra.sweep.dir={sweep}"]
+
+
+def _run(argv: list[str], sweep: Path) -> None:
+    if list(sweep.glob("*/job.json")):
+        print(f"# kept: {sweep}", flush=True)
+        return
+    print(shlex.join(argv), flush=True)
+    started = time.monotonic()
+    subprocess.run(argv, cwd=ROOT, check=True)
+    print(f"# {sweep.name}: {time.monotonic() - started:.0f} s", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", required=True, help="every rank's link, e.g. 40mbit")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", default=["allreduce", "wagma", "adpsgd"], help="allreduce first")
+    parser.add_argument("--target", type=float, required=True, help="test loss in bits per byte (calibrate.py)")
+    parser.add_argument("--cap", type=float, default=1.25, help="other policies' time limit / allreduce's time")
+    parser.add_argument("--out-dir", type=Path, required=True, help="the runs go to OUT/RATE/seedS/POLICY")
+    parser.add_argument("--record", type=Path, default=None, help="write the table and the commands here (JSON)")
+    args = parser.parse_args(argv)
+    if args.policies[0] != "allreduce":
+        raise SystemExit(
+            f"cluster_tts.py: --policies: expected allreduce first (the cap's base), found {args.policies}"
+        )
+    if not args.cap > 0:
+        raise SystemExit(f"cluster_tts.py: --cap: expected a number > 0, found {args.cap}")
+    base_dir = args.out_dir / args.rate / f"seed{args.seed}"
+    machine = machine_info(ROOT)
+    commands, cap_s = [], None
+    for policy in args.policies:
+        sweep = base_dir / policy.replace(":", "_").replace("=", "-").replace(",", "_")
+        command = run_command(policy, args.rate, args.seed, args.target, cap_s, sweep)
+        commands.append(shlex.join(["python", *command[1:]]))
+        _run(command, sweep)
+        if cap_s is None:
+            allreduce = pick([sweep], args.target)["allreduce"]["chosen"]
+            if allreduce["seconds"] is None:
+                raise SystemExit(f"cluster_tts.py: allreduce did not reach {args.target} ({allreduce['dir']})")
+            cap_s = args.cap * allreduce["seconds"]
+    table = _table([base_dir / p.replace(":", "_").replace("=", "-").replace(",", "_") for p in args.policies], args)
+    print(_markdown(table))
+    if args.record is not None:
+        record = {"rate": args.rate, "seed": args.seed, "target": args.target, "cap": args.cap, "machine": machine}
+        record["load_at_end"] = load_average()
+        record |= {"commands": commands, "runs": table}
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        args.record.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+def _table(sweeps: list[Path], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per run: its time to the target (None: not reached by the cap), ratio to allreduce's, steps, curve."""
+    rows = []
+    for sweep in sweeps:
+        (entry,) = pick([sweep], args.target).values()
+        job = entry["chosen"]
+        summary = json.loads((Path(job["dir"]) / "summary.json").read_text())
+        rows.append(
+            {
+                "run": sweep.name,
+                "overrides": job["overrides"],
+                "seconds": job["seconds"],
+                "steps": summary["steps"],
+                "stopped": summary["stopped"],
+                "final_loss": job["final_loss"],
+                "samples_per_s": summary["samples_per_s"],
+                "mean_wait_s": summary["mean_wait_s"],
+                "dir": job["dir"],
+            }
+        )
+    base = rows[0]["seconds"]
+    for row in rows:
+        row["ratio"] = None if row["seconds"] is None else row["seconds"] / base
+    return rows
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| run | time to target (s) | x allreduce | steps | final loss (bits/byte) | samples/s | wait ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        seconds = "not reached" if r["seconds"] is None else f"{r['seconds']:.0f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(
+            f"| {r['run']} | {seconds} | {ratio} | {r['steps']} | {r['final_loss']:.3f} | "
+            f"{r['samples_per_s']:.1f} | {1e3 * r['mean_wait_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""benchmarks/cluster_tts.py: allreduce first, every other policy capped at its time, on runs made by hand."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cluster_tts
+
+
+def _fake_run(curves: dict[str, list[tuple[float, float]]], seen: list[list[str]]):
+    """Stands in for a training run: records the command and leaves the job a sweep of one would."""
+
+    def run(argv: list[str], sweep: Path) -> None:
+        seen.append(argv)
+        name = sweep.name
+        directory = sweep / "0"
+        directory.mkdir(parents=True)
+        overrides = [a for a in argv[3:] if not a.startswith("hydra.")]
+        (directory / "job.json").write_text(json.dumps({"num": 0, "overrides": overrides, "exit": 0}))
+        records = [
+            {"step": 100 * (i + 1), "elapsed_s": t, "test_loss": x, "test_accuracy": 0.5}
+            for i, (t, x) in enumerate(curves[name])
+        ]
+        (directory / "metrics_rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        t, loss = curves[name][-1]
+        summary = {
+            "steps": 100 * len(records),
+            "train_s": t,
+            "test_loss": loss,
+            "test_accuracy": 0.5,
+            "stopped": "why",
+            "samples_per_s": 10.0,
+            "mean_wait_s": 0.1,
+        }
+        (directory / "summary.json").write_text(json.dumps(summary))
+
+    return run
+
+
+def test_others_are_capped_at_allreduces_time_and_compared_with_it(tmp_path, monkeypatch, capsys):
+    curves = {"allreduce": [(10, 3.0), (20, 2.5)], "wagma": [(8, 2.9), (16, 2.4)], "adpsgd": [(12, 2.8), (25, 2.7)]}
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cluster_tts, "_run", _fake_run(curves, seen))
+    record = tmp_path / "tts.json"
+    argv = ["--rate", "40mbit", "--target", "2.5", "--out-dir", str(tmp_path), "--record", str(record)]
+    assert cluster_tts.main([*argv, "--policies", "allreduce", "wagma", "adpsgd", "--cap", "1.25"]) == 0
+    assert "stop_at_loss=2.5" in seen[0] and not any(a.startswith("stop_after_s") for a in seen[0])
+    assert all("stop_after_s=25" in run and "rank_net=40mbit" in run and "nproc=8" in run for run in seen[1:])
+    rows = {r["run"]: r for r in json.loads(record.read_text())["runs"]}
+    assert rows["allreduce"]["seconds"] == 20 and rows["wagma"]["ratio"] == pytest.approx(0.8)
+    assert rows["adpsgd"]["seconds"] is None and rows["adpsgd"]["final_loss"] == 2.7
+    assert "| adpsgd | not reached | - | 200 | 2.700 |" in capsys.readouterr().out
+    assert shlex.split(json.loads(record.read_text())["commands"][1])[:3] == ["python", "train.py", "-m"]
+
+
+def test_a_policys_overrides_follow_its_name_and_allreduce_comes_first(tmp_path):
+    argv = cluster_tts.run_command("wagma:averaging.group_size=4,optim.lr=0.002", "40mbit", 1, 2.9, 99.2, tmp_path)
+    assert "averaging=wagma" in argv and "averaging.group_size=4" in argv and "optim.lr=0.002" in argv
+    assert "seed=1" in argv and "stop_after_s=100" in argv
+    with pytest.raises(SystemExit, match=r"--policies: expected allreduce first"):
+        cluster_tts.main(["--rate", "40mbit", "--target", "2.5", "--out-dir", str(tmp_path), "--policies", "wagma"])
