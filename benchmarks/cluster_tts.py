@@ -4,9 +4,11 @@ Issue 50's campaign, one (rate, seed) at a time: every rank a device (``rank_cpu
 (``rank_net``), the long task (``experiment=torch_source_lm``), each policy stopped at the target
 (``stop_at_loss``) instead of its last step. Allreduce runs first; every other policy is capped at ``--cap`` times
 allreduce's time to the target (``stop_after_s``): a run past the cap has lost the comparison, and how far it got
-(its loss at the cap) is recorded. Each run is a ``python train.py -m`` job of its own (``OUT/RATE/seedS/POLICY``);
-the table is built by :func:`benchmarks.tune.pick` from the jobs' curves, so the time to the target is the
-training seconds (evaluations included) at the first evaluation at or below it.
+(its loss at the cap) is recorded. Every run may take up to ``--max-steps`` steps (the experiment's 2,000 are
+allreduce's calibration, not a limit: a policy that steps faster but learns less per step needs more of them).
+Each run is a ``python train.py -m`` job of its own (``OUT/RATE/seedS/POLICY``); the table is built by
+:func:`benchmarks.tune.pick` from the jobs' curves, so the time to the target is the training seconds
+(evaluations included) at the first evaluation at or below it.
 
     python benchmarks/cluster_tts.py --rate 40mbit --seed 0 --policies allreduce wagma adpsgd \\
         --target 2.974 --out-dir /tmp/cluster --record benchmarks/results/cluster/tts_40mbit.json
@@ -40,10 +42,13 @@ __all__ = ["main", "run_command"]
 BASE = ("experiment=torch_source_lm", "nproc=8", "rank_cpus=0.25", "eval_every=100", "progress_every=100")
 
 
-def run_command(policy: str, rate: str, seed: int, target: float, cap_s: float | None, sweep: Path) -> list[str]:
+def run_command(
+    policy: str, rate: str, seed: int, target: float, cap_s: float | None, sweep: Path, max_steps: int = 6000
+) -> list[str]:
     """The ``python train.py -m`` command of one policy's run (``policy`` may carry ``:override,...``)."""
     name, _, extra = policy.partition(":")
-    argv = [sys.executable, "train.py", "-m", *BASE, f"rank_net={rate}", f"averaging={name}", f"seed={seed}"]
+    argv = [sys.executable, "train.py", "-m", *BASE, f"steps={max_steps}", f"rank_net={rate}", f"averaging={name}"]
+    argv.append(f"seed={seed}")
     argv += [o for o in extra.split(",") if o] + [f"stop_at_loss={target}"]
     if cap_s is not None:
         argv.append(f"stop_after_s={math.ceil(cap_s)}")
@@ -67,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=["allreduce", "wagma", "adpsgd"], help="allreduce first")
     parser.add_argument("--target", type=float, required=True, help="test loss in bits per byte (calibrate.py)")
     parser.add_argument("--cap", type=float, default=1.25, help="other policies' time limit / allreduce's time")
+    parser.add_argument("--max-steps", type=int, default=6000, help="every run's steps (the stops end it sooner)")
     parser.add_argument("--out-dir", type=Path, required=True, help="the runs go to OUT/RATE/seedS/POLICY")
     parser.add_argument("--record", type=Path, default=None, help="write the table and the commands here (JSON)")
     args = parser.parse_args(argv)
@@ -81,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands, cap_s = [], None
     for policy in args.policies:
         sweep = base_dir / policy.replace(":", "_").replace("=", "-").replace(",", "_")
-        command = run_command(policy, args.rate, args.seed, args.target, cap_s, sweep)
+        command = run_command(policy, args.rate, args.seed, args.target, cap_s, sweep, args.max_steps)
         commands.append(shlex.join(["python", *command[1:]]))
         _run(command, sweep)
         if cap_s is None:
