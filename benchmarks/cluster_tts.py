@@ -33,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing
 
+from benchmarks.calibrate import curve_in_unit  # noqa: E402
 from benchmarks.machine import load_average, machine_info  # noqa: E402
 from benchmarks.tune import pick  # noqa: E402
 
@@ -107,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _table(sweeps: list[Path], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per run: its time to the target (None: not reached by the cap), ratio to allreduce's, steps, curve."""
+    """One row per run: its time to the target (None: not reached by the cap), ratio to allreduce's, steps, and its
+    curve (step, training seconds, test loss in bits per byte, accuracy at each evaluation)."""
     rows = []
     for sweep in sweeps:
         (entry,) = pick([sweep], args.target).values()
@@ -124,6 +126,10 @@ def _table(sweeps: list[Path], args: argparse.Namespace) -> list[dict[str, Any]]
                 "samples_per_s": summary["samples_per_s"],
                 "mean_wait_s": summary["mean_wait_s"],
                 "dir": job["dir"],
+                "curve": [
+                    [p["step"], round(p["elapsed_s"], 1), round(p["test_loss"], 4), round(p["test_accuracy"], 4)]
+                    for p in curve_in_unit(Path(job["dir"]), summary)[0]
+                ],
             }
         )
     base = rows[0]["seconds"]

@@ -53,6 +53,7 @@ def test_others_are_capped_at_allreduces_time_and_compared_with_it(tmp_path, mon
     rows = {r["run"]: r for r in json.loads(record.read_text())["runs"]}
     assert rows["allreduce"]["seconds"] == 20 and rows["wagma"]["ratio"] == pytest.approx(0.8)
     assert rows["adpsgd"]["seconds"] is None and rows["adpsgd"]["final_loss"] == 2.7
+    assert rows["wagma"]["curve"] == [[100, 8, 2.9, 0.5], [200, 16, 2.4, 0.5]]
     assert "| adpsgd | not reached | - | 200 | 2.700 |" in capsys.readouterr().out
     assert shlex.split(json.loads(record.read_text())["commands"][1])[:3] == ["python", "train.py", "-m"]
 
