@@ -14,7 +14,8 @@ Each run is a ``python train.py -m`` job of its own (``OUT/RATE/seedS/POLICY``);
         --target 2.974 --out-dir /tmp/cluster --record benchmarks/results/cluster/tts_40mbit.json
 
 A policy's extra overrides follow its name after a colon (``wagma:averaging.group_size=4``). Runs already done
-(their ``job.json``) are kept: rerunning the command continues the campaign.
+(their ``job.json``) are kept: rerunning the command continues the campaign. Beside the record, a plot of every run's
+test loss against training seconds with the target (``RECORD.png``); ``--plot-only RECORD`` redraws it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from benchmarks.calibrate import curve_in_unit  # noqa: E402
 from benchmarks.machine import load_average, machine_info  # noqa: E402
 from benchmarks.tune import pick  # noqa: E402
 
-__all__ = ["main", "run_command"]
+__all__ = ["main", "plot", "run_command"]
 
 #: What every run of the campaign shares besides its policy, rate, seed and caps.
 BASE = ("experiment=torch_source_lm", "nproc=8", "rank_cpus=0.25", "eval_every=100", "progress_every=100")
@@ -68,15 +69,24 @@ def _run(argv: list[str], sweep: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", required=True, help="every rank's link, e.g. 40mbit")
+    parser.add_argument(
+        "--plot-only", type=Path, default=None, metavar="RECORD", help="redraw RECORD's plot, run nothing"
+    )
+    parser.add_argument("--rate", help="every rank's link, e.g. 40mbit (required unless --plot-only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=["allreduce", "wagma", "adpsgd"], help="allreduce first")
-    parser.add_argument("--target", type=float, required=True, help="test loss in bits per byte (calibrate.py)")
+    parser.add_argument("--target", type=float, help="test loss in bits per byte (calibrate.py; required)")
     parser.add_argument("--cap", type=float, default=1.25, help="other policies' time limit / allreduce's time")
     parser.add_argument("--max-steps", type=int, default=6000, help="every run's steps (the stops end it sooner)")
-    parser.add_argument("--out-dir", type=Path, required=True, help="the runs go to OUT/RATE/seedS/POLICY")
+    parser.add_argument("--out-dir", type=Path, help="the runs go to OUT/RATE/seedS/POLICY (required)")
     parser.add_argument("--record", type=Path, default=None, help="write the table and the commands here (JSON)")
     args = parser.parse_args(argv)
+    if args.plot_only is not None:
+        print(plot(args.plot_only))
+        return 0
+    missing = [f"--{k.replace('_', '-')}" for k in ("rate", "target", "out_dir") if getattr(args, k) is None]
+    if missing:
+        raise SystemExit(f"cluster_tts.py: expected {', '.join(missing)} (or --plot-only RECORD), found none")
     if args.policies[0] != "allreduce":
         raise SystemExit(
             f"cluster_tts.py: --policies: expected allreduce first (the cap's base), found {args.policies}"
@@ -104,7 +114,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         record |= {"commands": commands, "runs": table}
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(record, indent=1) + "\n")
+        print(plot(args.record))
     return 0
+
+
+def plot(record_path: Path) -> Path:
+    """Every run's test loss against training seconds, and the target, beside the record (``.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = json.loads(record_path.read_text())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in record["runs"]:
+        seconds = "not reached" if run["seconds"] is None else f"{run['seconds']:.0f} s"
+        ax.plot(
+            [c[1] for c in run["curve"]], [c[2] for c in run["curve"]], marker=".", label=f"{run['run']} ({seconds})"
+        )
+    ax.axhline(record["target"], color="grey", linestyle="--", label=f"target {record['target']}")
+    ax.set(xlabel="training seconds", ylabel="test loss (bits per byte)")
+    ax.set_title(f"P = 8, {record['rate']} links, quarter-core ranks, seed {record['seed']}")
+    ax.legend()
+    fig.tight_layout()
+    out = record_path.with_suffix(".png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def _table(sweeps: list[Path], args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -56,11 +56,17 @@ def test_others_are_capped_at_allreduces_time_and_compared_with_it(tmp_path, mon
     assert rows["wagma"]["curve"] == [[100, 8, 2.9, 0.5], [200, 16, 2.4, 0.5]]
     assert "| adpsgd | not reached | - | 200 | 2.700 |" in capsys.readouterr().out
     assert shlex.split(json.loads(record.read_text())["commands"][1])[:3] == ["python", "train.py", "-m"]
+    png = record.with_suffix(".png")
+    assert png.stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"
+    png.unlink()
+    assert cluster_tts.main(["--plot-only", str(record)]) == 0 and png.is_file()
 
 
 def test_a_policys_overrides_follow_its_name_and_allreduce_comes_first(tmp_path):
     argv = cluster_tts.run_command("wagma:averaging.group_size=4,optim.lr=0.002", "40mbit", 1, 2.9, 99.2, tmp_path)
     assert "averaging=wagma" in argv and "averaging.group_size=4" in argv and "optim.lr=0.002" in argv
     assert "seed=1" in argv and "stop_after_s=100" in argv and "steps=6000" in argv
+    with pytest.raises(SystemExit, match=r"expected --rate, --target \(or --plot-only RECORD\), found none"):
+        cluster_tts.main(["--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--policies: expected allreduce first"):
         cluster_tts.main(["--rate", "40mbit", "--target", "2.5", "--out-dir", str(tmp_path), "--policies", "wagma"])
