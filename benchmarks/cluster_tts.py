@@ -95,9 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"cluster_tts.py: --cap: expected a number > 0, found {args.cap}")
     base_dir = args.out_dir / args.rate / f"seed{args.seed}"
     machine = machine_info(ROOT)
+    sweeps = [base_dir / policy.replace(":", "_").replace("=", "-").replace(",", "_") for policy in args.policies]
     commands, cap_s = [], None
-    for policy in args.policies:
-        sweep = base_dir / policy.replace(":", "_").replace("=", "-").replace(",", "_")
+    for policy, sweep in zip(args.policies, sweeps):
         command = run_command(policy, args.rate, args.seed, args.target, cap_s, sweep, args.max_steps)
         commands.append(shlex.join(["python", *command[1:]]))
         _run(command, sweep)
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if allreduce["seconds"] is None:
                 raise SystemExit(f"cluster_tts.py: allreduce did not reach {args.target} ({allreduce['dir']})")
             cap_s = args.cap * allreduce["seconds"]
-    table = _table([base_dir / p.replace(":", "_").replace("=", "-").replace(",", "_") for p in args.policies], args)
+    table = _table(sweeps, args)
     print(_markdown(table))
     if args.record is not None:
         record = {"rate": args.rate, "seed": args.seed, "target": args.target, "cap": args.cap, "machine": machine}

@@ -71,10 +71,12 @@ def run_summary(
     started: float,
     phases: tuple[float, float],
     layout: Layout,
+    steps: int,
 ) -> dict[str, Any]:
     """Rank totals gathered on every rank (collective), reduced to the run's numbers.
 
-    ``test`` is the final ``(test_accuracy, test_loss)``. ``global_reductions`` and ``local_reductions`` count the
+    ``test`` is the final ``(test_accuracy, test_loss)``; ``steps`` the run's last step (``cfg.steps``, or the one
+    after which an evaluation stopped it). ``global_reductions`` and ``local_reductions`` count the
     reductions of the training steps (rank 0's ``trained_stats``, taken before ``policy.finalize``); ``staleness``
     (the run's one staleness figure) and ``fresh_fraction`` are means over the ranks, ``staleness_max`` the largest
     staleness of any rank; ``policy_stats`` is rank 0's final account, finalize's own reduction included.
@@ -93,7 +95,7 @@ def run_summary(
     return {
         "policy": policy.name,
         "world_size": world_size,
-        "steps": int(cfg.steps),
+        "steps": steps,
         "test_accuracy": test[0],
         "test_loss": test[1],
         **_time_means(per_rank, imbalance),

@@ -369,9 +369,18 @@ def _finish(
     """The run's summary (gathered from every rank) with the guard's verdict; rank 0 writes it and ``model.pt``."""
     cfg = run.cfg
     summary = run_summary(
-        cfg, run.policy, trained_stats, run.imbalance, run.totals, test, run.run_dir, started, phases, run.layout
+        cfg,
+        run.policy,
+        trained_stats,
+        run.imbalance,
+        run.totals,
+        test,
+        run.run_dir,
+        started,
+        phases,
+        run.layout,
+        steps=loop.end_step,
     )
-    summary["steps"] = loop.end_step  # (``steps``, or where an evaluation stopped the run)
     summary["stopped"] = loop.stopped
     summary["resumed_from"] = run.resume_from
     summary["restarts"] = launch.restart_count()
