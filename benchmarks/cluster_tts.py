@@ -6,7 +6,8 @@ Issue 50's campaign, one (rate, seed) at a time: every rank a device (``rank_cpu
 allreduce's time to the target (``stop_after_s``): a run past the cap has lost the comparison, and how far it got
 (its loss at the cap) is recorded. Every run may take up to ``--max-steps`` steps (the experiment's 2,000 are
 allreduce's calibration, not a limit: a policy that steps faster but learns less per step needs more of them).
-Each run is a ``python train.py -m`` job of its own (``OUT/RATE/seedS/POLICY``); the table is built by
+Each run is a ``python train.py -m`` job of its own (``OUT/RATE/pP/seedS/POLICY``; ``--nproc P`` ranks, each
+with a quota of ``--rank-cpus``, by default this machine's cores / P); the table is built by
 :func:`benchmarks.tune.pick` from the jobs' curves, so the time to the target is the training seconds
 (evaluations included) at the first evaluation at or below it.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -40,16 +42,25 @@ from benchmarks.tune import pick  # noqa: E402
 
 __all__ = ["main", "plot", "run_command"]
 
-#: What every run of the campaign shares besides its policy, rate, seed and caps.
-BASE = ("experiment=torch_source_lm", "nproc=8", "rank_cpus=0.25", "eval_every=100", "progress_every=100")
+#: What every run of the campaign shares besides its policy, world, rate, seed and caps.
+BASE = ("experiment=torch_source_lm", "eval_every=100", "progress_every=100")
 
 
 def run_command(
-    policy: str, rate: str, seed: int, target: float, cap_s: float | None, sweep: Path, max_steps: int = 6000
+    policy: str,
+    rate: str,
+    seed: int,
+    target: float,
+    cap_s: float | None,
+    sweep: Path,
+    max_steps: int = 6000,
+    nproc: int = 8,
+    rank_cpus: float = 0.25,
 ) -> list[str]:
     """The ``python train.py -m`` command of one policy's run (``policy`` may carry ``:override,...``)."""
     name, _, extra = policy.partition(":")
-    argv = [sys.executable, "train.py", "-m", *BASE, f"steps={max_steps}", f"rank_net={rate}", f"averaging={name}"]
+    argv = [sys.executable, "train.py", "-m", *BASE, f"nproc={nproc}", f"rank_cpus={rank_cpus:g}"]
+    argv += [f"steps={max_steps}", f"rank_net={rate}", f"averaging={name}"]
     argv.append(f"seed={seed}")
     argv += [o for o in extra.split(",") if o] + [f"stop_at_loss={target}"]
     if cap_s is not None:
@@ -78,7 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--target", type=float, help="test loss in bits per byte (calibrate.py; required)")
     parser.add_argument("--cap", type=float, default=1.25, help="other policies' time limit / allreduce's time")
     parser.add_argument("--max-steps", type=int, default=6000, help="every run's steps (the stops end it sooner)")
-    parser.add_argument("--out-dir", type=Path, help="the runs go to OUT/RATE/seedS/POLICY (required)")
+    parser.add_argument("--nproc", type=int, default=8, help="ranks of every run (P)")
+    parser.add_argument(
+        "--rank-cpus", type=float, default=None, help="every rank's CPU quota (default: this machine's cores / P)"
+    )
+    parser.add_argument("--out-dir", type=Path, help="the runs go to OUT/RATE/pP/seedS/POLICY (required)")
     parser.add_argument("--record", type=Path, default=None, help="write the table and the commands here (JSON)")
     args = parser.parse_args(argv)
     if args.plot_only is not None:
@@ -93,12 +108,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if not args.cap > 0:
         raise SystemExit(f"cluster_tts.py: --cap: expected a number > 0, found {args.cap}")
-    base_dir = args.out_dir / args.rate / f"seed{args.seed}"
+    if args.nproc < 2:
+        raise SystemExit(f"cluster_tts.py: --nproc: expected at least 2 ranks, found {args.nproc}")
+    if args.rank_cpus is None:
+        args.rank_cpus = (os.cpu_count() or 1) / args.nproc
+    base_dir = args.out_dir / args.rate / f"p{args.nproc}" / f"seed{args.seed}"
     machine = machine_info(ROOT)
     sweeps = [base_dir / policy.replace(":", "_").replace("=", "-").replace(",", "_") for policy in args.policies]
     commands, cap_s = [], None
     for policy, sweep in zip(args.policies, sweeps):
-        command = run_command(policy, args.rate, args.seed, args.target, cap_s, sweep, args.max_steps)
+        command = run_command(
+            policy, args.rate, args.seed, args.target, cap_s, sweep, args.max_steps, args.nproc, args.rank_cpus
+        )
         commands.append(shlex.join(["python", *command[1:]]))
         _run(command, sweep)
         if cap_s is None:
@@ -109,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = _table(sweeps, args)
     print(_markdown(table))
     if args.record is not None:
-        record = {"rate": args.rate, "seed": args.seed, "target": args.target, "cap": args.cap, "machine": machine}
+        record = {"rate": args.rate, "seed": args.seed, "target": args.target, "cap": args.cap}
+        record |= {"nproc": args.nproc, "rank_cpus": args.rank_cpus, "machine": machine}
         record["load_at_end"] = load_average()
         record |= {"commands": commands, "runs": table}
         args.record.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +156,8 @@ def plot(record_path: Path) -> Path:
         )
     ax.axhline(record["target"], color="grey", linestyle="--", label=f"target {record['target']}")
     ax.set(xlabel="training seconds", ylabel="test loss (bits per byte)")
-    ax.set_title(f"P = 8, {record['rate']} links, quarter-core ranks, seed {record['seed']}")
+    world = f"P = {record.get('nproc', 8)}, {record.get('rank_cpus', 0.25):g} core a rank"  # older records: P = 8
+    ax.set_title(f"{world}, {record['rate']} links, seed {record['seed']}")
     ax.legend()
     fig.tight_layout()
     out = record_path.with_suffix(".png")

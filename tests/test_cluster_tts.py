@@ -62,6 +62,22 @@ def test_others_are_capped_at_allreduces_time_and_compared_with_it(tmp_path, mon
     assert cluster_tts.main(["--plot-only", str(record)]) == 0 and png.is_file()
 
 
+def test_a_larger_world_shares_the_machines_cores_and_has_a_directory_of_its_own(tmp_path, monkeypatch):
+    curves = {"allreduce": [(10, 3.0), (20, 2.5)], "wagma": [(8, 2.9), (16, 2.4)]}
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cluster_tts, "_run", _fake_run(curves, seen))
+    monkeypatch.setattr(cluster_tts.os, "cpu_count", lambda: 2)
+    record = tmp_path / "tts16.json"
+    argv = ["--rate", "70mbit", "--target", "2.5", "--out-dir", str(tmp_path), "--record", str(record)]
+    assert cluster_tts.main([*argv, "--policies", "allreduce", "wagma", "--nproc", "16"]) == 0
+    assert all("nproc=16" in run and "rank_cpus=0.125" in run for run in seen)
+    assert all(run[-1].startswith(f"hydra.sweep.dir={tmp_path / '70mbit' / 'p16' / 'seed0'}") for run in seen)
+    saved = json.loads(record.read_text())
+    assert (saved["nproc"], saved["rank_cpus"]) == (16, 0.125)
+    with pytest.raises(SystemExit, match=r"--nproc: expected at least 2 ranks, found 1"):
+        cluster_tts.main([*argv, "--nproc", "1"])
+
+
 def test_a_policys_overrides_follow_its_name_and_allreduce_comes_first(tmp_path):
     argv = cluster_tts.run_command("wagma:averaging.group_size=4,optim.lr=0.002", "40mbit", 1, 2.9, 99.2, tmp_path)
     assert "averaging=wagma" in argv and "averaging.group_size=4" in argv and "optim.lr=0.002" in argv
