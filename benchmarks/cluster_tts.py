@@ -43,7 +43,8 @@ from benchmarks.tune import pick  # noqa: E402
 __all__ = ["main", "plot", "run_command"]
 
 #: What every run of the campaign shares besides its policy, world, rate, seed and caps.
-BASE = ("experiment=torch_source_lm", "eval_every=100", "progress_every=100")
+#: ``eval_model=mean``: a policy's time to the target is its mean model's (what it would keep if it stopped there).
+BASE = ("experiment=torch_source_lm", "eval_every=100", "eval_model=mean", "progress_every=100")
 
 
 def run_command(

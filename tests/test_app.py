@@ -21,6 +21,7 @@ from wagma.app.launch import hydra_rank_overrides
 from wagma.app.metrics import SUMMARY_KEYS, read_csv, read_metrics, write_summary
 from wagma.app.models import build_model
 from wagma.app.policies import AllreducePolicy, Policy, build_policy
+from wagma.app.step import mean_model
 from wagma.app.train import train
 from wagma.testing import WorkerError, run_workers, run_workers_outcomes
 
@@ -136,6 +137,11 @@ def test_every_config_option_composes_validates_and_builds(group, option):
         (["stop_at_accuracy=1.5"], r"stop_at_accuracy: expected a finite number > 0 and <= 1, found 1.5 \(null: off\)"),
         (["stop_after_s=abc"], r"stop_after_s: expected a finite number > 0, found 'abc' \(null: off\)"),
         (["stop_at_loss=0.5", "eval_every=0"], r"stop_at_loss: needs eval_every >= 1 .*found eval_every=0"),
+        (["eval_model=average"], r"eval_model: expected one of 'local', 'mean', found 'average'"),
+        (
+            ["eval_model=mean", "parallel=hsdp", "shard_size=2"],
+            r"eval_model=mean: expected whole replicas \(parallel=ddp\), found parallel=hsdp",
+        ),
     ],
 )
 def test_bad_configs_fail_validation_with_a_clear_message(overrides, match):
@@ -311,6 +317,44 @@ def test_a_run_stops_after_the_first_evaluation_that_reached_its_target_on_every
         evals = [r["test_accuracy"] for r in records if "test_accuracy" in r]
         assert evals[-1] >= 0.85 and all(a < 0.85 for a in evals[:-1])  # the first evaluation that reached it
     assert latest_step(tmp_path) == stop  # the final checkpoint is the stop's step: resume goes on from there
+
+
+def _mean_model_worker(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    with torch.no_grad():
+        net[0].weight.fill_(float(rank))
+        net[1].running_mean.fill_(2.0 * rank)
+    scratch = mean_model(net)
+    again = mean_model(net, scratch)
+    assert again is scratch and scratch is not net
+    assert float(net[0].weight[0, 0]) == rank and int(scratch[1].num_batches_tracked) == 0  # its own untouched
+    return [float(scratch[0].weight[1, 1]), float(scratch[1].running_mean[2]), scratch[0].bias.sum().item()]
+
+
+def test_mean_model_is_the_ranks_mean_in_a_copy_and_leaves_each_model_alone():
+    torch.manual_seed(0)
+    bias = torch.nn.Linear(2, 3).bias.sum().item()  # every rank built the same, then changed the weights
+    results = run_workers(_mean_model_worker, 3, timeout_s=60)
+    assert all(r[0] == pytest.approx(1.0) and r[1] == pytest.approx(2.0) for r in results)  # (0 + 1 + 2) / 3
+    assert all(r[2] == pytest.approx(bias) for r in results)
+
+
+def test_eval_model_mean_scores_the_ranks_mean_and_leaves_training_alone(tmp_path):
+    """Local SGD that never averages before the end: each rank's model differs from the others and from their mean,
+    so the two evaluations differ; the evaluation itself must not change what is trained."""
+    loss = {}
+    for how in ("local", "mean"):
+        run_dir = tmp_path / how
+        cfg = _cfg(run_dir, "averaging=local_sgd", "averaging.period=1000", "steps=40", "eval_every=20")
+        cfg.eval_model = how
+        run_workers(_train_worker, 2, cfg, timeout_s=120)
+        evals = [r["test_loss"] for r in read_metrics(run_dir, 0) if "test_loss" in r]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        loss[how] = (evals, summary["test_loss"])
+    (local_evals, local_final), (mean_evals, mean_final) = loss["local"], loss["mean"]
+    assert len(local_evals) == len(mean_evals) == 1 and local_evals != mean_evals
+    assert local_final == mean_final  # the same training, the same final mean model
 
 
 def test_a_run_stops_after_the_first_evaluation_past_its_time_limit(tmp_path):

@@ -156,6 +156,9 @@ def _check_top_level(plain: Mapping[str, Any], world_size: int, problems: list[s
     _attempt(problems, lambda: check_bool("resume", plain["resume"]))
     _attempt(problems, lambda: check_bool("resume_policy_change", plain.get("resume_policy_change", False)))
     _check_stops(plain, problems)
+    _attempt(problems, lambda: check_choice("eval_model", plain.get("eval_model", "local"), ("local", "mean")))
+    if plain.get("eval_model") == "mean" and plain.get("parallel", "ddp") == "hsdp":
+        problems.append("eval_model=mean: expected whole replicas (parallel=ddp), found parallel=hsdp")
     if world_size >= 1:
         _check_placement(plain, world_size, problems)
 

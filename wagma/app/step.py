@@ -15,6 +15,8 @@ approximate there; ``step_s`` is exact because the step ends with ``loss.item()`
 
 from __future__ import annotations
 
+import copy
+import itertools
 import time
 from collections.abc import Iterable
 
@@ -26,7 +28,7 @@ from wagma.app.imbalance import Imbalance
 from wagma.app.policies import Policy
 from wagma.app.source_text import token_cross_entropy
 
-__all__ = ["GradReadyClock", "TokenCrossEntropy", "evaluate", "timed_step"]
+__all__ = ["GradReadyClock", "TokenCrossEntropy", "evaluate", "mean_model", "timed_step"]
 
 
 class GradReadyClock:
@@ -89,6 +91,34 @@ def timed_step(
         "wait_s": (t2 - grads_ready) + (t3 - t2) + (t5 - t4),
         "imbalance_s": imbalance_s,
     }
+
+
+@torch.no_grad()
+def mean_model(net: nn.Module, scratch: nn.Module | None = None) -> nn.Module:
+    """The ranks' mean of ``net`` (its parameters and floating-point buffers) in ``scratch``, to evaluate the model
+    a global average would produce now without touching any rank's own; collective over the default group (one
+    allreduce of the flattened model). ``scratch`` is a copy of ``net`` made on the first call (pass it back to
+    reuse it); ``net`` holds whole replicas (not shards)."""
+    if scratch is None:
+        scratch = copy.deepcopy(net)
+    pairs = [
+        (mine, theirs)
+        for mine, theirs in zip(
+            itertools.chain(net.parameters(), net.buffers()), itertools.chain(scratch.parameters(), scratch.buffers())
+        )
+        if mine.is_floating_point()
+    ]
+    if not pairs:
+        return scratch
+    flat = torch.cat([mine.detach().reshape(-1).to(torch.float32) for mine, _ in pairs])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+    offset = 0
+    for mine, theirs in pairs:
+        theirs.copy_(flat[offset : offset + mine.numel()].view_as(mine))
+        offset += mine.numel()
+    return scratch
 
 
 @torch.no_grad()

@@ -70,7 +70,7 @@ from wagma.app.quota import RankQuota, job_name
 from wagma.app.report import policy_fields, run_summary, window_record
 from wagma.app.roll_call import FINAL, RollCall
 from wagma.app.source_text import bits_per_byte
-from wagma.app.step import GradReadyClock, TokenCrossEntropy, evaluate, timed_step
+from wagma.app.step import GradReadyClock, TokenCrossEntropy, evaluate, mean_model, timed_step
 
 __all__ = ["StepCallback", "evaluate", "train"]
 
@@ -165,6 +165,7 @@ class _Loop:
     consensus_every: int
     end_step: int  # the last step: ``steps``, or the one after which an evaluation stopped the run
     stopped: str | None = None  # why the run stopped before ``steps`` (:func:`_stop_reason`)
+    mean_net: nn.Module | None = None  # ``eval_model=mean``: the copy that holds the ranks' mean model
 
 
 def _train(
@@ -316,12 +317,16 @@ def _stop_reason(run: Run, loop: _Loop, extra: dict[str, Any]) -> str | None:
 
 def _measure(run: Run, loop: _Loop, done: int) -> dict[str, Any]:
     """What step ``done`` measures besides its timings: the consensus distance every ``consensus_every`` steps,
-    the test accuracy and loss every ``eval_every`` steps but the last (the final sync evaluates that one)."""
+    the test accuracy and loss every ``eval_every`` steps but the last (the final sync evaluates that one): of each
+    rank's own model, or with ``eval_model=mean`` of the ranks' mean (what a final sync would keep now)."""
     extra: dict[str, Any] = {}
     if run.meter is not None and done % loop.consensus_every == 0:
         extra["consensus"] = run.meter.measure(run.net.parameters())
     if loop.eval_every and done % loop.eval_every == 0 and done < int(run.cfg.steps):
-        extra["test_accuracy"], extra["test_loss"] = evaluate(run.net, *run.test, run.ctx.rank, run.ctx.world_size)
+        net = run.net
+        if run.cfg.get("eval_model", "local") == "mean":  # the model a final sync would keep now
+            net = loop.mean_net = mean_model(run.net, loop.mean_net)
+        extra["test_accuracy"], extra["test_loss"] = evaluate(net, *run.test, run.ctx.rank, run.ctx.world_size)
     return extra
 
 
