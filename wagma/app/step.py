@@ -110,7 +110,8 @@ def mean_model(net: nn.Module, scratch: nn.Module | None = None) -> nn.Module:
     ]
     if not pairs:
         return scratch
-    flat = torch.cat([mine.detach().reshape(-1).to(torch.float32) for mine, _ in pairs])
+    dtype = torch.float64 if any(mine.dtype == torch.float64 for mine, _ in pairs) else torch.float32
+    flat = torch.cat([mine.detach().reshape(-1).to(dtype) for mine, _ in pairs])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flat)
         flat.div_(dist.get_world_size())
