@@ -7,7 +7,7 @@ measured on other seeds. Both steps run ``python train.py -m`` (Hydra's multirun
 setting); this script writes the commands and reads what the jobs left.
 
     python benchmarks/tune.py plan --policies allreduce wagma local_sgd --seed 0 --out-dir /tmp/tune \\
-        -- experiment=torch_source_lm nproc=8 rank_cpus=0.25 rank_net=200mbit
+        -- experiment=torch_source_lm nproc=8 rank_cpus=0.25 rank_net=200mbit eval_model=mean
     # run the printed commands (one sweep per policy), then:
     python benchmarks/tune.py pick /tmp/tune/* --target 2.974 --measure-seeds 1 2 3 \\
         --out benchmarks/results/cluster/tuning.json
