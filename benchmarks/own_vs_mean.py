@@ -29,9 +29,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from wagma.app.config import group_options  # noqa: E402
-from wagma.app.data import load_dataset  # noqa: E402
-from wagma.app.models import build_model  # noqa: E402
+from wagma.app.config import configured_dataset, configured_model  # noqa: E402
 from wagma.app.source_text import bits_per_byte  # noqa: E402
 from wagma.app.step import evaluate  # noqa: E402
 
@@ -48,15 +46,8 @@ def own_and_mean(run_dir: Path, step: int) -> dict[str, Any]:
     if not ranks:
         raise SystemExit(f"own_vs_mean.py: expected rank*.pt in {checkpoint}, found none")
     cfg = OmegaConf.load(config)
-    data_cfg = group_options(cfg, "data")
-    options = {k: v for k, v in data_cfg.items() if k not in ("name", "test_fraction")}
-    dataset = load_dataset(
-        data_cfg["name"], seed=int(cfg.seed), test_fraction=float(data_cfg.get("test_fraction", 0.2)), **options
-    )
-    model_cfg = group_options(cfg, "model")
-    net = build_model(
-        model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg, **dataset.model_options()
-    )
+    dataset = configured_dataset(cfg)
+    net = configured_model(cfg, dataset)
     states = [torch.load(path, map_location="cpu", weights_only=True)["model"] for path in ranks]
 
     def score(state: dict[str, torch.Tensor]) -> dict[str, float]:

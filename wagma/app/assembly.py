@@ -26,12 +26,11 @@ from torch import nn
 
 from wagma.app import launch
 from wagma.app.checkpoint import RESETTABLE, CheckpointError, ensure_no_history, restore_rng_state, resume_checkpoint
-from wagma.app.config import build_optimizer, group_options
+from wagma.app.config import build_optimizer, configured_dataset, configured_model, data_options, group_options
 from wagma.app.consensus import ConsensusMeter
-from wagma.app.data import BatchIterator, Dataset, load_dataset, make_batches
+from wagma.app.data import BatchIterator, Dataset, make_batches
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter, preload_tensorboard
-from wagma.app.models import build_model
 from wagma.app.parallel import Layout, build_layout, load_local_model_state, load_local_optimizer_state
 from wagma.app.policies import AllreducePolicy, ModelAveragingPolicy, Policy, build_policy
 from wagma.app.progress import Progress
@@ -96,19 +95,12 @@ def set_up(cfg: DictConfig, ctx: launch.DistContext, run_dir: Path) -> Run:
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
     seed = int(cfg.seed)
     _seed_everything(seed, rank)
-    data_cfg = group_options(cfg, "data")
-    data_options = {k: v for k, v in data_cfg.items() if k not in ("name", "test_fraction")}
-    dataset = load_dataset(
-        data_cfg["name"], seed=seed, test_fraction=float(data_cfg.get("test_fraction", 0.2)), **data_options
-    )
+    dataset = configured_dataset(cfg)
     x_shard, y_shard = dataset.shard(rank, world_size)
     batch_size = int(cfg.batch_size)
-    batches = make_batches(x_shard.to(device), y_shard.to(device), data_options, batch_size, seed=seed, rank=rank)
+    batches = make_batches(x_shard.to(device), y_shard.to(device), data_options(cfg), batch_size, seed=seed, rank=rank)
     test = dataset.x_test.to(device), dataset.y_test.to(device)
-    model_cfg = group_options(cfg, "model")
-    net = build_model(
-        model_cfg.pop("name"), dataset.in_shape, dataset.num_classes, **model_cfg, **dataset.model_options()
-    ).to(device)
+    net = configured_model(cfg, dataset).to(device)
     if rank == 0:  # rank 0 writes the events; importing them before this collective keeps step 1 unaffected
         preload_tensorboard()
     _broadcast_from_rank0(net)

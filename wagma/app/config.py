@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from wagma.app.data import DATASET_INFO, DataInfo, dataset_info, train_split_size
+from wagma.app.data import DATASET_INFO, DataInfo, Dataset, dataset_info, load_dataset, train_split_size
 from wagma.app.ft_options import check_ft, ft_enabled
 from wagma.app.imbalance import build_imbalance
 from wagma.app.models import build_model
@@ -33,6 +33,9 @@ __all__ = [
     "ConfigError",
     "KNOWN_OPTIMIZERS",
     "build_optimizer",
+    "configured_dataset",
+    "configured_model",
+    "data_options",
     "group_options",
     "validate_config",
     "validate_launch",
@@ -73,6 +76,25 @@ def group_options(cfg: DictConfig | Mapping[str, Any], group: str) -> dict[str, 
     if isinstance(node, DictConfig):
         return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
     return dict(node)
+
+
+def data_options(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The data group's options for its loader and batches (all but ``name`` and ``test_fraction``)."""
+    return {k: v for k, v in group_options(cfg, "data").items() if k not in ("name", "test_fraction")}
+
+
+def configured_dataset(cfg: DictConfig | Mapping[str, Any]) -> Dataset:
+    """The run's dataset as its config (``data`` group, ``seed``) names it: the same split on every rank."""
+    data = group_options(cfg, "data")
+    test_fraction = float(data.get("test_fraction", 0.2))
+    return load_dataset(data["name"], seed=int(cfg["seed"]), test_fraction=test_fraction, **data_options(cfg))
+
+
+def configured_model(cfg: DictConfig | Mapping[str, Any], dataset: Dataset) -> torch.nn.Module:
+    """The run's model as its config (``model`` group) names it, shaped for ``dataset``; on the CPU, from the current
+    random state."""
+    model = group_options(cfg, "model")
+    return build_model(model.pop("name"), dataset.in_shape, dataset.num_classes, **model, **dataset.model_options())
 
 
 def build_optimizer(cfg: Mapping[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

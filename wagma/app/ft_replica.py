@@ -45,12 +45,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from wagma.app import launch
-from wagma.app.config import build_optimizer, group_options
-from wagma.app.data import BatchIterator, load_dataset
+from wagma.app.config import build_optimizer, configured_dataset, configured_model, group_options
+from wagma.app.data import BatchIterator
 from wagma.app.ft_options import ft_rounds
 from wagma.app.imbalance import Imbalance, build_imbalance
 from wagma.app.metrics import MetricsWriter
-from wagma.app.models import build_model
 from wagma.app.network import RankNetwork, rate_name
 from wagma.app.quota import RankQuota, job_name
 from wagma.app.report import Totals, window_record
@@ -122,13 +121,10 @@ def _build(cfg: DictConfig, replica: int, group: tuple[int, int], log: TextIO | 
     from wagma.integrations.torchft import ReplicaAverager
 
     seed = int(cfg.seed)
-    data = group_options(cfg, "data")
-    options = {k: v for k, v in data.items() if k not in ("name", "test_fraction")}
-    dataset = load_dataset(data["name"], seed=seed, test_fraction=float(data.get("test_fraction", 0.2)), **options)
+    dataset = configured_dataset(cfg)
     batches = BatchIterator(dataset.x_train, dataset.y_train, int(cfg.batch_size), seed=seed, rank=0)
     torch.manual_seed(seed)  # the same initial model on every replica (round 0 averages equal models)
-    model = group_options(cfg, "model")
-    net = build_model(model.pop("name"), dataset.in_shape, dataset.num_classes, **model, **dataset.model_options())
+    net = configured_model(cfg, dataset)
     optimizer = build_optimizer(group_options(cfg, "optim"), net.parameters())
     torch.manual_seed(seed + replica)  # anything random in training differs between replicas
     index = replica - int(cfg.ft.first_replica)
