@@ -86,7 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rate", help="every rank's link, e.g. 40mbit (required unless --plot-only)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", default=["allreduce", "wagma", "adpsgd"], help="allreduce first")
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["allreduce", "wagma", "adpsgd"],
+        help="allreduce first, with its overrides if tuned (allreduce:optim.lr=0.002)",
+    )
     parser.add_argument("--target", type=float, help="test loss in bits per byte (calibrate.py; required)")
     parser.add_argument("--cap", type=float, default=1.25, help="other policies' time limit / allreduce's time")
     parser.add_argument("--max-steps", type=int, default=6000, help="every run's steps (the stops end it sooner)")
@@ -103,9 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [f"--{k.replace('_', '-')}" for k in ("rate", "target", "out_dir") if getattr(args, k) is None]
     if missing:
         raise SystemExit(f"cluster_tts.py: expected {', '.join(missing)} (or --plot-only RECORD), found none")
-    if args.policies[0] != "allreduce":
+    if args.policies[0].partition(":")[0] != "allreduce":
         raise SystemExit(
-            f"cluster_tts.py: --policies: expected allreduce first (the cap's base), found {args.policies}"
+            "cluster_tts.py: --policies: expected allreduce first (the cap's base; tuned: allreduce:optim.lr=...), "
+            f"found {args.policies}"
         )
     if not args.cap > 0:
         raise SystemExit(f"cluster_tts.py: --cap: expected a number > 0, found {args.cap}")

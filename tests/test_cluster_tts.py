@@ -86,3 +86,15 @@ def test_a_policys_overrides_follow_its_name_and_allreduce_comes_first(tmp_path)
         cluster_tts.main(["--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--policies: expected allreduce first"):
         cluster_tts.main(["--rate", "40mbit", "--target", "2.5", "--out-dir", str(tmp_path), "--policies", "wagma"])
+
+
+def test_a_tuned_allreduce_can_be_the_caps_base(tmp_path, monkeypatch):
+    curves = {"allreduce_optim.lr-0.002": [(10, 3.0), (16, 2.5)], "wagma_optim.lr-0.002": [(8, 2.9), (17, 2.6)]}
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cluster_tts, "_run", _fake_run(curves, seen))
+    argv = ["--rate", "70mbit", "--target", "2.5", "--out-dir", str(tmp_path), "--cap", "1.0"]
+    assert cluster_tts.main([*argv, "--policies", "allreduce:optim.lr=0.002", "wagma:optim.lr=0.002"]) == 0
+    assert "optim.lr=0.002" in seen[0] and not any(a.startswith("stop_after_s") for a in seen[0])
+    assert "stop_after_s=16" in seen[1]
+    with pytest.raises(SystemExit, match=r"expected allreduce first .* found \['allreduce_x'"):
+        cluster_tts.main([*argv, "--policies", "allreduce_x", "wagma"])
