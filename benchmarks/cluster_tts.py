@@ -15,7 +15,13 @@ with a quota of ``--rank-cpus``, by default this machine's cores / P); the table
         --target 2.974 --out-dir /tmp/cluster --record benchmarks/results/cluster/tts_40mbit.json
 
 A policy's extra overrides follow its name after a colon (``wagma:averaging.group_size=4``). Runs already done
-(their ``job.json``) are kept: rerunning the command continues the campaign. Beside the record, a plot of every run's
+(their ``job.json``) are kept: rerunning the command continues the campaign.
+
+An allreduce run at the heavy rate takes about an hour; ``--base RECORD`` takes it (the cap's base and the table's
+first row) from an earlier record of the same rate, seed, target and world instead of running it again. It first
+reruns the base's first ``--check-steps`` steps here and stops, saying by how much, unless this machine takes the
+same training seconds to them (within ``--check-tolerance``) and reaches the same test loss (within 0.01 bits per
+byte): the check and both machines are in the new record. Beside the record, a plot of every run's
 test loss against training seconds with the target (``RECORD.png``); ``--plot-only RECORD`` redraws it.
 """
 
@@ -39,6 +45,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 from benchmarks.calibrate import curve_in_unit  # noqa: E402
 from benchmarks.machine import load_average, machine_info  # noqa: E402
 from benchmarks.tune import pick  # noqa: E402
+from wagma.app.sweep import collect  # noqa: E402
 
 __all__ = ["main", "plot", "run_command"]
 
@@ -101,6 +108,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", type=Path, help="the runs go to OUT/RATE/pP/seedS/POLICY (required)")
     parser.add_argument("--record", type=Path, default=None, help="write the table and the commands here (JSON)")
+    parser.add_argument(
+        "--base", type=Path, default=None, metavar="RECORD", help="allreduce's run from RECORD (module docstring)"
+    )
+    parser.add_argument("--check-steps", type=int, default=100, help="--base: steps rerun to compare the machines")
+    parser.add_argument(
+        "--check-tolerance", type=float, default=0.05, help="--base: largest |seconds here / RECORD's - 1|"
+    )
     args = parser.parse_args(argv)
     if args.plot_only is not None:
         print(plot(args.plot_only))
@@ -108,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [f"--{k.replace('_', '-')}" for k in ("rate", "target", "out_dir") if getattr(args, k) is None]
     if missing:
         raise SystemExit(f"cluster_tts.py: expected {', '.join(missing)} (or --plot-only RECORD), found none")
-    if args.policies[0].partition(":")[0] != "allreduce":
+    if args.base is None and args.policies[0].partition(":")[0] != "allreduce":
         raise SystemExit(
             "cluster_tts.py: --policies: expected allreduce first (the cap's base; tuned: allreduce:optim.lr=...), "
             f"found {args.policies}"
@@ -122,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     base_dir = args.out_dir / args.rate / f"p{args.nproc}" / f"seed{args.seed}"
     machine = machine_info(ROOT)
     sweeps = [base_dir / policy.replace(":", "_").replace("=", "-").replace(",", "_") for policy in args.policies]
-    commands, cap_s = [], None
+    commands, cap_s, base = [], None, None
+    if args.base is not None:
+        base = _base(args, base_dir)
+        cap_s = args.cap * base["run"]["seconds"]
     for policy, sweep in zip(args.policies, sweeps):
         command = run_command(
             policy, args.rate, args.seed, args.target, cap_s, sweep, args.max_steps, args.nproc, args.rank_cpus
@@ -134,17 +151,75 @@ def main(argv: Sequence[str] | None = None) -> int:
             if allreduce["seconds"] is None:
                 raise SystemExit(f"cluster_tts.py: allreduce did not reach {args.target} ({allreduce['dir']})")
             cap_s = args.cap * allreduce["seconds"]
-    table = _table(sweeps, args)
+    table = ([] if base is None else [base["run"]]) + _table(sweeps, args)
+    for row in table:
+        row["ratio"] = None if row["seconds"] is None else row["seconds"] / table[0]["seconds"]
     print(_markdown(table))
     if args.record is not None:
         record = {"rate": args.rate, "seed": args.seed, "target": args.target, "cap": args.cap}
         record |= {"nproc": args.nproc, "rank_cpus": args.rank_cpus, "machine": machine}
         record["load_at_end"] = load_average()
+        if base is not None:
+            record["base"] = {k: v for k, v in base.items() if k != "run"}
         record |= {"commands": commands, "runs": table}
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(record, indent=1) + "\n")
         print(plot(args.record))
     return 0
+
+
+def _base(args: argparse.Namespace, base_dir: Path) -> dict[str, Any]:
+    """``--base``: RECORD's allreduce run, once a rerun of its first ``--check-steps`` steps here matched it."""
+    record = json.loads(args.base.read_text())
+    wanted = {"rate": args.rate, "seed": args.seed, "target": args.target, "nproc": args.nproc}
+    wanted["rank_cpus"] = args.rank_cpus
+    differ = [f"{k}: {record.get(k)!r} there, {v!r} here" for k, v in wanted.items() if record.get(k) != v]
+    if differ:
+        raise SystemExit(f"cluster_tts.py: --base {args.base}: expected the same campaign; {'; '.join(differ)}")
+    run = record["runs"][0]
+    if not run["run"].startswith("allreduce") or run["seconds"] is None:
+        raise SystemExit(
+            f"cluster_tts.py: --base {args.base}: expected its first run to be allreduce at the target, "
+            f"found {run['run']} at {run['seconds']}"
+        )
+    at = next((c for c in run["curve"] if c[0] == args.check_steps), None)
+    if at is None:
+        raise SystemExit(
+            f"cluster_tts.py: --check-steps: expected a step {args.base} evaluated, found {args.check_steps} "
+            f"(evaluated at {[c[0] for c in run['curve']]})"
+        )
+    keep = [o for o in run["overrides"] if o.split("=", 1)[0] not in {"steps", "stop_at_loss", "stop_after_s"}]
+    sweep = base_dir / f"base_check_{args.check_steps}"
+    argv = [sys.executable, "train.py", "-m", *keep, f"steps={args.check_steps}", f"hydra.sweep.dir={sweep}"]
+    _run(argv, sweep)
+    (job,) = collect(sweep)
+    if job["summary"] is None:
+        raise SystemExit(f"cluster_tts.py: --base check: the run in {job['dir']} failed: {job.get('error')}")
+    here = next(p for p in curve_in_unit(Path(job["dir"]), job["summary"])[0] if p["step"] == args.check_steps)
+    check = {
+        "command": shlex.join(["python", *argv[1:]]),
+        "steps": args.check_steps,
+        "seconds": round(here["elapsed_s"], 1),
+        "base_seconds": at[1],
+        "ratio": here["elapsed_s"] / at[1],
+        "test_loss": round(here["test_loss"], 4),
+        "base_test_loss": at[2],
+    }
+    print(
+        f"# --base check: step {args.check_steps} at {check['seconds']} s here, {at[1]} s in {args.base} "
+        f"(x{check['ratio']:.3f}); test loss {check['test_loss']} here, {at[2]} there",
+        flush=True,
+    )
+    if abs(check["ratio"] - 1) > args.check_tolerance or abs(here["test_loss"] - at[2]) > 0.01:
+        raise SystemExit(
+            f"cluster_tts.py: --base {args.base}: expected this machine to match its allreduce run, found step "
+            f"{args.check_steps} at {check['seconds']} s against {at[1]} s (x{check['ratio']:.3f}, tolerance "
+            f"{args.check_tolerance}) and test loss {check['test_loss']} against {at[2]}; run allreduce here instead"
+        )
+    return {"record": str(args.base), "machine": record["machine"], "commands": record["commands"][:1]} | {
+        "check": check,
+        "run": run,
+    }
 
 
 def plot(record_path: Path) -> Path:
@@ -174,7 +249,7 @@ def plot(record_path: Path) -> Path:
 
 
 def _table(sweeps: list[Path], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per run: its time to the target (None: not reached by the cap), ratio to allreduce's, steps, and its
+    """One row per run: its time to the target (None: not reached by the cap), steps, and its
     curve (step, training seconds, test loss in bits per byte, accuracy at each evaluation)."""
     rows = []
     for sweep in sweeps:
@@ -198,9 +273,6 @@ def _table(sweeps: list[Path], args: argparse.Namespace) -> list[dict[str, Any]]
                 ],
             }
         )
-    base = rows[0]["seconds"]
-    for row in rows:
-        row["ratio"] = None if row["seconds"] is None else row["seconds"] / base
     return rows
 
 

@@ -98,3 +98,40 @@ def test_a_tuned_allreduce_can_be_the_caps_base(tmp_path, monkeypatch):
     assert "stop_after_s=16" in seen[1]
     with pytest.raises(SystemExit, match=r"expected allreduce first .* found \['allreduce_x'"):
         cluster_tts.main([*argv, "--policies", "allreduce_x", "wagma"])
+
+
+def test_a_base_record_stands_in_for_allreduce_once_this_machine_matches_it(tmp_path, monkeypatch, capsys):
+    curves = {"allreduce": [(10, 3.0), (20, 2.5)], "adpsgd": [(7, 2.8), (14, 2.4)]}
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cluster_tts, "_run", _fake_run(curves, seen))
+    base = tmp_path / "base.json"
+    argv = ["--rate", "17mbit", "--seed", "1", "--target", "2.5", "--out-dir", str(tmp_path / "a"), "--cap", "1.0"]
+    assert cluster_tts.main([*argv, "--policies", "allreduce", "--record", str(base)]) == 0
+    # the check's first 100 steps take 10.4 s here against the base's 10 s: within 5 %, the same loss
+    curves |= {"base_check_100": [(10.4, 3.0)], "adpsgd": [(7, 2.8), (14, 2.4)]}
+    seen.clear()
+    record = tmp_path / "tts.json"
+    argv[argv.index("--out-dir") + 1] = str(tmp_path / "b")
+    assert cluster_tts.main([*argv, "--base", str(base), "--policies", "adpsgd", "--record", str(record)]) == 0
+    check, run = seen
+    assert "steps=100" in check and "averaging=allreduce" in check and not any("stop_" in a for a in check)
+    assert "stop_after_s=20" in run and "averaging=adpsgd" in run
+    saved = json.loads(record.read_text())
+    assert [r["run"] for r in saved["runs"]] == ["allreduce", "adpsgd"]
+    assert saved["runs"][1]["ratio"] == pytest.approx(0.7) and saved["base"]["check"]["ratio"] == pytest.approx(1.04)
+    assert saved["base"]["record"] == str(base) and "x1.040" in capsys.readouterr().out
+    # a slower machine, another loss, another campaign: each stops before any policy runs
+    for i, (check_curve, match) in enumerate(
+        (
+            ([(11, 3.0)], r"found step 100 at 11.0 s against 10.0 s \(x1.100, tolerance 0.05\)"),
+            ([(10, 3.1)], r"and test loss 3.1 against 3.0; run allreduce here instead"),
+        )
+    ):
+        curves["base_check_100"] = check_curve
+        seen.clear()
+        argv[argv.index("--out-dir") + 1] = str(tmp_path / f"c{i}")
+        with pytest.raises(SystemExit, match=match):
+            cluster_tts.main([*argv, "--base", str(base), "--policies", "adpsgd"])
+        assert len(seen) == 1
+    with pytest.raises(SystemExit, match=r"expected the same campaign; seed: 1 there, 2 here"):
+        cluster_tts.main([*argv[:3], "2", *argv[4:], "--base", str(base), "--policies", "adpsgd"])
