@@ -45,7 +45,6 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 from benchmarks.calibrate import curve_in_unit  # noqa: E402
 from benchmarks.machine import load_average, machine_info  # noqa: E402
 from benchmarks.tune import pick  # noqa: E402
-from wagma.app.sweep import collect  # noqa: E402
 
 __all__ = ["main", "plot", "run_command"]
 
@@ -192,17 +191,14 @@ def _base(args: argparse.Namespace, base_dir: Path) -> dict[str, Any]:
     sweep = base_dir / f"base_check_{args.check_steps}"
     argv = [sys.executable, "train.py", "-m", *keep, f"steps={args.check_steps}", f"hydra.sweep.dir={sweep}"]
     _run(argv, sweep)
-    (job,) = collect(sweep)
-    if job["summary"] is None:
-        raise SystemExit(f"cluster_tts.py: --base check: the run in {job['dir']} failed: {job.get('error')}")
-    here = next(p for p in curve_in_unit(Path(job["dir"]), job["summary"])[0] if p["step"] == args.check_steps)
+    here = next(c for c in _table([sweep], args)[0]["curve"] if c[0] == args.check_steps)  # a failed run stops there
     check = {
         "command": shlex.join(["python", *argv[1:]]),
         "steps": args.check_steps,
-        "seconds": round(here["elapsed_s"], 1),
+        "seconds": here[1],
         "base_seconds": at[1],
-        "ratio": here["elapsed_s"] / at[1],
-        "test_loss": round(here["test_loss"], 4),
+        "ratio": here[1] / at[1],
+        "test_loss": here[2],
         "base_test_loss": at[2],
     }
     print(
@@ -210,7 +206,7 @@ def _base(args: argparse.Namespace, base_dir: Path) -> dict[str, Any]:
         f"(x{check['ratio']:.3f}); test loss {check['test_loss']} here, {at[2]} there",
         flush=True,
     )
-    if abs(check["ratio"] - 1) > args.check_tolerance or abs(here["test_loss"] - at[2]) > 0.01:
+    if abs(check["ratio"] - 1) > args.check_tolerance or abs(here[2] - at[2]) > 0.01:
         raise SystemExit(
             f"cluster_tts.py: --base {args.base}: expected this machine to match its allreduce run, found step "
             f"{args.check_steps} at {check['seconds']} s against {at[1]} s (x{check['ratio']:.3f}, tolerance "
