@@ -225,6 +225,7 @@ def test_adpsgd_a_rank_closing_before_its_thread_started_releases_the_partner_wa
     assert all(max(r) < PROMPT_S for r in results), results
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_adpsgd_a_partner_that_died_is_still_named_and_close_stays_bounded():
     """A partner killed for real does not withdraw: the meeting times out naming it, and close() still returns."""
 

@@ -46,6 +46,7 @@ def _lines(text: str) -> list[str]:
 # --- the parent: help, config, bad arguments ----------------------------------------------------
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_help_lists_the_config_groups_and_the_ways_to_launch(tmp_path):
     proc = _train(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr

@@ -205,6 +205,7 @@ def test_tiny_run_end_to_end(tmp_path):
         regime.main(["--out", str(tmp_path / "empty"), "--report-only"])
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_transport_shm_reaches_the_policies_that_have_it(tmp_path):
     argv = [
         "--worlds",

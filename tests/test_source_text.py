@@ -114,6 +114,7 @@ def test_rows_come_from_a_cache_keyed_by_the_corpus_and_the_spec(tmp_path, monke
     assert len(list(cached.parent.glob("rows-*.npy"))) == 2  # another spec, another file
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_rows_are_a_document_and_its_next_bytes_and_the_lengths_are_heavy_tailed():
     spec = SourceSpec(examples=2000, max_len=1024, min_len=16)
     x, y = generate(spec)
@@ -211,6 +212,7 @@ def _train_worker(rank: int, world_size: int, cfg: DictConfig) -> dict:
     return train(cfg)
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_a_language_model_trains_on_the_source_and_reports_bits_per_byte(tmp_path, monkeypatch):
     monkeypatch.setenv("WAGMA_CACHE", str(tmp_path / "cache"))
     cfg = _compose(

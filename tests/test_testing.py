@@ -111,6 +111,7 @@ def _sleep_on_rank_1(rank: int, world_size: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_a_rank_still_running_at_the_deadline_is_killed_and_reported_and_the_world_size_is_checked():
     with pytest.raises(ValueError, match=r"^world_size: expected an integer >= 1, found 0$"):
         run_workers_outcomes(_sleep_on_rank_1, 0)

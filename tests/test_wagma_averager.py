@@ -125,6 +125,7 @@ def _sgd_worker(rank, world, steps, policy, device="cpu"):
     return [p.detach().cpu().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_sync_period_zero_equals_a_global_mean_every_step():
     check_sync_period_zero()
 
@@ -137,6 +138,7 @@ def check_sync_period_zero(device: str = "cpu") -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_sync_period_zero_through_shared_memory_equals_a_global_mean_every_step():
     world = 4
     wagma = run_workers(_sgd_worker, world, 8, "wagma_shm")
@@ -146,6 +148,7 @@ def test_sync_period_zero_through_shared_memory_equals_a_global_mean_every_step(
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_flattened_parameters_average_in_place_to_the_same_bits():
     check_flattened_bits()
 
@@ -274,6 +277,7 @@ def _resume_worker(rank, world, split):
     return [p.detach().clone() for p in model.parameters()], avg.step
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_state_dict_round_trip_continues_like_an_uninterrupted_run():
     world = 4
     straight = run_workers(_resume_worker, world, None)

@@ -160,6 +160,7 @@ def _independent_worker(rank, world_size, late_s):
     return first, _values(model)
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_two_averagers_on_disjoint_worlds_run_side_by_side_each_waiting_for_its_own_world_only():
     late_s = 3.0
     out = run_workers(_independent_worker, 4, late_s, collective_timeout_s=20, timeout_s=90)
