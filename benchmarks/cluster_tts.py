@@ -191,7 +191,13 @@ def _base(args: argparse.Namespace, base_dir: Path) -> dict[str, Any]:
     sweep = base_dir / f"base_check_{args.check_steps}"
     argv = [sys.executable, "train.py", "-m", *keep, f"steps={args.check_steps}", f"hydra.sweep.dir={sweep}"]
     _run(argv, sweep)
-    here = next(c for c in _table([sweep], args)[0]["curve"] if c[0] == args.check_steps)  # a failed run stops there
+    curve = _table([sweep], args)[0]["curve"]  # a failed run stops there, naming its directory
+    here = next((c for c in curve if c[0] == args.check_steps), None)
+    if here is None:
+        raise SystemExit(
+            f"cluster_tts.py: --base check: expected an evaluation at step {args.check_steps} in {sweep}, "
+            f"found steps {[c[0] for c in curve]}"
+        )
     check = {
         "command": shlex.join(["python", *argv[1:]]),
         "steps": args.check_steps,

@@ -133,5 +133,10 @@ def test_a_base_record_stands_in_for_allreduce_once_this_machine_matches_it(tmp_
         with pytest.raises(SystemExit, match=match):
             cluster_tts.main([*argv, "--base", str(base), "--policies", "adpsgd"])
         assert len(seen) == 1
+    # a check run that ended before its last step (stopped early): named, not a traceback
+    curves["base_check_200"] = [(10, 3.0)]
+    argv[argv.index("--out-dir") + 1] = str(tmp_path / "d")
+    with pytest.raises(SystemExit, match=r"expected an evaluation at step 200 in .*_200, found steps \[100\]"):
+        cluster_tts.main([*argv, "--base", str(base), "--check-steps", "200", "--policies", "adpsgd"])
     with pytest.raises(SystemExit, match=r"expected the same campaign; seed: 1 there, 2 here"):
         cluster_tts.main([*argv[:3], "2", *argv[4:], "--base", str(base), "--policies", "adpsgd"])
