@@ -167,6 +167,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _at_step(curve: list[list[float]], step: int, what: str, where: Path) -> list[float]:
+    """The point of ``curve`` (step, seconds, loss, accuracy) evaluated at ``step``; else stop, naming the steps."""
+    at = next((c for c in curve if c[0] == step), None)
+    if at is None:
+        raise SystemExit(
+            f"cluster_tts.py: {what}: expected an evaluation at step {step} in {where}, "
+            f"found steps {[c[0] for c in curve]}"
+        )
+    return at
+
+
 def _base(args: argparse.Namespace, base_dir: Path) -> dict[str, Any]:
     """``--base``: RECORD's allreduce run, once a rerun of its first ``--check-steps`` steps here matched it."""
     record = json.loads(args.base.read_text())
@@ -181,23 +192,13 @@ def _base(args: argparse.Namespace, base_dir: Path) -> dict[str, Any]:
             f"cluster_tts.py: --base {args.base}: expected its first run to be allreduce at the target, "
             f"found {run['run']} at {run['seconds']}"
         )
-    at = next((c for c in run["curve"] if c[0] == args.check_steps), None)
-    if at is None:
-        raise SystemExit(
-            f"cluster_tts.py: --check-steps: expected a step {args.base} evaluated, found {args.check_steps} "
-            f"(evaluated at {[c[0] for c in run['curve']]})"
-        )
+    at = _at_step(run["curve"], args.check_steps, "--check-steps", args.base)
     keep = [o for o in run["overrides"] if o.split("=", 1)[0] not in {"steps", "stop_at_loss", "stop_after_s"}]
     sweep = base_dir / f"base_check_{args.check_steps}"
     argv = [sys.executable, "train.py", "-m", *keep, f"steps={args.check_steps}", f"hydra.sweep.dir={sweep}"]
     _run(argv, sweep)
-    curve = _table([sweep], args)[0]["curve"]  # a failed run stops there, naming its directory
-    here = next((c for c in curve if c[0] == args.check_steps), None)
-    if here is None:
-        raise SystemExit(
-            f"cluster_tts.py: --base check: expected an evaluation at step {args.check_steps} in {sweep}, "
-            f"found steps {[c[0] for c in curve]}"
-        )
+    # _table stops at a failed run, naming its directory
+    here = _at_step(_table([sweep], args)[0]["curve"], args.check_steps, "--base check", sweep)
     check = {
         "command": shlex.join(["python", *argv[1:]]),
         "steps": args.check_steps,
