@@ -410,6 +410,17 @@ def test_exit_without_close_during_an_exchange_ends_cleanly():
         assert rc == 0 and "leaves without close()" in text, (rc, text)  # rc -6 / 134: SIGABRT
 
 
+@pytest.mark.parametrize("leave", ["exit", "close"])
+def test_a_round_activated_before_a_rank_leaves_is_still_run_by_it(leave):
+    # Rank 1 is stopped while rank 0 triggers round 1 and leaves (falls off the end of its script, or close()s at
+    # once): rank 0 runs round 1 with its last contribution before it goes, so rank 1, resumed, completes it.
+    from exit_without_close import run_world
+
+    (rc0, text0), (rc1, text1) = run_world("wagma", peer_stopped=True, leave=leave)
+    assert rc0 == 0 and f"rank 0 leaves by {leave}" in text0, (rc0, text0)
+    assert rc1 == 0 and "rank 1 completed round 1" in text1, (rc1, text1)
+
+
 def _dropped_worker(rank, world):
     import gc
 

@@ -301,9 +301,11 @@ class GroupAllreduceEngine(abc.ABC):
     def close(self) -> None:
         """Stop the progress thread, release the communicators and this rank's store keys.
 
-        A caller blocked in this engine on another thread wakes at once with a ``RuntimeError``. The
-        join is bounded by the timeout (a collective in flight runs to its end or its timeout). Once every
-        rank has closed, no key of the engine is left in the store. A second call does nothing.
+        A caller blocked in this engine on another thread wakes at once with a ``RuntimeError``. A round
+        already activated (triggered here or by a peer) is still run, with this rank's last contribution, so
+        that its group completes it instead of failing on this rank; no later round starts. The join is bounded
+        by the timeout for each such round (a collective runs to its end or its timeout). Once every rank has
+        closed, no key of the engine is left in the store. A second call does nothing.
         """
         self._finalizer()
 

@@ -183,6 +183,7 @@ class EngineCore(abc.ABC):
         self.phase = "starting"
         self.error: BaseException | None = None
         self.stopping = False  # the threads are asked to stop (close(), the finalizer)
+        self.drain_to = self.start - 1  # once stopping: the newest round the thread still runs (activated before)
         self.shut_down = False  # shutdown() has run
         self.shm: dict[tuple[int, ...], SharedMemoryAllreduce] = {}  # transport 'shm': by group
 
@@ -260,9 +261,14 @@ class EngineCore(abc.ABC):
             if self.shut_down:
                 return
             self.shut_down = self.stopping = True
+            # A round activated before the stop (triggered here or by a peer) is still run, with this rank's last
+            # contribution: its group waits for this rank, and every peer's exchange would fail without it.
+            self.drain_to = self.activated
+            rounds = max(self.drain_to - self.thread_round, 0) + 1
             self.cond.notify_all()
         if self.thread is not threading.current_thread():
-            self.thread.join(timeout=self.timeout.total_seconds() + 5.0)  # a collective ends within its timeout
+            # each collective ends within its timeout
+            self.thread.join(timeout=rounds * self.timeout.total_seconds() + 5.0)
         if not self.thread.is_alive():  # a thread stuck in a collective keeps its communicators
             destroy_groups([*self.groups.values(), self.global_pg])
         self.channel.close(self.calls)
@@ -342,17 +348,21 @@ class EngineCore(abc.ABC):
 
         Three conditions, in this order: the main thread is close enough (:meth:`wait_for_main_thread`), the
         round was activated (unless it is a blocking sync round, which has no activation), and no trigger of an
-        earlier round is still being sent (:meth:`wait_for_earlier_trigger`).
+        earlier round is still being sent (:meth:`wait_for_earlier_trigger`). Once the engine stops, only a round
+        activated before the stop (``drain_to``) may still start, and only if the main thread is close enough.
         """
         self.thread_round = k
         blocking = self.blocking(k)
-        self.wait_for_main_thread(k if blocking else k - self.max_lead)
+        needed = k if blocking else k - self.max_lead
+        self.wait_for_main_thread(needed)
         if not blocking:
             self.phase = self.trigger_phase.format(k=k, i=initiator_of(self.seed, k, self.world_size))
             while not self.stopping and self.error is None and self.activated < k:
                 self.cond.wait()
         self.wait_for_earlier_trigger(k)
-        return not (self.stopping or self.error is not None)
+        if self.error is not None:
+            return False
+        return not self.stopping or (k <= self.drain_to and self.arrived >= needed)
 
     def wait_for_main_thread(self, needed: int) -> None:
         """Lock held: wait until this rank's main thread has published call ``needed`` (the lead bound, or a
