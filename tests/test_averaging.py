@@ -266,7 +266,7 @@ def _hierarchical_one_level(rank: int, world: int, hier_args: tuple, period: int
 
 @pytest.mark.parametrize(
     "hier_args, period",
-    [((6, 2, 4), 2), ((3, 3, 3), 3)],
+    [((6, 2, 4), 2), pytest.param((3, 3, 3), 3, marks=pytest.mark.slow)],  # 4 s: slow, for the 10-minute quick suite
     ids=["group-is-everyone", "equal-periods"],
 )
 def test_one_level_hierarchical_equals_periodic_world6(hier_args, period):
@@ -484,6 +484,7 @@ def _momentum_two_levels(rank: int, world: int, apply_to: str) -> list[float]:
     return out
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_reduction_momentum_local_level_world4():
     # Calls: 0 warm-up (anchors 0), 1 global, 2 local, 3 global, 4 local; mu 0.5, lr 1.
     # call 1: mean 2, v_g 2, a_g 2 -> all 2; local anchors 2.

@@ -458,6 +458,7 @@ def _overlap_resume_worker(rank, world, split, lr=0.1):
     return initial, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), computed
 
 
+@pytest.mark.slow  # 4-7 s: moved out of the quick suite to keep it under 10 minutes
 def test_overlap_state_dict_carries_the_round_in_flight():
     # Under overlap the rounds' contents depend on timing (a rank's next gradient may join a round whose
     # exchange has not started), so runs are not bitwise repeatable; what a resume must keep is every

@@ -477,7 +477,7 @@ EXPECTED_REDUCTIONS = {
 # is hierarchical's global level and hierarchical_momentum is hierarchical plus momentum, so those train there too,
 # as do the candidates (keeping the README's quick suite under 10 minutes): the quick suite trains allreduce,
 # hierarchical and wagma.
-SLOW_TRAINING = {*PRESETS, "dpsgd", "sgp", "osgp", "adpsgd", "local_sgd", "hierarchical_momentum"}
+SLOW_TRAINING = {*PRESETS, *CANDIDATE, "dpsgd", "sgp", "osgp", "adpsgd", "local_sgd", "hierarchical_momentum"}
 
 
 @pytest.mark.parametrize(

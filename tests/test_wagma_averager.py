@@ -410,7 +410,9 @@ def test_exit_without_close_during_an_exchange_ends_cleanly():
         assert rc == 0 and "leaves without close()" in text, (rc, text)  # rc -6 / 134: SIGABRT
 
 
-@pytest.mark.parametrize("leave", ["exit", "close"])
+# exit: 6 s, slow (it passes on the old engine too: at exit the thread begins the round before the finalizer);
+# close is the case that fails without the drain.
+@pytest.mark.parametrize("leave", [pytest.param("exit", marks=pytest.mark.slow), "close"])
 def test_a_round_activated_before_a_rank_leaves_is_still_run_by_it(leave):
     # Rank 1 is stopped while rank 0 triggers round 1 and leaves (falls off the end of its script, or close()s at
     # once): rank 0 runs round 1 with its last contribution before it goes, so rank 1, resumed, completes it.
