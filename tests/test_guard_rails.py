@@ -110,6 +110,7 @@ def _double_communication_worker(rank: int, world: int) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.slow  # 4-6 s: moved out of the quick suite to keep it under 10 minutes
 def test_double_communication_warns_once_and_only_when_ddp_still_allreduces() -> None:
     for out in run_workers(_double_communication_worker, 2, timeout_s=120):
         plain = out["plain_ddp"]
@@ -188,6 +189,7 @@ def _order_worker(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow  # 4-6 s: moved out of the quick suite to keep it under 10 minutes
 def test_an_order_a_wrapper_would_ignore_is_passed_through_or_warned() -> None:
     for out in run_workers(_order_worker, 2, timeout_s=120):
         assert out["momentum_events"] == ["average", "step", "average", "step"]

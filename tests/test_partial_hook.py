@@ -300,6 +300,7 @@ def test_fp16_gradient_sums_do_not_overflow():
         assert grads == [30000.0] * 5, grads
 
 
+@pytest.mark.slow  # 4-6 s: moved out of the quick suite to keep it under 10 minutes
 def test_exit_without_close_during_an_exchange_ends_cleanly():
     from exit_without_close import run_world
 

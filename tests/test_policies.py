@@ -64,6 +64,7 @@ def _options(policy: str, **changes: object) -> dict:
 # --- configs -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 4-6 s: moved out of the quick suite to keep it under 10 minutes
 def test_the_averaging_options_and_experiment_presets_exist():
     assert set(AVERAGING) == {
         "allreduce",
@@ -547,6 +548,7 @@ def test_local_sgd_counts_steps_over_period_global_reductions(tmp_path):
     assert read_metrics(tmp_path, 2)[-1]["reductions"] == 8
 
 
+@pytest.mark.slow  # 4-6 s: moved out of the quick suite to keep it under 10 minutes
 def test_warmup_is_synchronous_and_reduction_momentum_keeps_global_means_identical(tmp_path):
     cfg = _cfg(
         tmp_path,

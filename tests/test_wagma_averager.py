@@ -189,6 +189,7 @@ def test_fast_ranks_do_not_wait_for_a_late_rank_except_on_sync_rounds():
     check_late_rank_not_waited_for()
 
 
+@pytest.mark.slow  # 4-6 s: moved out of the quick suite to keep it under 10 minutes
 def test_with_shared_memory_fast_ranks_do_not_wait_for_a_late_rank_except_on_sync_rounds():
     check_late_rank_not_waited_for(transport="shm")
 
@@ -803,7 +804,8 @@ def _sum_worker(rank, world, rounds, sleeps, mixing, overlap, sync_period, max_l
     return initial.cpu(), steps.cpu(), final.cpu(), hist
 
 
-@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True])  # 6 s each
+@pytest.mark.slow  # 6 s each: both in the slow suite, to keep the quick one under 10 minutes
+@pytest.mark.parametrize("overlap", [False, True])
 def test_conserve_keeps_the_sum_of_all_models_whatever_the_staleness(overlap):
     """The invariant conserve mixing is for: with a persistently slow rank (contributions up to max_lead rounds
     old) and wait-avoiding sync rounds, the sum of all models is the initial sum plus every local step, exactly as
