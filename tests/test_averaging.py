@@ -231,6 +231,7 @@ def _parity_with_torch_periodic(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_periodic_matches_torch_periodic_model_averager_world4():
     out = run_workers(_parity_with_torch_periodic, 4, collective_timeout_s=TIMEOUT_S)
     expected = [None, None, "global", None, None, "global", None, None, "global", None]
@@ -266,7 +267,7 @@ def _hierarchical_one_level(rank: int, world: int, hier_args: tuple, period: int
 
 @pytest.mark.parametrize(
     "hier_args, period",
-    [((6, 2, 4), 2), pytest.param((3, 3, 3), 3, marks=pytest.mark.slow)],  # 4 s: slow, for the 10-minute quick suite
+    [pytest.param((6, 2, 4), 2, marks=pytest.mark.slow), pytest.param((3, 3, 3), 3, marks=pytest.mark.slow)],  # 3-4 s
     ids=["group-is-everyone", "equal-periods"],
 )
 def test_one_level_hierarchical_equals_periodic_world6(hier_args, period):

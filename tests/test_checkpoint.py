@@ -145,7 +145,8 @@ def test_a_really_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoin
 @pytest.mark.parametrize(
     "world_size,overrides",
     [
-        (3, ("averaging=allreduce",)),
+        # 4.5 s, in the slow phase; two ranks resume in the quick suite (test_app.py, kill and resume)
+        pytest.param(3, ("averaging=allreduce",), marks=pytest.mark.slow),
         pytest.param(  # resumed in the warm-up; 6 s, in the slow phase
             4,
             ("averaging=local_sgd", "averaging.warmup_steps=16", "averaging.period=2"),

@@ -142,7 +142,7 @@ def _closing_worker(rank: int, world_size: int, kind: str) -> dict[str, tuple[fl
 
 KINDS = [
     "adpsgd",
-    "adpsgd_momentum",
+    pytest.param("adpsgd_momentum", marks=pytest.mark.slow),  # adpsgd's close, with momentum on top
     pytest.param("osgp", marks=pytest.mark.slow),
     "wagma",
     pytest.param("wagma_overlap_wait_avoiding", marks=pytest.mark.slow),

@@ -125,7 +125,12 @@ def _sgp_reference(world: int, steps: int, overlap: bool) -> tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize(
-    "world,topology", [(2, "ring"), (5, "ring"), pytest.param(8, "exponential", marks=pytest.mark.slow)]
+    "world,topology",
+    [
+        (2, "ring"),
+        pytest.param(5, "ring", marks=pytest.mark.slow),
+        pytest.param(8, "exponential", marks=pytest.mark.slow),
+    ],
 )
 def test_dpsgd_is_its_mixing_matrix_and_keeps_the_mean(world, topology):
     check_dpsgd_mixing(world, topology)

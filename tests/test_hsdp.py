@@ -113,7 +113,7 @@ def _train_worker(rank, world_size, replicas, shards, policy, device="cpu"):
     return same, before, after
 
 
-@pytest.mark.parametrize("policy", ["wagma", "periodic"])
+@pytest.mark.parametrize("policy", ["wagma", pytest.param("periodic", marks=pytest.mark.slow)])
 def test_after_a_sync_every_replica_holds_the_same_shards_and_the_model_trains(policy):
     check_sync_trains_on("cpu", policy)
 
@@ -256,7 +256,12 @@ def _eager_worker(rank, world_size, mode, steps, late_rank, wire_dtype=None, dev
 
 
 @pytest.mark.parametrize(
-    "mode,wire_dtype", [("solo", None), pytest.param("majority", None, marks=pytest.mark.slow), ("solo", "bf16")]
+    "mode,wire_dtype",
+    [
+        pytest.param("solo", None, marks=pytest.mark.slow),
+        pytest.param("majority", None, marks=pytest.mark.slow),
+        ("solo", "bf16"),
+    ],
 )
 def test_eager_sgd_through_fsdp2s_all_reduce_hook_keeps_every_gradient_and_the_replicas_identical(mode, wire_dtype):
     check_eager_conserves_on("cpu", mode, wire_dtype)

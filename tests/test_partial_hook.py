@@ -408,6 +408,7 @@ def test_overlap_conserves_every_gradient_and_keeps_replicas_identical(mode):
     assert sum(hist.values()) == iters - 3 and 0 <= min(hist) and max(hist) <= 5 + 1 and hist.get(1, 0) > 0
 
 
+@pytest.mark.slow
 def test_overlap_applies_nothing_at_its_first_partial_iteration():
     # Iteration i applies round i - 1; the flush applies the last. The first partial iteration has nothing in
     # flight: it applies a zero gradient, so (SGD without momentum) the model after it is the warm-up's.
@@ -600,6 +601,7 @@ def test_lookahead_conserves_every_gradient_with_stragglers():
     assert any(max(o[7]["staleness_hist"]) > 1 for o in out), [o[7]["staleness_hist"] for o in out]
 
 
+@pytest.mark.slow
 def test_lookahead_state_dict_round_trip_continues_like_an_uninterrupted_run():
     # Fully fresh rounds (max_lead=0, no overlap), so that both runs see the same rounds; the checkpoint is taken with
     # the parameters at the look-ahead point, the true weights in the hook's state.
@@ -634,6 +636,7 @@ def test_lookahead_local_runs_every_backward_pass_ahead_by_this_ranks_share_of_t
     assert all(torch.equal(a[0], b[0]) for a, b in zip(out[0][1], out[1][1]))
 
 
+@pytest.mark.slow
 def test_lookahead_local_conserves_every_gradient_with_stragglers():
     # The point moves by this rank's own gradient; the rounds carry and apply every gradient as before.
     world, iters = 4, 30

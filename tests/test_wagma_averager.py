@@ -712,6 +712,7 @@ def test_wait_avoiding_sync_with_overlap_bounds_staleness_by_max_lead_plus_one()
         assert torch.equal(out[0][2], out[rank][2])  # synchronize(): identical replicas
 
 
+@pytest.mark.slow
 def test_wait_avoiding_sync_with_overlap_waits_for_no_late_rank():
     """random_k1 (one random rank per step sleeps): a rank that did not sleep normally waits for nothing, sync
     rounds included: each call only collects the round its previous call submitted, done by then."""
@@ -877,7 +878,7 @@ def _publish_ahead_worker(rank, world, ahead, device="cpu"):
     return after, staleness
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_publish_after_step_makes_a_late_rank_contribute_its_stepped_model(ahead):
     """Round 0 mixes the tagged models t0, t1 (both ranks at their first call): a_r = (w_r + t0 + t1) / 3; the
     steps make w0 = a0 + 10 and w1 = a1 + 20. Rank 0 starts round 1 while rank 1 sleeps: rank 1's thread sends
