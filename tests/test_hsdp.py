@@ -444,7 +444,8 @@ def test_the_fsdp_hooks_look_ahead_moves_the_shards_and_flush_and_weights_give_w
         assert len(after) == 5 + flushed  # the five training steps, and the flush's when something was left
         for step in after[:5]:
             for w, v, point in step:
-                torch.testing.assert_close(point, w - reach * v, rtol=0, atol=1e-6)
+                # a float32 ulp at |w| ~ 20 is 1.9e-6: the hook's in-place order may round once differently
+                torch.testing.assert_close(point, w - reach * v, rtol=2e-7, atol=1e-6)
                 assert point.numel() == 0 or not torch.equal(point, w)  # the shard really moved
         # the state_dict keeps this rank's shards of w (plain tensors), and a load gives them back as weights()
         assert all(type(a) is torch.Tensor for a in anchor)
