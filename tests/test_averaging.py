@@ -265,9 +265,10 @@ def _hierarchical_one_level(rank: int, world: int, hier_args: tuple, period: int
     }
 
 
+@pytest.mark.slow  # 3-4 s each, in the slow phase for the 10-minute quick suite
 @pytest.mark.parametrize(
     "hier_args, period",
-    [pytest.param((6, 2, 4), 2, marks=pytest.mark.slow), pytest.param((3, 3, 3), 3, marks=pytest.mark.slow)],  # 3-4 s
+    [((6, 2, 4), 2), ((3, 3, 3), 3)],
     ids=["group-is-everyone", "equal-periods"],
 )
 def test_one_level_hierarchical_equals_periodic_world6(hier_args, period):
