@@ -11,6 +11,7 @@ from torch import nn
 
 from wagma.averaging import PeriodicAverager, WagmaAverager
 from wagma.averaging.tensors import local_tensor
+from wagma.hooks.lookahead import lookahead_coefficient
 from wagma.testing import rank_device, run_workers, run_workers_outcomes
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -437,15 +438,17 @@ def _lookahead_worker(rank, world_size, rounds):
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_the_fsdp_hooks_look_ahead_moves_the_shards_and_flush_and_weights_give_w(rounds):
     lr, mu = 0.1, 0.9
-    reach = lr * sum(mu**k for k in range(1, rounds + 1))
+    reach = lookahead_coefficient(lr, mu, rounds)
+    assert reach == pytest.approx(lr * sum(mu**k for k in range(1, rounds + 1)), rel=1e-15)
     out = run_workers(_lookahead_worker, 4, rounds, collective_timeout_s=30, timeout_s=120)
     for errors, after, anchor, loaded, flushed, final, weights in out:
         assert all(m and "lookahead_rounds: expected an integer >= 1, found" in m for m in errors.values()), errors
         assert len(after) == 5 + flushed  # the five training steps, and the flush's when something was left
         for step in after[:5]:
             for w, v, point in step:
-                # a float32 ulp at |w| ~ 20 is 1.9e-6: the hook's in-place order may round once differently
-                torch.testing.assert_close(point, w - reach * v, rtol=2e-7, atol=1e-6)
+                # exactly the hook's one operation (w - reach * v rounds twice, and 1.9e-6 from it at |w| ~ 20)
+                expected = torch.sub(w, v, alpha=reach)
+                assert torch.equal(point, expected), (point - expected).abs().max()
                 assert point.numel() == 0 or not torch.equal(point, w)  # the shard really moved
         # the state_dict keeps this rank's shards of w (plain tensors), and a load gives them back as weights()
         assert all(type(a) is torch.Tensor for a in anchor)
