@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 from benchmarks.calibrate import curve_in_unit  # noqa: E402
 from benchmarks.machine import load_average, machine_info  # noqa: E402
 from benchmarks.tune import pick  # noqa: E402
+from wagma.app.sweep import collect  # noqa: E402
 
 __all__ = ["main", "plot", "run_command"]
 
@@ -76,7 +77,7 @@ def run_command(
 
 
 def _run(argv: list[str], sweep: Path) -> None:
-    if list(sweep.glob("*/job.json")):
+    if collect(sweep):
         print(f"# kept: {sweep}", flush=True)
         return
     print(shlex.join(argv), flush=True)
@@ -132,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"cluster_tts.py: --nproc: expected at least 2 ranks, found {args.nproc}")
     if args.rank_cpus is None:
         args.rank_cpus = (os.cpu_count() or 1) / args.nproc
-    base_dir = args.out_dir / args.rate / f"p{args.nproc}" / f"seed{args.seed}"
+    base_dir = _base_dir(args)
     machine = machine_info(ROOT)
     sweeps = [base_dir / policy.replace(":", "_").replace("=", "-").replace(",", "_") for policy in args.policies]
     commands, cap_s, base = [], None, None
@@ -165,6 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.record.write_text(json.dumps(record, indent=1) + "\n")
         print(plot(args.record))
     return 0
+
+
+def _base_dir(args: argparse.Namespace) -> Path:
+    """Where the campaign's runs go: ``OUT/RATE/pP/seedS``, one sweep directory per policy below it."""
+    return args.out_dir / args.rate / f"p{args.nproc}" / f"seed{args.seed}"
 
 
 def _at_step(curve: list[list[float]], step: int, what: str, where: Path) -> list[float]:
@@ -255,13 +261,14 @@ def _table(sweeps: list[Path], args: argparse.Namespace) -> list[dict[str, Any]]
     """One row per run: its time to the target (None: not reached by the cap), steps, and its
     curve (step, training seconds, test loss in bits per byte, accuracy at each evaluation)."""
     rows = []
+    base_dir = _base_dir(args)
     for sweep in sweeps:
         (entry,) = pick([sweep], args.target).values()
         job = entry["chosen"]
         summary = json.loads((Path(job["dir"]) / "summary.json").read_text())
         rows.append(
             {
-                "run": sweep.name,
+                "run": sweep.relative_to(base_dir).as_posix(),  # reference/wagma_overlap: its folder kept
                 "overrides": job["overrides"],
                 "seconds": job["seconds"],
                 "steps": summary["steps"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,9 +18,10 @@ def _fake_run(curves: dict[str, list[tuple[float, float]]], seen: list[list[str]
     def run(argv: list[str], sweep: Path) -> None:
         seen.append(argv)
         name = sweep.name
-        directory = sweep / "0"
-        directory.mkdir(parents=True)
         overrides = [a for a in argv[3:] if not a.startswith("hydra.")]
+        # Hydra's job directory: its number and overrides, slashes kept (averaging=reference/x nests it)
+        directory = sweep / ("0_" + ",".join(sorted(o for o in overrides if o.startswith("averaging="))))
+        directory.mkdir(parents=True)
         (directory / "job.json").write_text(json.dumps({"num": 0, "overrides": overrides, "exit": 0}))
         records = [
             {"step": 100 * (i + 1), "elapsed_s": t, "test_loss": x, "test_accuracy": 0.5}
@@ -140,3 +142,29 @@ def test_a_base_record_stands_in_for_allreduce_once_this_machine_matches_it(tmp_
         cluster_tts.main([*argv, "--base", str(base), "--check-steps", "200", "--policies", "adpsgd"])
     with pytest.raises(SystemExit, match=r"expected the same campaign; seed: 1 there, 2 here"):
         cluster_tts.main([*argv[:3], "2", *argv[4:], "--base", str(base), "--policies", "adpsgd"])
+
+
+def test_a_policy_in_a_config_subfolder_is_found_kept_and_named_with_its_folder(tmp_path, monkeypatch):
+    # Hydra names the job "0_averaging=reference/wagma_overlap,...": its directory lies one level deeper
+    curves = {"allreduce": [(10, 3.0), (20, 2.5)], "wagma_overlap_optim.lr-0.004": [(6, 2.8), (12, 2.4)]}
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cluster_tts, "_run", _fake_run(curves, seen))
+    record = tmp_path / "tts.json"
+    argv = ["--rate", "17mbit", "--target", "2.5", "--out-dir", str(tmp_path), "--record", str(record), "--cap", "0.8"]
+    policies = ["--policies", "allreduce", "reference/wagma_overlap:optim.lr=0.004"]
+    assert cluster_tts.main([*argv, *policies]) == 0
+    assert "averaging=reference/wagma_overlap" in seen[1] and "stop_after_s=16" in seen[1]
+    rows = json.loads(record.read_text())["runs"]
+    assert [r["run"] for r in rows] == ["allreduce", "reference/wagma_overlap_optim.lr-0.004"]
+    assert rows[1]["seconds"] == 12 and rows[1]["ratio"] == pytest.approx(0.6)
+    # rerunning the command keeps both runs (the real _run finds their job.json) and rewrites the same table
+    monkeypatch.undo()
+    run = cluster_tts.subprocess.run
+
+    def must_not_train(argv: list[str], **kwargs: Any) -> Any:
+        assert "train.py" not in argv, f"ran a kept run again: {argv}"
+        return run(argv, **kwargs)
+
+    monkeypatch.setattr(cluster_tts.subprocess, "run", must_not_train)
+    assert cluster_tts.main([*argv, *policies]) == 0
+    assert json.loads(record.read_text())["runs"] == rows

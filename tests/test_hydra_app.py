@@ -277,6 +277,23 @@ def test_a_sweep_without_matplotlib_skips_the_plots_with_one_line(tmp_path, monk
     assert not list(tmp_path.glob("*.png")) and (tmp_path / "sweep.json").exists()
 
 
+def test_a_sweep_finds_the_jobs_of_a_config_in_a_subfolder(tmp_path, monkeypatch, capsys):
+    # Hydra keeps the slash of averaging=reference/wagma_overlap in the job's name: its directory nests
+    summary = {"test_accuracy": 0.9, "samples_per_s": 100.0, "mean_wait_s": 0.001, "global_reductions": 5}
+    summary |= {"local_reductions": 0, "wall_s": 2.0}
+    for num, policy in enumerate(("allreduce", "reference/wagma_overlap")):
+        job = tmp_path / f"{num}_averaging={policy},steps=5"
+        job.mkdir(parents=True)
+        overrides = [f"averaging={policy}", "steps=5"]
+        (job / "job.json").write_text(json.dumps({"num": num, "overrides": overrides, "exit": 0}))
+        (job / "summary.json").write_text(json.dumps(summary | {"policy": policy.split("/")[-1]}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert sweep.report(tmp_path) == 0
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["job"] for r in rows] == ["0_averaging=allreduce", "1_averaging=reference/wagma_overlap"]
+    assert "1_averaging=reference/wagma_overlap  wagma_overlap" in capsys.readouterr().out
+
+
 # --- the real thing: local ranks, sweeps, submitit ----------------------------------------------
 
 

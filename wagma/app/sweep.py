@@ -30,10 +30,12 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """One row per job of the sweep in ``sweep_dir``: ``job`` (label), ``overrides``, ``exit``, ``error``,
     ``summary``, ``dir``.
 
-    Jobs are ordered by their number; a job's label is its number and the overrides that vary between jobs.
+    Jobs are ordered by their number; a job's label is its number and the overrides that vary between jobs. A
+    job's directory is found at any depth: Hydra names it after its overrides and keeps their slashes, so a job
+    with ``averaging=reference/wagma_overlap`` lies in ``0_averaging=reference/wagma_overlap,...``.
     """
     jobs = []
-    for path in Path(sweep_dir).glob(f"*/{JOB_FILE}"):
+    for path in Path(sweep_dir).rglob(JOB_FILE):
         record = json.loads(path.read_text())
         summary_path = path.parent / "summary.json"
         summary = json.loads(summary_path.read_text()) if record.get("exit") == 0 and summary_path.is_file() else None
