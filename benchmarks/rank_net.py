@@ -44,7 +44,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing
 
 from benchmarks.machine import machine_info  # noqa: E402
-from wagma.app.network import check_rank_net, network_job, parse_rate, rate_name, worker_setup  # noqa: E402
+from wagma.app.network import (  # noqa: E402
+    check_rank_net,
+    network_job,
+    parse_rate,
+    rate_burst,
+    rate_name,
+    worker_setup,
+)
 from wagma.testing import run_workers  # noqa: E402
 
 __all__ = ["KINDS", "kinds_for", "main", "model_s", "time_transfers"]
@@ -191,6 +198,7 @@ def time_transfers(
                     "bytes": nbytes,
                     "world_size": world,
                     "rank_net": None if loopback else rate_name(rate),
+                    "burst_bytes": None if loopback else rate_burst(rate),  # the shaper's bucket
                     "measured_s": measured,
                     "cpu_s": cpu,
                     "model_s": model,

@@ -250,7 +250,8 @@ def test_on_the_emulated_network_a_killed_replica_rejoins_over_its_link_and_noth
     lives = json.loads((run_dir / "replicas.json").read_text())["replicas"]
     assert lives[str(victim)][1]["healed"] and lives[str(victim)][1]["exit"] == 0  # healed over the links
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["rank_net"] == "1gbit" and summary["ft"]["finished"] == [0, 1, 2]
+    assert summary["rank_net"] == "1gbit" and summary["rank_net_burst"] == 1_250_000  # 10 ms of 1 Gbit/s
+    assert summary["ft"]["finished"] == [0, 1, 2]
     assert len(set(summary["ft"]["checksums"].values())) == 1
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert namespace_name(job, 0)[:-3] not in namespaces  # every namespace removed at the end (veths with them)

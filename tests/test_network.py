@@ -27,6 +27,7 @@ from wagma.app.network import (
     namespace_name,
     network_job,
     parse_rate,
+    rate_burst,
     rate_name,
     remove_job_networks,
     remove_stale_networks,
@@ -85,7 +86,8 @@ def test_a_rate_is_a_number_and_kbit_mbit_or_gbit():
             parse_rate(bad)
         assert str(info.value) == f"rank_net: expected null (no network) or a rate: {RATE_FORMS}, found {bad!r}"
     assert tbf_burst(200_000_000) == 250_000  # 10 ms of the rate
-    assert tbf_burst(1_000_000) == 16 * 1024  # the floor
+    assert tbf_burst(17_000_000) == tbf_burst(1_000_000) == 64 * 1024  # the floor: 10 ms of 17mbit is 21 KB
+    assert rate_burst("200mbit") == 250_000 and rate_burst("17mbit") == 64 * 1024 and rate_burst(None) is None
 
 
 def test_names_fit_linux_interface_names():
@@ -206,6 +208,7 @@ def test_a_transfer_takes_the_time_the_rate_gives_it():
 
     records = time_transfers("100mbit", 2, [1.0], reps=3)
     by_kind = {r["kind"]: r for r in records}
+    assert {r["burst_bytes"] for r in records} == {tbf_burst(100_000_000)}  # the shaper each record ran with
     assert by_kind["pair"]["model_s"] == pytest.approx(0.08) and by_kind["allreduce"]["model_s"] == pytest.approx(0.08)
     for r in records:  # generous bounds: the emulation is within 10 % on a loaded host; a loopback would be ~0.05x
         assert 0.7 <= r["ratio"] <= 2.0, records
@@ -367,7 +370,8 @@ def test_train_runs_each_rank_on_its_network_and_records_the_rate(tmp_path):
     with network_job(job):
         out = run_workers(_train_noting_netns, 2, cfg, timeout_s=120, setup=worker_setup("200mbit", job))
     assert len({n for o in out for n in o["seen"]}) == 2 and all(len(o["seen"]) == 1 for o in out)
-    assert json.loads((tmp_path / "summary.json").read_text())["rank_net"] == "200mbit"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rank_net"] == "200mbit" and summary["rank_net_burst"] == tbf_burst(200_000_000)
     assert leftovers(job) == []
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from wagma.app.network import rate_name
+from wagma.app.network import rate_burst, rate_name
 
 __all__ = ["ft_summary"]
 
@@ -56,6 +56,7 @@ def ft_summary(
         "run_dir": str(cfg.run_dir),
         "rank_cpus": float(cfg.get("rank_cpus") or 0.0),  # each replica process's CPU quota (0: none)
         "rank_net": rate_name(cfg.get("rank_net")),  # each replica's link rate (None: loopback)
+        "rank_net_burst": rate_burst(cfg.get("rank_net")),  # its shaper's bucket in bytes (None: loopback)
         "ft": {
             "rounds": rounds,
             "finished": sorted(finals),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from wagma.app.imbalance import Imbalance
-from wagma.app.network import rate_name
+from wagma.app.network import rate_burst, rate_name
 from wagma.app.parallel import Layout
 from wagma.app.policies import Policy
 
@@ -151,6 +151,7 @@ def _run_fields(cfg: DictConfig, run_dir: Path, layout: Layout) -> dict[str, Any
         "run_dir": str(run_dir),
         "rank_cpus": float(cfg.get("rank_cpus") or 0.0),  # the per-rank CPU quota the run had (0: none)
         "rank_net": rate_name(cfg.get("rank_net")),  # every rank's link rate, e.g. "200mbit" (None: loopback)
+        "rank_net_burst": rate_burst(cfg.get("rank_net")),  # its shaper's bucket in bytes (None: loopback)
         "parallel": layout.parallel,  # ddp, or hsdp: shard_size ranks hold one replica's shards
         "shard_size": layout.shard_size,
     }
