@@ -19,7 +19,8 @@ A policy's extra overrides follow its name after a colon (``wagma:averaging.grou
 
 An allreduce run at the heavy rate takes about an hour; ``--base RECORD`` takes it (the cap's base and the table's
 first row) from an earlier record of the same rate, seed, target and world instead of running it again. It first
-reruns the base's first ``--check-steps`` steps here and stops, saying by how much, unless this machine takes the
+reruns the base's first ``--check-steps`` steps here (one more, so that the check's evaluation is a periodic
+one, its time included as in the base) and stops, saying by how much, unless this machine takes the
 same training seconds to them (within ``--check-tolerance``) and reaches the same test loss (within 0.01 bits per
 byte): the check and both machines are in the new record. Beside the record, a plot of every run's
 test loss against training seconds with the target (``RECORD.png``); ``--plot-only RECORD`` redraws it.
@@ -201,7 +202,10 @@ def _base(args: argparse.Namespace, base_dir: Path) -> dict[str, Any]:
     at = _at_step(run["curve"], args.check_steps, "--check-steps", args.base)
     keep = [o for o in run["overrides"] if o.split("=", 1)[0] not in {"steps", "stop_at_loss", "stop_after_s"}]
     sweep = base_dir / f"base_check_{args.check_steps}"
-    argv = [sys.executable, "train.py", "-m", *keep, f"steps={args.check_steps}", f"hydra.sweep.dir={sweep}"]
+    # one step past the check, so that its evaluation is a periodic one as in RECORD's run, whose time
+    # includes the evaluation; a run's final evaluation comes after its last step's time and would be faster
+    steps = f"steps={args.check_steps + 1}"
+    argv = [sys.executable, "train.py", "-m", *keep, steps, f"hydra.sweep.dir={sweep}"]
     _run(argv, sweep)
     # _table stops at a failed run, naming its directory
     here = _at_step(_table([sweep], args)[0]["curve"], args.check_steps, "--base check", sweep)
