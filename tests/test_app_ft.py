@@ -167,10 +167,23 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _logs(tmp_path: Path, chars: int = 3000) -> str:
+    """What a failed ft run left: the launcher's output and, per replica, the end of its output and its last records
+    (which wait a stalled replica sat in is told by its torchft lines)."""
+    parts = [(tmp_path / "train.out").read_text()[-chars:]]
+    for out in sorted((tmp_path / "run" / "ft").glob("replica*.out")):
+        parts.append(f"--- {out.name} ---\n" + out.read_text(errors="replace")[-chars // 2 :])
+        records = out.with_suffix(".jsonl")
+        if records.exists():
+            parts.append(f"--- {records.name} (last 3) ---\n" + "\n".join(records.read_text().splitlines()[-3:]))
+    return "\n".join(parts)
+
+
 def _train_py(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     """``python train.py ft=torchft OVERRIDES`` into ``tmp_path / "run"``, its output in ``tmp_path / "train.out"``."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env |= {"PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env.setdefault("RUST_LOG", "info")  # quorums, heals, commits: what _logs shows of a failure
     command = [sys.executable, str(ROOT / "train.py"), "ft=torchft", "eval_every=0", "progress=false"]
     command += [f"run_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'hydra'}", *overrides]
     with (tmp_path / "train.out").open("wb") as out:
@@ -200,7 +213,7 @@ def test_python_train_py_recovers_a_killed_replica_live(tmp_path):
     proc = _train_py(tmp_path, "replicas=3", f"steps={steps}", *delays, "log_every=50")
     try:
         killed = _kill_when_averaged(run_dir, victim, 20, proc, limit_s=120)
-        assert proc.wait(timeout=180) == 0, (tmp_path / "train.out").read_text()[-3000:]
+        assert proc.wait(timeout=180) == 0, _logs(tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -237,7 +250,7 @@ def test_on_the_emulated_network_a_killed_replica_rejoins_over_its_link_and_noth
     proc = _train_py(tmp_path, "replicas=3", "rank_net=1gbit", f"steps={steps}", *delays, "log_every=50")
     try:
         _kill_when_averaged(run_dir, victim, 20, proc, limit_s=120)
-        assert proc.wait(timeout=180) == 0, (tmp_path / "train.out").read_text()[-3000:]
+        assert proc.wait(timeout=180) == 0, _logs(tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -357,7 +370,7 @@ def _two_groups_of_two_one_rank_killed(tmp_path: Path, *overrides: str, delay_s:
     proc = _train_py(tmp_path, *options, *overrides)
     try:
         _kill_when_averaged(run_dir, 1, 20, proc, limit_s=150, rank=1, members=2)  # rank 1 of replica group 1
-        assert proc.wait(timeout=200) == 0, (tmp_path / "train.out").read_text()[-3000:]
+        assert proc.wait(timeout=200) == 0, _logs(tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()

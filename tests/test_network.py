@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from wagma.app.network import (
     RankNetwork,
     bridge_name,
     check_rank_net,
+    mac_address,
     namespace_name,
     network_job,
     parse_rate,
@@ -315,6 +317,97 @@ def test_a_rank_whose_namespace_is_still_in_use_waits_for_it_up_to_wait_s():
         with contextlib.suppress(ProcessLookupError):
             os.kill(holder.pid, signal.SIGKILL)
         holder.join(10)
+    assert wait_gone(job) == []
+
+
+def test_hardware_addresses_are_fixed_by_job_and_rank():
+    assert mac_address("job-a", 0) == mac_address("job-a", 0) != mac_address("job-a", 1)
+    assert mac_address("job-a", 0) != mac_address("job-b", 0)
+    tag = bridge_name("job-a")[3:]
+    assert mac_address("job-a", 12) == f"02:{tag[0:2]}:{tag[2:4]}:{tag[4:6]}:{tag[6:8]}:0c"  # locally administered
+    assert mac_address("job-a").endswith(":ff")  # the bridge's: no rank's
+    with pytest.raises(ValueError, match=r"rank: expected a local rank in \[0, 252\], found 253"):
+        mac_address("job-a", 253)
+
+
+def _listen_and_wait(job: str, rank: int, ready) -> None:
+    net = RankNetwork("1gbit", job=job, rank=rank)
+    server = socket.create_server((str(net.address.ip), 0))
+    ready.put(server.getsockname()[1])
+    server.settimeout(60)
+    with contextlib.suppress(OSError):
+        while True:
+            server.accept()[0].close()
+
+
+def _link(namespace: str | None, name: str) -> dict:
+    argv = ["ip", *(["-n", namespace] if namespace else []), "-j", "addr", "show", "dev", name]
+    return json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)[0]
+
+
+def _connect_s(namespace: str, host: str, port: int) -> float:
+    """Seconds until a TCP connection from inside ``namespace`` to ``host:port`` succeeds (tries for 20 s)."""
+    code = (
+        "import socket, sys, time\n"
+        "t0 = time.monotonic()\n"
+        "while time.monotonic() - t0 < 20:\n"
+        "    try:\n"
+        "        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close(); break\n"
+        "    except OSError:\n"
+        "        time.sleep(0.1)\n"
+        "print(time.monotonic() - t0)\n"
+    )
+    argv = ["ip", "netns", "exec", namespace, sys.executable, "-c", code, host, str(port)]
+    return float(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout)
+
+
+@needs_net
+def test_a_rank_started_again_is_reached_at_once_by_its_peers_and_they_still_reach_the_gateway():
+    # A rank started again takes its last life's address; had it a new hardware address, a peer that only sends to it
+    # (and, when the dead rank's veth held the bridge's lowest port address, to the gateway: a bridge takes that one)
+    # would have its frames dropped until its neighbour entry aged out, 30-60 s: a healed replica's peers stalled so.
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Queue()
+    ranks = {r: ctx.Process(target=_listen_and_wait, args=(job, r, ready)) for r in range(3)}
+    gateway = None
+    try:
+        ports = {}
+        for r, rank in ranks.items():
+            rank.start()
+            ports[r] = ready.get(timeout=60)
+        bridge = _link(None, bridge_name(job))
+        assert bridge["address"] == mac_address(job)
+        gateway = socket.create_server((bridge["addr_info"][0]["local"], 0))
+        gateway.settimeout(60)
+        # the victim: the rank whose veth has the lowest address (a bridge with none of its own would take that one)
+        victim = min(ranks, key=lambda r: _link(None, veth_name(job, r))["address"])
+        peer = next(r for r in ranks if r != victim)
+        inner = {r: _link(namespace_name(job, r), "wagma0") for r in ranks}
+        assert all(inner[r]["address"] == mac_address(job, r) for r in ranks)
+        host = inner[victim]["addr_info"][0]["local"]
+        gateway_at = gateway.getsockname()
+        assert _connect_s(namespace_name(job, peer), host, ports[victim]) < 1  # the peer's entries: now known
+        assert _connect_s(namespace_name(job, peer), *gateway_at) < 1
+        os.kill(ranks[victim].pid, signal.SIGKILL)
+        ranks[victim].join(10)
+        deadline = time.monotonic() + 20
+        while namespace_name(job, victim) in leftovers(job) and time.monotonic() < deadline:
+            time.sleep(0.1)  # its reaper removes it; the next life makes it again
+        ranks[victim] = ctx.Process(target=_listen_and_wait, args=(job, victim, ready))
+        ranks[victim].start()
+        port = ready.get(timeout=60)
+        assert _link(None, bridge_name(job))["address"] == mac_address(job)  # the gateway kept its address
+        assert _link(namespace_name(job, victim), "wagma0")["address"] == mac_address(job, victim)
+        assert _connect_s(namespace_name(job, peer), *gateway_at) < 3
+        assert _connect_s(namespace_name(job, peer), host, port) < 3  # with a new address: 30 s or more
+    finally:
+        if gateway is not None:
+            gateway.close()
+        for rank in ranks.values():
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(rank.pid, signal.SIGKILL)
+            rank.join(10)
     assert wait_gone(job) == []
 
 

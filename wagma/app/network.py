@@ -10,9 +10,11 @@ device on a network.
 Layout, from the job (:func:`wagma.app.quota.job_name`, hashed to 8 hex digits TAG):
 
 - bridge ``wgbTAG`` in the root namespace, address ``198.18.N.1/24``: 198.18.0.0/15 is reserved for benchmarks
-  (RFC 2544), never routed; N is drawn from TAG, the next /24 the host does not route yet when it is taken;
-- per local rank R: namespace ``wagma-TAG-rR`` with ``lo`` up and ``wagma0`` at ``198.18.N.(R+2)/24``, the inner end
-  of the veth whose root end ``wgvTAGrR`` is a port of the bridge; ``tbf`` on ``wagma0`` shapes what the rank sends,
+  (RFC 2544), never routed; N is drawn from TAG, the next /24 the host does not route yet when it is taken; its
+  hardware address is fixed (:func:`mac_address`), so that it does not change when a rank's veth goes;
+- per local rank R: namespace ``wagma-TAG-rR`` with ``lo`` up and ``wagma0`` at ``198.18.N.(R+2)/24`` (its hardware
+  address fixed by TAG and R: a rank started again is the same host to its peers), the inner end of the veth whose
+  root end ``wgvTAGrR`` is a port of the bridge; ``tbf`` on ``wagma0`` shapes what the rank sends,
   ``tbf`` on ``wgvTAGrR`` what it receives (:func:`tbf_burst` says how the bucket is sized).
 
 Who: each rank makes its own (:class:`RankNetwork`), first thing in :func:`wagma.app.train.train`, before any socket
@@ -75,6 +77,7 @@ __all__ = [
     "bridge_name",
     "check_rank_net",
     "current",
+    "mac_address",
     "namespace_name",
     "network_job",
     "parse_rate",
@@ -203,6 +206,25 @@ def veth_name(job: str, rank: int) -> str:
 def bridge_name(job: str) -> str:
     """The job's bridge in the root namespace (``wgbTAG``)."""
     return f"wgb{_tag(job)}"
+
+
+def mac_address(job: str, rank: int | None = None) -> str:
+    """The fixed hardware address of ``rank``'s interface inside its namespace, or (``rank`` None) of the job's bridge:
+    ``02:TT:TT:TT:TT:RR`` (locally administered; TAG's 4 bytes, then the rank, or ``ff`` for the bridge).
+
+    Fixed, so that a rank started again behind the same address has the same hardware address as its last life and a
+    peer's neighbour (ARP) entry for it stays right, and so that the bridge (the gateway) keeps its address when a port
+    goes: a Linux bridge otherwise takes its lowest port's, which changes when that rank's veth is removed. A peer
+    that only sends to a changed address has its frames dropped until its entry ages out (30-60 s): survivors of a
+    killed rank stalled that long in the quorum of its restart.
+    """
+    if rank is not None and not 0 <= rank <= 252:
+        raise ValueError(f"rank: expected a local rank in [0, 252], found {rank}")
+    return _mac(_tag(job), rank)
+
+
+def _mac(tag: str, rank: int | None) -> str:
+    return ":".join(["02", tag[0:2], tag[2:4], tag[4:6], tag[6:8], "ff" if rank is None else f"{rank:02x}"])
 
 
 def _run(argv: list[str], stdin: str | None = None) -> str:
@@ -399,7 +421,9 @@ def _bridge_locked(tag: str) -> ipaddress.IPv4Interface:
         raise NetworkError(f"no free /24 in {SUBNETS} for a rank network: the host routes all of it")
     address = ipaddress.IPv4Interface(f"{net[1]}/24")
     try:
-        _batch("ip", [f"link add {bridge} type bridge", f"addr add {address} dev {bridge}", f"link set {bridge} up"])
+        # its hardware address set, not taken from a port: it must not change when a rank's veth goes (mac_address)
+        commands = [f"link add {bridge} address {_mac(tag, None)} type bridge", f"addr add {address} dev {bridge}"]
+        _batch("ip", [*commands, f"link set {bridge} up"])
     except NetworkError:
         _batch("ip", [f"link del {bridge}"], force=True)
         raise
@@ -439,6 +463,7 @@ class RankNetwork:
         tag = _tag(job)
         self.namespace: str = namespace_name(job, rank)
         self.veth, self.bridge = veth_name(job, rank), bridge_name(job)
+        self.mac: str = mac_address(job, rank)
         self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._env: dict[str, str | None] = {}
         self.joined = False
@@ -504,7 +529,8 @@ class RankNetwork:
             "ip",
             [
                 f"netns add {self.namespace}",
-                f"link add {self.veth} type veth peer name {INNER_IFNAME} netns {self.namespace}",
+                # the inner end's hardware address fixed: the same in every life of the rank (mac_address)
+                f"link add {self.veth} type veth peer name {INNER_IFNAME} address {self.mac} netns {self.namespace}",
                 f"link set {self.veth} master {self.bridge}",
                 f"link set {self.veth} up",
             ],
