@@ -400,7 +400,7 @@ def test_a_rank_started_again_is_reached_at_once_by_its_peers_and_they_still_rea
         assert _link(None, bridge_name(job))["address"] == mac_address(job)  # the gateway kept its address
         assert _link(namespace_name(job, victim), "wagma0")["address"] == mac_address(job, victim)
         assert _connect_s(namespace_name(job, peer), *gateway_at) < 3
-        assert _connect_s(namespace_name(job, peer), host, port) < 3  # with a new address: 30 s or more
+        assert _connect_s(namespace_name(job, peer), host, port) < 3  # with a new address: about 30 s
     finally:
         if gateway is not None:
             gateway.close()

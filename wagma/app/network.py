@@ -215,8 +215,8 @@ def mac_address(job: str, rank: int | None = None) -> str:
     Fixed, so that a rank started again behind the same address has the same hardware address as its last life and a
     peer's neighbour (ARP) entry for it stays right, and so that the bridge (the gateway) keeps its address when a port
     goes: a Linux bridge otherwise takes its lowest port's, which changes when that rank's veth is removed. A peer
-    that only sends to a changed address has its frames dropped until its entry ages out (30-60 s): survivors of a
-    killed rank stalled that long in the quorum of its restart.
+    that only sends to a changed address has its frames dropped until its entry ages out (30 s and more, measured),
+    long enough to stall the survivors of a killed torchft replica in the quorum of its restart.
     """
     if rank is not None and not 0 <= rank <= 252:
         raise ValueError(f"rank: expected a local rank in [0, 252], found {rank}")
