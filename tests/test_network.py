@@ -365,7 +365,8 @@ def _connect_s(namespace: str, host: str, port: int) -> float:
 def test_a_rank_started_again_is_reached_at_once_by_its_peers_and_they_still_reach_the_gateway():
     # A rank started again takes its last life's address; had it a new hardware address, a peer that only sends to it
     # (and, when the dead rank's veth held the bridge's lowest port address, to the gateway: a bridge takes that one)
-    # would have its frames dropped until its neighbour entry aged out, 30-60 s: a healed replica's peers stalled so.
+    # would have its frames dropped until its neighbour entry aged out (30 s and more): long enough to stall the peers
+    # of a healed torchft replica in its quorum.
     job = f"test-{uuid.uuid4().hex[:8]}"
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Queue()
